@@ -1,0 +1,1 @@
+"""Kernels: fused log-prob head (torch chunked reference path and Triton)."""
