@@ -1,0 +1,48 @@
+"""GRPOAccelConfig: TRL's GRPOConfig plus only the fields grpo_accel adds, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+LOGPROB_IMPLS = ("trl", "chunked", "triton", "auto")
+
+
+@dataclass
+class GRPOAccelConfig(GRPOConfig):
+    logprob_impl: str = field(
+        default="auto",
+        metadata={"help": "Log-prob head: 'trl' (TRL's own chunked head), 'chunked' (ours, torch), 'triton' "
+                          "(ours, Triton kernels; CUDA), 'auto' (triton on CUDA when importable, else chunked)."},
+    )
+    logprob_mini_batch: int | None = field(
+        default=None,
+        metadata={"help": "Rows (sequences) per model forward when computing log-probs; None = all at once. "
+                          "Smaller bounds the hidden-state memory of the policy forward."},
+    )
+    logprob_chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per chunk in the fused log-prob head; None = chosen from free memory."},
+    )
+    logprob_vocab_tile: int | None = field(
+        default=None,
+        metadata={"help": "Vocabulary tile of the fused log-prob head; None = chosen from free memory."},
+    )
+    offload_activations: str = field(
+        default="auto",
+        metadata={"help": "Offload checkpointed layer inputs to pinned host memory: 'true', 'false' or 'auto' "
+                          "(on with a CUDA device and gradient checkpointing)."},
+    )
+    def __post_init__(self):
+        if self.logprob_impl not in LOGPROB_IMPLS:
+            raise ValueError(f"logprob_impl={self.logprob_impl!r} is not one of {LOGPROB_IMPLS}. Fix: pick one of them.")
+        for name in ("logprob_mini_batch", "logprob_chunk_size", "logprob_vocab_tile"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be a positive integer or None (automatic).")
+        normalized = str(self.offload_activations).lower()
+        if normalized not in ("true", "false", "auto"):
+            raise ValueError(f"offload_activations={self.offload_activations!r}: use true, false or auto.")
+        self.offload_activations = normalized
+        super().__post_init__()

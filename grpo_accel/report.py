@@ -1,0 +1,87 @@
+"""Run artifacts: per-step metrics CSV/JSON and the reward-curve PNG, from a Trainer's log history.
+
+    grpo-accel report runs/demo      # re-renders the PNGs of a finished (or crashed) run
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tempfile
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write via a temporary file + rename, so a crash never leaves a half-written artifact."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def step_rows(log_history: list[dict]) -> list[dict]:
+    """One row per logged training step (the final summary entry, with train_runtime, is left out)."""
+    return [row for row in log_history if "step" in row and "train_runtime" not in row and "loss" in row]
+
+
+def write_metrics_csv(rows: list[dict], path: str) -> None:
+    keys = ["step"] + sorted({k for row in rows for k in row} - {"step"})
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False, newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(f.name, path)
+
+
+def read_metrics_csv(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f)]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_reward_curve(rows: list[dict], path: str, title: str = "GRPO reward", accuracy: dict | None = None) -> None:
+    """Reward per step with a moving average (single-step reward is noisy: 2 prompts per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows if "reward" in r]
+    rewards = [r["reward"] for r in rows if "reward" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, ".", alpha=0.35, label="reward per step")
+    if rewards:
+        window = max(3, len(rewards) // 10)
+        ax.plot(steps, moving_average(rewards, window), "-", lw=2, label=f"moving average ({window} steps)")
+    if accuracy:
+        ax.set_title(f"{title}\nheld-out accuracy {accuracy.get('before', float('nan')):.0%} → "
+                     f"{accuracy.get('after', float('nan')):.0%}")
+    else:
+        ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+
+
+def write_json(obj, path: str) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")

@@ -1,0 +1,153 @@
+"""The body of launch/train.py: validate, load, evaluate, train, evaluate, write the run's artifacts.
+
+Everything that can be checked before loading weights is checked first, so bad input fails in a
+second with a message that names the fix, and no run directory is created for a run that never started.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import asdict
+
+from .data import DatasetError, train_eval_datasets
+from .models import ModelNotFoundError, load_model, load_tokenizer
+from .report import plot_reward_curve, step_rows, write_json, write_metrics_csv
+from .rewards import RewardFunctionError, resolve_rewards
+
+USER_ERRORS = (ModelNotFoundError, DatasetError, RewardFunctionError, FileNotFoundError, PermissionError)
+
+
+def log(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[grpo_accel] {msg}", flush=True)
+
+
+def configure_tracking(config) -> None:
+    """wandb runs offline when no API key is configured; its files go under the run directory."""
+    if "wandb" not in (config.report_to or []):
+        return
+    has_key = os.environ.get("WANDB_API_KEY") or _netrc_has_wandb()
+    if not has_key and not os.environ.get("WANDB_MODE"):
+        os.environ["WANDB_MODE"] = "offline"
+        log("wandb: no API key configured, logging offline (sync later with `wandb sync`)")
+    os.environ.setdefault("WANDB_DIR", config.output_dir)
+    os.environ.setdefault("WANDB_PROJECT", "grpo_accel")
+
+
+def _netrc_has_wandb() -> bool:
+    try:
+        import netrc
+
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def check_output_dir(path: str) -> None:
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"output directory {path!r} is not writable (checked {parent}). Fix: pass a "
+                              f"writable --output_dir.")
+
+
+def lora_config(script_args):
+    if script_args.lora_r <= 0:
+        return None
+    from peft import LoraConfig
+
+    targets = script_args.lora_target_modules
+    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    return LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha, lora_dropout=0.0,
+                      target_modules=targets, task_type="CAUSAL_LM")
+
+
+def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
+    from .evaluate import evaluate
+
+    t0 = time.time()
+    acc, records = evaluate(trainer_or_model, tokenizer, dataset, max_new_tokens=script_args.eval_max_new_tokens,
+                            batch_size=script_args.eval_batch_size, desc=f"held-out eval ({tag})",
+                            disable_progress=int(os.environ.get("RANK", "0")) != 0)
+    log(f"held-out accuracy {tag}: strict {acc['accuracy_strict']:.1%}, lenient {acc['accuracy_lenient']:.1%} "
+        f"({len(records)} problems, {time.time() - t0:.0f} s)")
+    return acc, records
+
+
+def run(script_args, config) -> int:
+    from .trainer import GRPOAccelTrainer
+
+    if config.generation_batch_size is not None and config.generation_batch_size % config.num_generations:
+        raise ValueError(f"generation_batch_size={config.generation_batch_size} is not divisible by "
+                         f"num_generations={config.num_generations}. Fix: make it a multiple.")
+    check_output_dir(config.output_dir)
+    reward_funcs = resolve_rewards(script_args.rewards)
+    tokenizer = load_tokenizer(script_args.model)
+    if not tokenizer.chat_template:
+        raise ModelNotFoundError(f"the tokenizer of {script_args.model!r} has no chat template. Fix: use an "
+                                 f"instruct/chat model, or set tokenizer.chat_template in a local copy.")
+    train_ds, eval_ds = train_eval_datasets(script_args.dataset, script_args.train_size, script_args.eval_size,
+                                            level=script_args.dataset_level, seed=config.seed)
+    log(f"model {script_args.model} ({script_args.model_dtype}), dataset {script_args.dataset}: "
+        f"{len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} held-out prompts")
+    configure_tracking(config)
+
+    model, _ = load_model(script_args.model, dtype=script_args.model_dtype)
+    trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config,
+                               train_dataset=train_ds, processing_class=tokenizer,
+                               peft_config=lora_config(script_args))
+    is_main = trainer.accelerator.is_main_process
+    os.makedirs(config.output_dir, exist_ok=True)
+    summary = {"model": script_args.model, "dataset": script_args.dataset, "run_name": config.run_name}
+    if is_main:
+        write_json({"script": asdict(script_args), "config": config.to_dict()},
+                   os.path.join(config.output_dir, "resolved_config.json"))
+
+    resume = config.resume_from_checkpoint
+    resume = True if resume == "latest" else resume
+    if eval_ds is not None and not resume:
+        summary["before"], records = _evaluate(trainer.model, tokenizer, eval_ds, script_args, "before")
+        if is_main:
+            write_json(records, os.path.join(config.output_dir, "heldout_before.json"))
+
+    t0 = time.time()
+    trainer.train(resume_from_checkpoint=resume)
+    train_s = time.time() - t0
+    rows = step_rows(trainer.state.log_history)
+    step_times = [r["step_time"] for r in rows if "step_time" in r]
+    summary.update(steps=trainer.state.global_step, train_seconds=round(train_s, 1),
+                   seconds_per_step=round(sum(step_times) / len(step_times), 2) if step_times else None)
+
+    if eval_ds is not None:
+        summary["after"], records = _evaluate(trainer.model, tokenizer, eval_ds, script_args, "after")
+        if is_main:
+            write_json(records, os.path.join(config.output_dir, "heldout_after.json"))
+    trainer.save_model(os.path.join(config.output_dir, "final"))
+    if is_main:
+        _write_artifacts(config.output_dir, rows, summary)
+    return 0
+
+
+def _write_artifacts(output_dir: str, rows: list[dict], summary: dict) -> None:
+    write_metrics_csv(rows, os.path.join(output_dir, "metrics.csv"))
+    acc = None
+    if "before" in summary and "after" in summary:
+        acc = {"before": summary["before"]["accuracy_lenient"], "after": summary["after"]["accuracy_lenient"]}
+    plot_reward_curve(rows, os.path.join(output_dir, "reward_curve.png"), title=summary["run_name"], accuracy=acc)
+    write_json(summary, os.path.join(output_dir, "summary.json"))
+    log(f"done: {summary.get('steps')} steps, {summary.get('seconds_per_step')} s/step; artifacts in {output_dir}")
+
+
+def main_guarded(fn, *args) -> int:
+    """Run `fn`, turning the errors a user can fix into one clear line and exit code 2."""
+    try:
+        return fn(*args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except ValueError as exc:  # config validation (ours and TRL's) says what is wrong
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,54 @@
+import json
+
+import pytest
+
+from grpo_accel.data import (
+    DatasetError, LEVELS, _problems, arithmetic_rows, load_dataset_by_name, train_eval_datasets,
+)
+
+GSM8K = "../shared/data/gsm8k"
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_splits_are_disjoint_and_answers_verify(level):
+    train, test = set(_problems(level, "train")), set(_problems(level, "test"))
+    assert train and test and not (train & test)
+    for row in arithmetic_rows("test", 50, level=level):
+        assert row["prompt"][0]["role"] == "system" and row["prompt"][1]["content"] == row["question"]
+        assert int(row["answer"]) == int(row["answer"])
+
+
+def test_level1_held_out_pairs_never_in_training_rows():
+    train_q = {r["question"] for r in arithmetic_rows("train", 2000, level=1)}
+    test_q = {r["question"] for r in arithmetic_rows("test", 200, level=1)}
+    assert len(test_q) == 200 and not (train_q & test_q)
+    q = arithmetic_rows("test", 1, level=1)[0]["question"]
+    a, op, b = q.removeprefix("What is ").removesuffix("?").split()
+    assert str(eval(f"{a}{op}{b}")) == arithmetic_rows("test", 1, level=1)[0]["answer"]
+
+
+def test_deterministic_and_seeded():
+    assert arithmetic_rows("train", 30, seed=1) == arithmetic_rows("train", 30, seed=1)
+    assert arithmetic_rows("train", 30, seed=1) != arithmetic_rows("train", 30, seed=2)
+
+
+def test_gsm8k_jsonl():
+    train, test = train_eval_datasets(GSM8K, 20, 10)
+    assert len(train) == 20 and len(test) == 10
+    assert test[0]["answer"].lstrip("-").isdigit()
+    assert "####" not in test[0]["answer"]
+
+
+def test_missing_file_names_the_fix(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist.*Fix"):
+        load_dataset_by_name(str(tmp_path / "nope.jsonl"))
+
+
+def test_missing_fields_and_bad_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"q": "x", "answer": "1"}) + "\n")
+    with pytest.raises(DatasetError, match="no 'question' field"):
+        load_dataset_by_name(str(path))
+    path.write_text(json.dumps({"question": "x", "answer": "1"}) + "\n{not json\n")
+    with pytest.raises(DatasetError, match=r"d.jsonl:2: not valid JSON"):
+        load_dataset_by_name(str(path))

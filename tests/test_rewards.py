@@ -1,0 +1,88 @@
+from fractions import Fraction
+
+import math
+
+import pytest
+
+from grpo_accel.rewards import (
+    RewardFunctionError, accuracy, correctness_reward, extract_answer, format_reward, guarded, has_strict_format,
+    parse_number, resolve_rewards,
+)
+
+
+@pytest.mark.parametrize("text,strict,lenient", [
+    ("7 + 5 = 12.\nAnswer: 12", 12, 12),
+    ("The total is $1,234.50 dollars.", None, Fraction("1234.5")),
+    ("So she has 18 apples left.", None, 18),
+    ("We get \\boxed{42} as the result, not 41", 42, 42),
+    ("\\boxed{ 1,000 }", 1000, 1000),
+    ("Natalia sold 72 clips.\n#### 72", 72, 72),
+    ("The answer is -7.", -7, -7),
+    ("Final answer: **15**", 15, 15),
+    ("3 - 10 = -7, so the answer is -7", -7, -7),
+    ("Answer: 12 apples", 12, 12),
+    ("answer = 3/4", Fraction(3, 4), Fraction(3, 4)),
+    ("I computed 12 then 15, Answer: 12. Check: 12 + 3 = 15", 12, 12),  # explicit answer beats last number
+    ("no numbers here", None, None),
+    ("", None, None),
+])
+def test_extract_answer(text, strict, lenient):
+    assert extract_answer(text, "strict") == strict
+    assert extract_answer(text, "lenient") == lenient
+
+
+def test_parse_number_edge_cases():
+    assert parse_number("12.") == 12
+    assert parse_number("12.0") == 12
+    assert parse_number("$ 5") == 5
+    assert parse_number("1/0") is None
+    assert parse_number("abc") is None
+
+
+def test_strict_format_only_on_final_line():
+    assert has_strict_format("7 + 5 = 12\nAnswer: 12")
+    assert has_strict_format("so...\nThe answer is 12.")
+    assert not has_strict_format("so... The answer is 12.")  # not a line of its own
+    assert not has_strict_format("Answer: 12\nand then I kept talking")
+    assert not has_strict_format("12")
+
+
+def test_rewards_on_conversational_completions():
+    comps = [[{"role": "assistant", "content": "5+7=12\nAnswer: 12"}],
+             [{"role": "assistant", "content": "it is 13"}],
+             [{"role": "assistant", "content": "Answer: 11"}]]
+    assert correctness_reward(None, comps, answer=["12", "12", "12"]) == [1.0, 0.0, 0.0]
+    assert format_reward(None, comps) == [0.2, 0.0, 0.2]
+
+
+def test_accuracy_strict_vs_lenient():
+    acc = accuracy(["Answer: 3", "it is 3", "Answer: 4", "nothing"], ["3", "3", "3", "3"])
+    assert acc == {"accuracy_strict": 0.25, "accuracy_lenient": 0.5}
+
+
+def test_guarded_names_the_failing_function():
+    def flaky_reward(prompts, completions, **kw):
+        raise KeyError("solution")
+
+    with pytest.raises(RewardFunctionError, match="flaky_reward.*KeyError"):
+        guarded(flaky_reward)(prompts=["p"], completions=["c"])
+
+    def short_reward(prompts, completions, **kw):
+        return [1.0]
+
+    with pytest.raises(RewardFunctionError, match="short_reward.*returned 1 rewards for 2"):
+        guarded(short_reward)(prompts=["p", "q"], completions=["c", "d"])
+
+    def nan_reward(prompts, completions, **kw):
+        return [math.nan, 1.0]
+
+    with pytest.raises(RewardFunctionError, match="nan_reward.*non-finite"):
+        guarded(nan_reward)(prompts=["p", "q"], completions=["c", "d"])
+    assert guarded(format_reward).__name__ == "format_reward"
+
+
+def test_resolve_rewards():
+    assert resolve_rewards("correctness,format") == [correctness_reward, format_reward]
+    assert resolve_rewards("grpo_accel.rewards:format_reward") == [format_reward]
+    with pytest.raises(RewardFunctionError, match="neither built in"):
+        resolve_rewards("nope")
