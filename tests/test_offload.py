@@ -1,0 +1,313 @@
+"""Activation offload: gradients bit-identical to plain (checkpointed) training, and saved bytes move
+off the device. CPU tier forces the real stash/copy/restore path with
+OffloadConfig(device_copies=True, use_streams=False, pin_memory=False).
+
+    OMP_NUM_THREADS=1 pytest tests/test_offload.py -q
+"""
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+from grpo_accel.offload import (
+    OffloadConfig,
+    OffloadedCheckpoint,
+    SavedActivationTracker,
+    install_activation_offload,
+    offload_saved_tensors,
+    remove_activation_offload,
+    resolve_offload,
+)
+
+FORCED = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0)
+B, T, H, V = 2, 16, 32, 128
+LAYER_BYTES = B * T * H * 4  # one decoder layer's input, fp32
+
+
+def tiny_llama(layers=4, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, attention_dropout=dropout)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+
+def run_step(model, mode, ids):
+    """mode: 'plain' (no checkpointing), 'torch' (transformers' checkpointing), 'offload' (ours, forced)."""
+    if mode == "torch":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif mode == "offload":
+        install_activation_offload(model, FORCED)
+    torch.manual_seed(1234)  # same dropout masks for every mode
+    with SavedActivationTracker() as tracker:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, tracker
+
+
+def assert_same_grads(ref, other):
+    assert ref.keys() == other.keys()
+    for name in ref:
+        assert torch.equal(ref[name], other[name]), name
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_full_finetune_grads_bit_identical(dropout):
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    loss_ref, ref, _ = run_step(tiny_llama(dropout=dropout), "plain", ids)
+    for mode in ("torch", "offload"):
+        loss, grads, tracker = run_step(tiny_llama(dropout=dropout), mode, ids)
+        assert torch.equal(loss, loss_ref)
+        assert_same_grads(ref, grads)
+        if mode == "offload":  # the copies really happened, and all were freed
+            assert tracker.peak["host"] == 3 * LAYER_BYTES and tracker.bytes == {"device": 0, "host": 0}
+    assert len(ref) == len(list(tiny_llama().parameters()))
+    if dropout:  # dropout is live, so the match above needed the RNG replay
+        loss_nodrop, _, _ = run_step(tiny_llama(dropout=0.0), "plain", ids)
+        assert not torch.equal(loss_nodrop, loss_ref)
+
+
+def test_dropout_without_rng_replay_differs():
+    """Control for the test above: recomputing with fresh dropout masks changes the gradients."""
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    _, ref, _ = run_step(tiny_llama(dropout=0.2), "plain", ids)
+    model = tiny_llama(dropout=0.2)
+    no_replay = functools.partial(OffloadedCheckpoint(FORCED), preserve_rng_state=False)
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=no_replay)
+    _, grads, _ = run_step(model, "plain", ids)
+    assert any(not torch.equal(ref[n], grads[n]) for n in ref)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_lora_grads_bit_identical_and_install_is_sticky():
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    _, ref, _ = run_step(lora(tiny_llama(dropout=0.1)), "plain", ids)
+    assert ref and all("lora_" in n for n in ref)  # frozen base: only adapter grads
+    assert all(g.abs().sum() > 0 for n, g in ref.items() if "lora_B" in n)
+    _, grads_torch, _ = run_step(lora(tiny_llama(dropout=0.1)), "torch", ids)
+    assert_same_grads(ref, grads_torch)
+
+    model = lora(tiny_llama(dropout=0.1))
+    ckpt = install_activation_offload(model, FORCED)
+    layers = model.get_base_model().model.layers
+    model.gradient_checkpointing_enable()  # what Trainer / TRL's generation unwrap call later
+    assert all(layer.gradient_checkpointing and layer._gradient_checkpointing_func is ckpt for layer in layers)
+    _, grads, tracker = run_step(model, "plain", ids)
+    assert_same_grads(ref, grads)
+    assert tracker.peak["host"] > 0
+    assert remove_activation_offload(model) and not remove_activation_offload(model)
+    assert not any(layer.gradient_checkpointing for layer in layers)
+    assert all("_gradient_checkpointing_func" not in layer.__dict__ for layer in layers)
+
+
+def test_device_resident_bytes_one_layer_with_offload_all_layers_without():
+    L = 6
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+    peaks = {}
+    for name, cfg in (("on", FORCED), ("off", OffloadConfig(device_copies=False, min_bytes=0))):
+        model = tiny_llama(layers=L)
+        install_activation_offload(model, cfg)
+        with SavedActivationTracker() as tracker:
+            loss = model(input_ids=ids, labels=ids).loss
+            fwd = dict(tracker.peak)
+            tracker.reset_peak()
+            loss.backward()
+            peaks[name] = (fwd, dict(tracker.peak))
+        assert tracker.bytes == {"device": 0, "host": 0}
+    (on_fwd, on_bwd), (off_fwd, off_bwd) = peaks["on"], peaks["off"]
+    assert on_fwd == {"device": LAYER_BYTES, "host": (L - 1) * LAYER_BYTES}  # the last layer's input stays
+    assert on_bwd["device"] == 2 * LAYER_BYTES  # double buffer: this layer + the prefetched previous one
+    assert off_fwd == {"device": L * LAYER_BYTES, "host": 0}
+    assert off_bwd["device"] == L * LAYER_BYTES
+
+
+def test_observed_saved_bytes_match_torch_reentrant_checkpoint():
+    """Independent of the stash's own reports: autograd's saved tensors under torch's reentrant
+    checkpoint exceed ours (stash on, forced copies) by exactly the L-1 offloaded layer inputs."""
+    L = 5
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
+    peaks = {}
+    for name in ("torch", "ours", "none"):
+        model = tiny_llama(layers=L)
+        if name == "torch":
+            model._set_gradient_checkpointing(True, functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                      use_reentrant=True))
+        elif name == "ours":
+            install_activation_offload(model, FORCED)
+        with SavedActivationTracker(observe_autograd=True, ignore=model.parameters()) as tracker:
+            loss = model(input_ids=ids, labels=ids).loss
+            peaks[name] = tracker.peak_device_bytes
+            loss.backward()
+        assert tracker.device_bytes == 0
+    assert peaks["torch"] - peaks["ours"] == (L - 1) * LAYER_BYTES
+    assert peaks["none"] > peaks["torch"] + 4 * L * LAYER_BYTES  # without checkpointing: all internals
+
+
+def test_hidden_state_offload_grads_identical_and_params_stay():
+    torch.manual_seed(0)
+    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(H)
+    head = torch.nn.Linear(H, V, bias=False)
+    targets = torch.randint(0, V, (B, T))
+
+    def head_loss(h):
+        logp = head(norm(h)).float().log_softmax(-1)
+        return -logp.gather(-1, targets[..., None]).mean()
+
+    h0 = torch.randn(B, T, H)
+    results = {}
+    for min_bytes in (None, 0, 1 << 30):
+        h = h0.clone().requires_grad_()
+        norm.zero_grad(), head.zero_grad()
+        with SavedActivationTracker() as tracker:
+            ctx = offload_saved_tensors(min_bytes, FORCED, keep=head.parameters()) if min_bytes is not None else None
+            with ctx or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = head_loss(h)
+            host_peak = tracker.peak["host"]
+            loss.backward()
+        assert tracker.bytes == {"device": 0, "host": 0}
+        results[min_bytes] = (host_peak, h.grad, head.weight.grad.clone(), norm.weight.grad.clone())
+    assert results[None][0] == 0 and results[1 << 30][0] == 0
+    assert results[0][0] >= 2 * B * T * H * 4 + B * T * V * 4  # hidden states and logits went to host
+    for min_bytes in (0, 1 << 30):
+        for a, b in zip(results[None][1:], results[min_bytes][1:]):
+            assert torch.equal(a, b)
+
+    w = torch.nn.Parameter(torch.randn(64, H))  # a weight saved by a matmul is not copied
+    x = torch.randn(3, H, requires_grad=True)
+    with SavedActivationTracker() as tracker, offload_saved_tensors(0, FORCED):
+        torch.nn.functional.linear(x, w).sum().backward()
+        assert tracker.peak["host"] == x.numel() * 4
+
+
+def test_kwargs_nested_tensors_and_tuple_outputs():
+    def fn(x, scale, *, pair, mode, bias=None):
+        y = torch.tanh(x * scale) @ pair[0] + pair[1].sin()
+        if mode == "with_bias":
+            y = y + bias
+        return y, None, {"idx": y.argmax(-1), "sq": (x**2).sum()}, mode
+
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g),
+            torch.randn(8, generator=g)]
+
+    def run(checkpoint):
+        x, w, c, bias = (t.clone().requires_grad_() for t in base)
+        args, kwargs = (x, 2.0), dict(pair=(w, c), mode="with_bias", bias=bias)
+        y, none, extra, mode = checkpoint(fn, *args, **kwargs) if checkpoint else fn(*args, **kwargs)
+        assert none is None and mode == "with_bias" and extra["idx"].dtype == torch.int64
+        assert not extra["idx"].requires_grad
+        (y.square().sum() + extra["sq"]).backward()
+        return [t.grad for t in (x, w, c, bias)], y.detach()
+
+    ref, y_ref = run(None)
+    for cfg in (FORCED, OffloadConfig()):
+        grads, y = run(OffloadedCheckpoint(cfg))
+        assert torch.equal(y, y_ref)
+        for a, b in zip(ref, grads):
+            assert torch.equal(a, b)
+
+
+def test_frozen_params_without_input_grad_still_train_lora_style():
+    """No input requires grad (frozen embedding) but the layer has trainable params: grads must flow
+    without enable_input_require_grads (torch's reentrant checkpoint would silently drop them)."""
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    OffloadedCheckpoint(FORCED)(layer, x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+    frozen = torch.nn.Linear(8, 8).requires_grad_(False)  # nothing to train: runs plainly, no graph
+    assert not OffloadedCheckpoint(FORCED)(frozen, x).requires_grad
+    with torch.no_grad():
+        assert not OffloadedCheckpoint(FORCED)(layer, x).requires_grad
+
+
+def test_misuse_raises_with_the_fix():
+    layer = torch.nn.Linear(8, 8)
+    ckpt = OffloadedCheckpoint(FORCED)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = ckpt(layer, x).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.backward()
+    with pytest.raises(RuntimeError, match="loss.backward"):
+        torch.autograd.grad(ckpt(layer, x).sum(), x)
+
+    # an input modified in place after the forward: caught when it is copied off (next layer's save) ...
+    ckpt, y = OffloadedCheckpoint(FORCED), torch.randn(4, 8, requires_grad=True)
+    h = y * 1.0
+    keep = ckpt(layer, h)  # noqa: F841  (the graph, and with it the stash entry, must stay alive)
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        ckpt(layer, torch.randn(4, 8))
+    # ... or when the backward reads it (the newest input is kept on device, never copied)
+    ckpt, h = OffloadedCheckpoint(FORCED), y * 1.0
+    out = ckpt(layer, h)
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "setting,device,gc,expected",
+    [("auto", "cuda", True, True), ("auto", "cuda", False, False), ("auto", "cpu", True, False),
+     (True, "cpu", True, True), (False, "cuda", True, False), ("TRUE", "cpu", False, True),
+     ("false", "cuda", True, False)],
+)
+def test_resolve_offload(setting, device, gc, expected):
+    assert resolve_offload(setting, device, gc) is expected
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_resolve_offload_rejects(bad):
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        resolve_offload(bad, "cpu")
+
+
+def test_install_rejects_non_hf_module():
+    with pytest.raises(ValueError, match="does not support gradient checkpointing"):
+        install_activation_offload(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+def test_cuda_stash_lives_in_pinned_host_memory_and_grads_match():
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def step(model, ckpt_func):
+        model._set_gradient_checkpointing(True, ckpt_func)
+        loss = model(input_ids=ids, labels=ids).loss
+        return loss
+
+    ref_model = tiny_llama(layers=4).cuda()
+    ref_model.config._attn_implementation = "eager"
+    step(ref_model, functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)).backward()
+    model = tiny_llama(layers=4).cuda()
+    model.config._attn_implementation = "eager"
+    ckpt = install_activation_offload(model, OffloadConfig(min_bytes=0))  # defaults: pinned, side stream
+    loss = model(input_ids=ids, labels=ids).loss
+    entries = [r() for r in ckpt.stash._entries]
+    assert len(entries) == 4
+    for e in entries[:-1]:  # offloaded: host copy pinned, device copy dropped
+        assert e.dev == [None] and e.host[0].is_pinned() and e.host[0].device.type == "cpu"
+    assert entries[-1].host == [None] and entries[-1].dev[0].is_cuda  # last layer stays on device
+    loss.backward()
+    torch.cuda.synchronize()
+    for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    h = torch.randn(B, T, H, device="cuda", requires_grad=True)
+    with SavedActivationTracker() as tracker, offload_saved_tensors(min_bytes=0):
+        y = (h.exp() * 2).sum()
+        assert tracker.peak["host"] >= h.numel() * 4
+    y.backward()
+    torch.testing.assert_close(h.grad, 2 * h.detach().exp())
