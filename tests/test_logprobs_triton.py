@@ -1,0 +1,85 @@
+"""Triton folds vs the fp64 reference. On CPU they run under TRITON_INTERPRET=1 (slow: small shapes only).
+
+OMP_NUM_THREADS=1 pytest tests/test_logprobs_triton.py -q
+"""
+
+import importlib
+import os
+
+import torch
+
+# torch does not import triton; the interpreter flag is read when a kernel is decorated (module import),
+# so it must be set before grpo_accel.ops.logprobs_triton is first imported.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import grpo_accel.ops.logprobs_triton as lt  # noqa: E402
+from test_logprobs import H, grads_out, make_inputs, reference64, rel_err, run  # noqa: E402
+
+from grpo_accel.ops.logprobs import chunked_logprobs, token_logprobs  # noqa: E402
+
+if not torch.cuda.is_available() and type(lt._grad_kernel).__name__ != "InterpretedFunction":
+    lt = importlib.reload(lt)  # imported earlier without the interpreter (another test module): redecorate
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+@pytest.mark.parametrize("temperature,softcap,chunk_size,vocab_tile", [
+    (1.0, None, None, None),  # one block: the whole problem
+    (0.7, 5.0, 16, 48),  # 3 chunks x 3 tiles, last tile 5 wide (masked lanes in every kernel)
+])
+def test_triton_fp32_matches_fp64_reference(temperature, softcap, chunk_size, vocab_tile):
+    hidden, weight, targets = on_device(*make_inputs())
+    g_lp, g_ent = on_device(*grads_out())
+    logp, ent, dh, dw = run(lt.triton_logprobs, hidden, weight, targets, g_lp, g_ent, temperature=temperature,
+                            softcap=softcap, compute_entropy=True, chunk_size=chunk_size, vocab_tile=vocab_tile)
+    ref = reference64(hidden.cpu(), weight.cpu(), targets.cpu(), g_lp.cpu(), g_ent.cpu(), temperature, softcap)
+    assert logp.dtype == torch.float32 and dh.dtype == torch.float32
+    for ours, r in zip((logp, ent, dh, dw), ref):
+        assert rel_err(ours.cpu(), r) < 1e-5
+    assert (logp[targets == -100] == 0).all() and (dh[targets == -100] == 0).all()
+
+
+def test_triton_logp_grad_only_and_bf16():
+    """Entropy computed but unused (its grad is None), bf16 inputs: same tolerance rule as the torch path."""
+    hidden, weight, targets = on_device(*make_inputs(dtype=torch.bfloat16))
+    g_lp, _ = on_device(*grads_out())
+    kw = dict(temperature=0.7, softcap=5.0)
+    ours = run(lambda *a, **k: lt.triton_logprobs(*a, compute_entropy=True, **k), hidden, weight, targets, g_lp,
+               None, **kw)
+    chunked = run(lambda *a, **k: chunked_logprobs(*a, compute_entropy=True, **k), hidden, weight, targets, g_lp,
+                  None, **kw)
+    ref = reference64(hidden.cpu(), weight.cpu(), targets.cpu(), g_lp.cpu(), None, **kw)
+    assert ours[2].dtype == ours[3].dtype == torch.bfloat16
+    for o, c, r in zip(ours, chunked, ref):
+        # the chunked path is within 2x plain torch bf16 (test_logprobs); Triton must match its error
+        assert rel_err(o.cpu(), r) <= 2 * rel_err(c.cpu(), r) + 1e-6
+
+
+def test_triton_fp64_and_dispatcher():
+    hidden, weight, targets = on_device(*make_inputs(n=12, dtype=torch.float64))
+    h3, t3 = hidden.view(3, 4, H), targets.view(3, 4)
+    logp, ent = token_logprobs(h3, weight, t3, impl="triton", softcap=5.0, compute_entropy=True)
+    rl, re = token_logprobs(h3, weight, t3, impl="reference", softcap=5.0, compute_entropy=True)
+    assert logp.shape == (3, 4) and logp.dtype == torch.float64
+    assert rel_err(logp, rl) < 1e-12 and rel_err(ent, re) < 1e-12
+
+
+@pytest.mark.gpu
+def test_triton_bf16_gpu_larger():
+    """On a GPU: the real (compiled) kernels at a shape with many blocks, vs the chunked path."""
+    hidden, weight, targets = on_device(*make_inputs(n=2048, h=256, v=32003, dtype=torch.bfloat16, scale=0.3))
+    g_lp, g_ent = on_device(*grads_out(2048))
+    kw = dict(temperature=0.7, compute_entropy=True, chunk_size=512, vocab_tile=4096)
+    ours = run(lt.triton_logprobs, hidden, weight, targets, g_lp, g_ent, **kw)
+    chunked = run(chunked_logprobs, hidden, weight, targets, g_lp, g_ent, **kw)
+    for o, c in zip(ours, chunked):
+        assert rel_err(o, c) < 1e-2
