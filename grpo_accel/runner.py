@@ -146,8 +146,8 @@ def main_guarded(fn, *args) -> int:
     try:
         return fn(*args)
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(f"\nerror: {exc}", file=sys.stderr, flush=True)  # newline: a progress bar may be mid-line
         return 2
     except ValueError as exc:  # config validation (ours and TRL's) says what is wrong
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(f"\nerror: {exc}", file=sys.stderr, flush=True)  # newline: a progress bar may be mid-line
         return 2

@@ -1,0 +1,39 @@
+# The README's commands. Each sets itself up on a fresh machine (venv, CPU torch where there is no CUDA).
+#   make demo   GRPO-train the embedded SmolLM2-135M-Instruct on held-out arithmetic, ~20 min on 2 CPU cores
+#   make test   the CPU test tier (unit + tiny-model GRPO through launch/train.py + 2-process DeepSpeed)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+RUN ?= demo
+DEMO_ARGS ?=
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+# DeepSpeed JIT-builds ops on first use (~35 s); a stable path builds them once per machine.
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/grpo_accel/torch_extensions
+
+.PHONY: setup demo test test-all clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# No CUDA here: take the CPU build of torch that lies on disk before anything pulls a CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
+	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml \
+		launch/train.py --run_name $(RUN) $(DEMO_ARGS)
+
+test: setup
+	$(PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
+	$(PY) -m pytest -q -m "not gpu and not vllm" --timeout 900
+
+test-all: setup
+	$(PY) -m pytest -q --timeout 1800
+
+clean:
+	rm -rf $(VENV) runs wandb

@@ -1,0 +1,12 @@
+"""Reward functions the end-to-end tests pass by import path (`--rewards rewards_for_tests:digit_reward`)."""
+
+
+def length_reward(prompts, completions, **kwargs):
+    """Characters / 100: a random tiny model's samples (random tokens) differ in length, so advantages
+    are non-zero and a training step must move the parameters."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [len(t) / 100 for t in texts]
+
+
+def broken_reward(prompts, completions, **kwargs):
+    raise KeyError("solution")

@@ -1,0 +1,82 @@
+"""The product end to end: a tiny model trained 2 GRPO steps through launch/train.py, and bad input."""
+
+import csv
+import json
+import math
+import os
+
+import pytest
+from safetensors.torch import load_file
+
+from grpo_accel.tracking import read_wandb_history
+from launch_utils import TINY_ARGS, run_train
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "tiny"
+    result = run_train([*TINY_ARGS, "--output_dir", str(out), "--run_name", "tiny", "--report_to", "wandb",
+                        "--rewards", "rewards_for_tests:length_reward,format"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_two_steps_log_loss_and_reward_and_change_parameters(tiny_run):
+    out, _ = tiny_run
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [int(float(r["step"])) for r in rows] == [1, 2]
+    for row in rows:
+        assert math.isfinite(float(row["loss"])) and math.isfinite(float(row["reward"]))
+        assert math.isfinite(float(row["grad_norm"]))
+    assert any(float(r["reward_std"]) > 0 for r in rows), "no reward variance: the test would not train"
+    adapter = load_file(out / "final" / "adapter_model.safetensors")
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert lora_b and all(v.isfinite().all() for v in adapter.values())
+    assert max(v.abs().max().item() for v in lora_b) > 0, "LoRA B starts at zero: training must move it"
+    summary = json.load(open(out / "summary.json"))
+    assert summary["steps"] == 2 and summary["seconds_per_step"] > 0
+    assert set(summary["before"]) == {"accuracy_strict", "accuracy_lenient"}
+    for name in ("reward_curve.png", "resolved_config.json", "heldout_before.json", "heldout_after.json"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_wandb_offline_metrics_read_back(tiny_run):
+    out, result = tiny_run
+    history = [r for r in read_wandb_history(str(out)) if "train/loss" in r]
+    csv_rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert len(history) == 2
+    for logged, row in zip(history, csv_rows):
+        assert logged["train/global_step"] == int(float(row["step"]))
+        assert logged["train/reward"] == pytest.approx(float(row["reward"]), rel=1e-6)
+        assert logged["train/loss"] == pytest.approx(float(row["loss"]), rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "no-such-org/no-such-model"], "could not be loaded from the hub.*Fix"),
+    (["--model", "./missing_model_dir"], "does not exist.*Fix"),
+    (["--dataset", "/nonexistent/data.jsonl"], "does not exist.*Fix"),
+    (["--rewards", "nope_reward"], "neither built in.*Fix"),
+])
+def test_bad_input_fails_fast_with_the_fix(tmp_path, args, message):
+    out = tmp_path / "run"
+    result = run_train([*TINY_ARGS, "--output_dir", str(out), *args])
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:")
+    import re
+    assert re.search(message, last), last
+    assert not out.exists(), "a run that never started must leave no run directory"
+
+
+def test_dataset_without_fields(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"problem": "1+1", "solution": "2"}\n')
+    result = run_train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--dataset", str(data)])
+    assert result.returncode == 2 and "needs 'question' and 'answer'" in result.stderr
+
+
+def test_reward_that_raises_is_named(tmp_path):
+    result = run_train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--eval_size", "0",
+                        "--rewards", "rewards_for_tests:broken_reward"])
+    assert result.returncode == 2
+    assert "reward function 'broken_reward' raised KeyError" in result.stderr.strip().splitlines()[-1]
