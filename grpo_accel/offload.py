@@ -12,17 +12,17 @@ Cost: B·T·H·2 bytes per layer each way over PCIe (~25 GB/s on Gen4 x16), agai
 of ~2·P_layer·B·T FLOPs. Copy/compute ≈ H·F / (25e9·P_layer) for achieved FLOP/s F: ~0.3 for an 8B
 model (H=4096, P_layer=218M, F=400 TFLOP/s), ~1 for a 0.5B model (H=896, P_layer=15M), so the copy
 hides behind compute for large models; pinned host memory of L·B·T·H·2 bytes is the price.
-transformers' own `activation_checkpointing_enable(offload=True)` copies with `save_on_cpu` on the
-compute stream instead (blocking, no prefetch).
+(transformers' `activation_checkpointing_enable(offload=True)` uses blocking `save_on_cpu` copies.)
 
-    model = AutoModelForCausalLM.from_pretrained(...)   # or a PeftModel
+    model = AutoModelForCausalLM.from_pretrained(...)   # or a PeftModel, or a DeepSpeed engine
     install_activation_offload(model)                   # checkpointing on, with our function
     loss = model(**batch).loss; loss.backward()
     remove_activation_offload(model)
 
-On a host without an accelerator the same function keeps inputs where they are (plain reentrant
-checkpointing: the no-op twin); `OffloadConfig(device_copies=True)` forces the real copy path on
-CPU for tests, and `SavedActivationTracker` reports where the saved bytes live.
+Without an accelerator the same function keeps inputs where they are (plain reentrant checkpointing:
+the no-op twin). `OffloadConfig(device_copies=True, use_streams=False, pin_memory=False)` forces the
+real copy path on CPU for tests; `SavedActivationTracker` reports where the saved bytes live.
+Tests: `OMP_NUM_THREADS=1 pytest tests/test_offload.py`.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ __all__ = [
 @dataclass(frozen=True)
 class OffloadConfig:
     """Where saved tensors go. `None` fields mean "decide per tensor": copy, pin and use a side
-    stream only for tensors on CUDA. `device_copies=True, use_streams=False, pin_memory=False` forces
-    the real stash/copy/restore path on CPU (copies land in a distinct host storage)."""
+    stream only for tensors on CUDA. `device_copies=True` copies CPU tensors too (into a distinct
+    host storage), which is how the CPU tests run the real stash/copy/restore path."""
 
     device_copies: bool | None = None
     use_streams: bool | None = None
@@ -58,29 +58,28 @@ class OffloadConfig:
 
 
 def resolve_offload(setting: bool | str, device: torch.device | str, gradient_checkpointing: bool = True) -> bool:
-    """`True`/`False` as given; `"auto"`: on when `device` is CUDA and gradient checkpointing is on."""
-    if isinstance(setting, str):
-        key = setting.strip().lower()
-        if key not in ("auto", "true", "false"):
-            raise ValueError(f"activation offload must be True, False or 'auto', got {setting!r}")
-        if key != "auto":
-            return key == "true"
-        return torch.device(device).type == "cuda" and bool(gradient_checkpointing)
-    if not isinstance(setting, bool):
+    """`True`/`False` as given (also as strings); `"auto"`: on when `device` is CUDA and gradient
+    checkpointing is on (offload only moves what checkpointing saves)."""
+    if isinstance(setting, bool):
+        return setting
+    key = setting.strip().lower() if isinstance(setting, str) else None
+    if key not in ("auto", "true", "false"):
         raise ValueError(f"activation offload must be True, False or 'auto', got {setting!r}")
-    return setting
+    if key == "auto":
+        return torch.device(device).type == "cuda" and bool(gradient_checkpointing)
+    return key == "true"
 
 
 # ------------------------------------------------------------------------------------ accounting
 _TRACKERS: list[SavedActivationTracker] = []
 
 
-def _tracker() -> SavedActivationTracker | None:
-    return _TRACKERS[-1] if _TRACKERS else None
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class _Box:  # what the tracker's pack hook returns: weak-referenceable, so its death is observable
+    __slots__ = ("t", "__weakref__")
 
 
 class SavedActivationTracker:
@@ -90,24 +89,15 @@ class SavedActivationTracker:
     copy, reload and free. `observe_autograd=True` also counts the tensors autograd itself saves
     (plain checkpointing, no checkpointing) via saved-tensor hooks, once per storage, skipping the
     storages of `ignore` (pass the model's parameters); those count as "device" when they sit on
-    `device` (default: CUDA if present, else CPU). Use `reset_peak()` between forward and backward."""
+    `device` (default: CUDA if present, else CPU). `reset_peak()` between forward and backward."""
 
     def __init__(self, observe_autograd: bool = False, ignore=(), device: torch.device | str | None = None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.bytes = {"device": 0, "host": 0}
         self.peak = {"device": 0, "host": 0}
-        self._observe = observe_autograd
         self._ignore = {p.untyped_storage().data_ptr() for p in ignore}
         self._storages: dict[int, list] = {}  # data_ptr -> [refcount, nbytes, where]
-        self._hooks = None
-
-    @property
-    def device_bytes(self) -> int:
-        return self.bytes["device"]
-
-    @property
-    def peak_device_bytes(self) -> int:
-        return self.peak["device"]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if observe_autograd else None
 
     def add(self, nbytes: int, where: str) -> None:
         self.bytes[where] += nbytes
@@ -118,15 +108,13 @@ class SavedActivationTracker:
 
     def __enter__(self):
         _TRACKERS.append(self)
-        if self._observe:
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        if self._hooks is not None:
             self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
-            self._hooks = None
         _TRACKERS.remove(self)
 
     def _pack(self, t: torch.Tensor):
@@ -134,11 +122,11 @@ class SavedActivationTracker:
         if ptr in self._ignore or ptr == 0:
             return t
         if ptr not in self._storages:
-            where = "device" if t.device == self.device else "host"
-            self._storages[ptr] = [0, t.untyped_storage().nbytes(), where]
-            self.add(self._storages[ptr][1], where)
+            self._storages[ptr] = [0, t.untyped_storage().nbytes(), "device" if t.device == self.device else "host"]
+            self.add(*self._storages[ptr][1:])
         self._storages[ptr][0] += 1
-        box = _Box(t)
+        box = _Box()
+        box.t = t
         weakref.finalize(box, self._drop, ptr)
         return box
 
@@ -154,122 +142,101 @@ class SavedActivationTracker:
             self.add(-entry[1], entry[2])
 
 
-class _Box:
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t
-
-
 # ------------------------------------------------------------------------------------ the stash
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+    return _STREAMS[device] if device in _STREAMS else _STREAMS.setdefault(device, torch.cuda.Stream(device))
 
 
-def _policy(t: torch.Tensor, cfg: OffloadConfig, min_bytes: int | None = None) -> tuple[bool, bool, bool]:
+def _policy(t: torch.Tensor, cfg: OffloadConfig, min_bytes: int) -> tuple[bool, bool, bool]:
     """(copy to host?, pin?, side stream?) for one tensor."""
-    on_acc = t.device.type != "cpu"
-    copy = (on_acc if cfg.device_copies is None else cfg.device_copies) and _nbytes(t) >= (
-        cfg.min_bytes if min_bytes is None else min_bytes)
+    copy = (t.device.type != "cpu" if cfg.device_copies is None else cfg.device_copies) and _nbytes(t) >= min_bytes
     pin = (t.is_cuda if cfg.pin_memory is None else cfg.pin_memory) and torch.cuda.is_available()
-    streams = t.is_cuda and (cfg.use_streams is None or cfg.use_streams)
-    return copy, pin, streams
+    return copy, pin, t.is_cuda and cfg.use_streams is not False
+
+
+def _copy(src: torch.Tensor, device, pin: bool, stream) -> torch.Tensor:
+    """Async copy (non_blocking when the host side is pinned), queued on `stream` when given."""
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        return torch.empty_like(src, device=device, pin_memory=pin and device == "cpu").copy_(src, non_blocking=pin)
 
 
 class _Entry:
-    """The saved inputs of one checkpointed call; owned by its autograd ctx, indexed weakly by the stash.
-    Per tensor: `dev[i]` the device copy (or original), `host[i]` the host copy, `copy[i]` the policy."""
+    """The saved inputs of one checkpointed call; owned by its autograd ctx, indexed weakly by the
+    stash. Per tensor: `dev[i]` (original or reloaded copy), `host[i]` (host copy), `policy[i]`."""
 
-    def __init__(self, tensors, cfg: OffloadConfig):
+    def __init__(self, tensors, cfg: OffloadConfig, min_bytes: int | None = None):
         self.dev = [t.detach() for t in tensors]
         self.host = [None] * len(tensors)
         self.versions = [t._version for t in tensors]
-        self.policy = [_policy(t, cfg) for t in tensors]
+        self.policy = [_policy(t, cfg, cfg.min_bytes if min_bytes is None else min_bytes) for t in tensors]
         self.device = [t.device for t in tensors]
-        self.tracker = _tracker()
+        self.tracker = _TRACKERS[-1] if _TRACKERS else None
         self.events: dict[str, torch.cuda.Event] = {}
         self.loaded = False
-        if any(p[2] for p in self.policy):  # input ready point, so the D2H need not wait for this layer
+        cuda = [d for d, p in zip(self.device, self.policy) if p[2]]
+        if cuda:  # the inputs' ready point, so their D2H need not wait for the layer that reads them
             self.events["ready"] = torch.cuda.Event()
-            self.events["ready"].record(torch.cuda.current_stream(self._cuda_device()))
-        for t in tensors:
-            self._report(_nbytes(t), "device")
-
-    def _cuda_device(self) -> torch.device:
-        return next(d for d, p in zip(self.device, self.policy) if p[2])
+            self.events["ready"].record(torch.cuda.current_stream(cuda[0]))
+        self._report(sum(map(_nbytes, tensors)), "device")
 
     def _report(self, nbytes: int, where: str) -> None:
-        if self.tracker is not None:
+        if self.tracker is not None and nbytes:
             self.tracker.add(nbytes, where)
 
     def _check_version(self, i: int) -> None:
-        if self.dev[i] is not None and self.dev[i]._version != self.versions[i]:
+        if self.host[i] is None and self.dev[i]._version != self.versions[i]:
             raise RuntimeError("an input of an offloaded checkpoint was modified in place after the "
                                "forward; clone it before modifying (as torch.utils.checkpoint requires)")
 
     def offload(self) -> None:
-        """Queue the D2H copies; the device memory returns to the allocator once they finish."""
-        side = None
+        """Queue the D2H copies; the device memory goes back to the allocator once they have run."""
         for i, (copy, pin, streams) in enumerate(self.policy):
-            if not copy or self.host[i] is not None:
-                continue
-            self._check_version(i)
-            t = self.dev[i]
-            if streams:
-                side = _side_stream(t.device)
-                side.wait_event(self.events["ready"])
-                with torch.cuda.stream(side):
-                    self.host[i] = torch.empty_like(t, device="cpu", pin_memory=pin).copy_(t, non_blocking=pin)
-                t.record_stream(side)  # the caching allocator must not reuse t before the copy ran
-            else:
-                self.host[i] = torch.empty_like(t, device="cpu", pin_memory=pin).copy_(t, non_blocking=pin)
-            self.dev[i] = None
-            self._report(-_nbytes(t), "device")
-            self._report(_nbytes(t), "host")
+            if copy and self.host[i] is None:
+                self._check_version(i)
+                t, side = self.dev[i], _side_stream(self.device[i]) if streams else None
+                if side is not None:
+                    side.wait_event(self.events["ready"])
+                self.host[i] = _copy(t, "cpu", pin, side)
+                if side is not None:
+                    t.record_stream(side)  # the caching allocator must not reuse t before the copy ran
+                self.dev[i] = None
+                self._report(-_nbytes(t), "device")
+                self._report(_nbytes(t), "host")
 
     def fetch(self) -> None:
-        """Queue the H2D copies back (prefetch or on demand); no-op for what is already on device."""
+        """Queue the H2D copies (prefetch or on demand); no-op for what is already on the device."""
         side = None
-        for i, (copy, pin, streams) in enumerate(self.policy):
-            if self.dev[i] is not None:
-                continue
-            h = self.host[i]
-            if streams:
-                side = _side_stream(self.device[i])
-                with torch.cuda.stream(side):
-                    self.dev[i] = torch.empty_like(h, device=self.device[i]).copy_(h, non_blocking=pin)
-            else:
-                self.dev[i] = torch.empty_like(h, device=self.device[i]).copy_(h, non_blocking=pin)
-            self._report(_nbytes(h), "device")
+        for i, (_, pin, streams) in enumerate(self.policy):
+            if self.dev[i] is None:
+                side = _side_stream(self.device[i]) if streams else None
+                self.dev[i] = _copy(self.host[i], self.device[i], pin, side)
+                self._report(_nbytes(self.host[i]), "device")
         if side is not None:
             self.events["h2d"] = torch.cuda.Event()
             self.events["h2d"].record(side)
 
     def wait(self) -> list[torch.Tensor]:
-        """Make the current stream wait for the H2D copies and hand out the device tensors."""
+        """Make the current stream wait for the H2D copies; hand out the device tensors."""
         ev = self.events.pop("h2d", None)
-        for i, (copy, _, streams) in enumerate(self.policy):
+        for i, (_, _, streams) in enumerate(self.policy):
+            self._check_version(i)
             if ev is not None and streams and self.host[i] is not None:
                 cur = torch.cuda.current_stream(self.device[i])
                 cur.wait_event(ev)
                 self.dev[i].record_stream(cur)  # allocated on the side stream, used on this one
-            elif self.host[i] is None:
-                self._check_version(i)
         return list(self.dev)
 
     def release(self) -> None:
-        for i, t in enumerate(self.dev):
-            if t is not None:
-                self._report(-_nbytes(t), "device")
-            if self.host[i] is not None:
-                self._report(-_nbytes(self.host[i]), "host")
-        self.dev = self.host = None
-        self.events.clear()
+        if getattr(self, "dev", None) is not None:
+            self._report(-sum(_nbytes(t) for t in self.dev if t is not None), "device")
+            self._report(-sum(_nbytes(t) for t in self.host if t is not None), "host")
+            self.dev = self.host = None
+            self.events.clear()
+
+    __del__ = release  # a graph freed without backward still settles the accounts
 
 
 class ActivationStash:
@@ -285,10 +252,8 @@ class ActivationStash:
 
     def save(self, tensors) -> _Entry:
         self._entries = [r for r in self._entries if r() is not None]
-        if self._entries:
-            prev = self._entries[-1]()
-            if not prev.loaded:
-                prev.offload()
+        if self._entries and not self._entries[-1]().loaded:
+            self._entries[-1]().offload()
         entry = _Entry(tensors, self.config)
         self._entries.append(weakref.ref(entry))
         return entry
@@ -300,47 +265,28 @@ class ActivationStash:
         entry.loaded = True
         entry.fetch()
         tensors = entry.wait()
-        if self.config.prefetch:
-            prev = self._previous(entry)
-            if prev is not None:
-                prev.loaded = True
-                prev.fetch()
+        live = [r() for r in self._entries]
+        k = next((i for i, e in enumerate(live) if e is entry), 0)
+        prev = next((e for e in reversed(live[:k]) if e is not None and not e.loaded), None)
+        if self.config.prefetch and prev is not None:
+            prev.loaded = True
+            prev.fetch()
         return tensors
 
     def release(self, entry: _Entry) -> None:
         entry.release()
         self._entries = [r for r in self._entries if r() is not None and r() is not entry]
 
-    def _previous(self, entry: _Entry) -> _Entry | None:
-        refs = [r() for r in self._entries]
-        k = next((i for i, e in enumerate(refs) if e is entry), 0)
-        return next((e for e in reversed(refs[:k]) if e is not None and not e.loaded), None)
-
     def __deepcopy__(self, memo):  # streams/events do not copy; a model copy gets its own stash
         return ActivationStash(self.config)
 
 
 # ------------------------------------------------------------------------------------ checkpoint
-def _device_type(tensors) -> str | None:
-    return next((t.device.type for t in tensors if t.device.type != "cpu"), None)
-
-
-def _autocast_state(device_type: str | None) -> dict:
-    state = {"cpu": dict(enabled=torch.is_autocast_enabled("cpu"), dtype=torch.get_autocast_dtype("cpu"),
-                         cache_enabled=torch.is_autocast_cache_enabled())}
-    if device_type is not None and torch.amp.is_autocast_available(device_type):
-        state[device_type] = dict(enabled=torch.is_autocast_enabled(device_type),
-                                  dtype=torch.get_autocast_dtype(device_type),
-                                  cache_enabled=torch.is_autocast_cache_enabled())
-    return state
-
-
 @contextlib.contextmanager
 def _replay(ctx):
     """RNG, grad mode and autocast as they were in the forward, as torch's checkpoint does."""
-    devices = ctx.rng[1] if ctx.rng else []
     device_type = ctx.device_type or "cuda"  # CPU RNG is always forked; devices=[] touches no GPU
-    with torch.random.fork_rng(devices=devices, enabled=ctx.rng is not None, device_type=device_type):
+    with torch.random.fork_rng(devices=ctx.rng[1] if ctx.rng else [], enabled=bool(ctx.rng), device_type=device_type):
         if ctx.rng:
             torch.set_rng_state(ctx.rng[0])
             set_device_states(ctx.rng[1], ctx.rng[2], device_type=device_type)
@@ -351,13 +297,25 @@ def _replay(ctx):
             yield
 
 
+def _forward_state(ctx, tensors, preserve_rng: bool) -> None:
+    ctx.device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), None)
+    ctx.autocast = {d: dict(enabled=torch.is_autocast_enabled(d), dtype=torch.get_autocast_dtype(d),
+                            cache_enabled=torch.is_autocast_cache_enabled())
+                    for d in ("cpu", ctx.device_type) if d is not None and torch.amp.is_autocast_available(d)}
+    ctx.rng = None
+    if preserve_rng:  # device RNG only when the device is initialized, like torch's checkpoint
+        mod = torch.get_device_module(ctx.device_type) if ctx.device_type not in (None, "meta") else None
+        states = get_device_states(*tensors) if getattr(mod, "_initialized", False) else ([], [])
+        ctx.rng = (torch.get_rng_state(), *states)
+
+
 _TENSOR = object()  # marks where the tensor outputs go back into the output pytree
 
 
 class _OffloadedCheckpointFn(torch.autograd.Function):
     """Reentrant-style checkpoint whose saved inputs live in an `ActivationStash`.
     Args after `dummy` are the pytree leaves of (args, kwargs); `dummy` requires grad so the output
-    does too even when no input does (LoRA on a frozen embedding), with no enable_input_require_grads."""
+    does too when no input does (LoRA on a frozen embedding), without enable_input_require_grads."""
 
     @staticmethod
     def forward(ctx, run, stash, preserve_rng, spec, out_box, dummy, *flat):
@@ -367,18 +325,11 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
         tensors = [flat[i] for i in ctx.idx]
         ctx.flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
         ctx.requires = [t.requires_grad for t in tensors]
-        ctx.device_type = _device_type(tensors)
-        ctx.autocast = _autocast_state(ctx.device_type)
-        ctx.rng = None
-        if preserve_rng:
-            mod = torch.get_device_module(ctx.device_type) if ctx.device_type not in (None, "meta") else None
-            had_device = mod is not None and getattr(mod, "_initialized", False)
-            ctx.rng = (torch.get_rng_state(), *(get_device_states(*tensors) if had_device else ([], [])))
+        _forward_state(ctx, tensors, preserve_rng)
         ctx.entry = stash.save(tensors)  # before running: the previous layer's D2H overlaps this compute
         args, kwargs = tree_unflatten(list(flat), spec)
         with torch.no_grad():
-            out = run(*args, **kwargs)
-        leaves, out_spec = tree_flatten(out)
+            leaves, out_spec = tree_flatten(run(*args, **kwargs))
         out_box.append((out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]))
         outs = tuple(x for x in leaves if isinstance(x, torch.Tensor))
         ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
@@ -389,8 +340,7 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("offloaded checkpoint is reentrant-style: use loss.backward(), "
                                "not torch.autograd.grad() or backward(inputs=...)")
-        tensors = ctx.stash.load(ctx.entry)
-        inputs = [t.detach().requires_grad_(r) for t, r in zip(tensors, ctx.requires)]
+        inputs = [t.detach().requires_grad_(r) for t, r in zip(ctx.stash.load(ctx.entry), ctx.requires)]
         flat = list(ctx.flat)
         for i, t in zip(ctx.idx, inputs):
             flat[i] = t
@@ -399,7 +349,7 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
             out = ctx.run(*args, **kwargs)
         outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        if pairs:  # parameter grads (LoRA, full fine-tune, ZeRO hooks) accumulate here
+        if pairs:  # parameter grads (LoRA, full fine-tune, ZeRO's hooks) accumulate here
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         ctx.stash.release(ctx.entry)
         in_grads = [None] * len(ctx.flat)
@@ -413,10 +363,8 @@ def _trainable_params(function) -> bool | None:
     parameters that require grad; None when no module can be found."""
     candidates, f = [], function
     while isinstance(f, functools.partial):
-        candidates += list(f.args)
-        f = f.func
-    candidates += [getattr(f, "__self__", None), f]
-    module = next((c for c in candidates if isinstance(c, torch.nn.Module)), None)
+        candidates, f = candidates + list(f.args), f.func
+    module = next((c for c in candidates + [getattr(f, "__self__", None), f] if isinstance(c, torch.nn.Module)), None)
     return None if module is None else any(p.requires_grad for p in module.parameters())
 
 
@@ -429,10 +377,6 @@ class OffloadedCheckpoint:
     def __init__(self, config: OffloadConfig | None = None):
         self.stash = ActivationStash(config)
 
-    @property
-    def config(self) -> OffloadConfig:
-        return self.stash.config
-
     def __call__(self, function, *args, use_reentrant=None, preserve_rng_state: bool = True, **kwargs):
         if not torch.is_grad_enabled():  # no_grad passes (TRL's old/ref log-probs) save nothing
             return function(*args, **kwargs)
@@ -440,23 +384,22 @@ class OffloadedCheckpoint:
         if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
             if _trainable_params(function) is False:
                 return function(*args, **kwargs)  # nothing to differentiate: autograd saves nothing
-        dummy = torch.empty(0, requires_grad=True)
         box: list = []
-        outs = _OffloadedCheckpointFn.apply(function, self.stash, preserve_rng_state, spec, box, dummy, *flat)
+        outs = _OffloadedCheckpointFn.apply(function, self.stash, preserve_rng_state, spec, box,
+                                            torch.empty(0, requires_grad=True), *flat)
         out_spec, leaves = box[0]
         it = iter(outs)
         return tree_unflatten([next(it) if x is _TENSOR else x for x in leaves], out_spec)
 
 
-_DEFAULT: OffloadedCheckpoint | None = None
+_DEFAULT: list[OffloadedCheckpoint] = []
 
 
 def offloaded_checkpoint(function, *args, use_reentrant=None, **kwargs):
     """Drop-in for `torch.utils.checkpoint.checkpoint` with a process-wide default stash."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = OffloadedCheckpoint()
-    return _DEFAULT(function, *args, use_reentrant=use_reentrant, **kwargs)
+    if not _DEFAULT:
+        _DEFAULT.append(OffloadedCheckpoint())
+    return _DEFAULT[0](function, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------ HF install
@@ -465,7 +408,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     for _ in range(8):
         if hasattr(type(model), "get_base_model"):
             model = model.get_base_model()
-        elif "_set_gradient_checkpointing" not in dir(type(model)) and isinstance(
+        elif not hasattr(type(model), "_set_gradient_checkpointing") and isinstance(
                 getattr(model, "module", None), torch.nn.Module):
             model = model.module
         else:
@@ -474,7 +417,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class _StickyOffload:
-    """Stands in for `model._set_gradient_checkpointing` so every later enable (Trainer init,
+    """Stands in for `model._set_gradient_checkpointing`, so every later enable (Trainer init,
     TRL's generation unwrap that disables and re-enables) keeps our function, not torch's."""
 
     def __init__(self, model, ckpt: OffloadedCheckpoint, saved: list):
@@ -492,8 +435,8 @@ _MISSING = object()
 def install_activation_offload(model: torch.nn.Module, config: OffloadConfig | None = None, *,
                                every_n_layers: int = 1) -> OffloadedCheckpoint:
     """Turn on gradient checkpointing of `model`'s decoder layers with `OffloadedCheckpoint`.
-    Works on a transformers model, a PeftModel around one, or a DDP/DeepSpeed wrapper; stays in
-    force across later `gradient_checkpointing_enable()` calls until `remove_activation_offload`."""
+    `model`: a transformers model, a PeftModel around one, or a DDP/DeepSpeed wrapper. Stays in force
+    across later `gradient_checkpointing_enable()` calls until `remove_activation_offload`."""
     base = _unwrap(model)
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(base).__name__} does not support gradient checkpointing, so its layers "
@@ -503,19 +446,17 @@ def install_activation_offload(model: torch.nn.Module, config: OffloadConfig | N
               m.__dict__.get("gradient_checkpointing", _MISSING))
              for m in base.modules() if hasattr(m, "gradient_checkpointing")]
     ckpt = OffloadedCheckpoint(config)
-    sticky = _StickyOffload(base, ckpt, saved)
-    base.__dict__["_set_gradient_checkpointing"] = sticky
-    sticky(enable=True, every_n_layers=every_n_layers)
+    base.__dict__["_set_gradient_checkpointing"] = _StickyOffload(base, ckpt, saved)
+    base._set_gradient_checkpointing(enable=True, every_n_layers=every_n_layers)
     return ckpt
 
 
 def remove_activation_offload(model: torch.nn.Module) -> bool:
     """Undo `install_activation_offload`: each module's checkpointing flag and function as before."""
     base = _unwrap(model)
-    sticky = base.__dict__.pop("_set_gradient_checkpointing", None)
-    if not isinstance(sticky, _StickyOffload):
+    if not isinstance(base.__dict__.get("_set_gradient_checkpointing"), _StickyOffload):
         return False
-    for module, func, flag in sticky.saved:
+    for module, func, flag in base.__dict__.pop("_set_gradient_checkpointing").saved:
         for name, value in (("_gradient_checkpointing_func", func), ("gradient_checkpointing", flag)):
             if value is _MISSING:
                 module.__dict__.pop(name, None)
@@ -525,61 +466,35 @@ def remove_activation_offload(model: torch.nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------ head offload
-class _HostCopy:
-    __slots__ = ("host", "device", "event", "pin", "__weakref__")
-
-
 @contextlib.contextmanager
 def offload_saved_tensors(min_bytes: int = 1 << 20, config: OffloadConfig | None = None, keep=()):
     """Saved-tensor hooks that hold large saved tensors on the host until backward.
 
-    Same as `torch.autograd.graph.save_on_cpu(pin_memory=True)` but asynchronous (side stream,
-    no host sync), skipping tensors under `min_bytes`, parameters (and views of them) and the
-    storages of `keep`, and copying a tensor saved by several ops once. Use it around the final
-    norm + LM head / log-prob computation, whose saved hidden states are G·T·H·2 bytes."""
+    Same as `torch.autograd.graph.save_on_cpu(pin_memory=True)` but asynchronous (side stream, no
+    host sync), skipping tensors under `min_bytes`, parameters (and views of them) and the storages
+    of `keep`, and copying a tensor saved by several ops once. Use it around the final norm + LM
+    head / log-prob computation, whose saved hidden states are G·T·H·2 bytes and more."""
     cfg = config or OffloadConfig()
     keep_ptrs = {t.untyped_storage().data_ptr() for t in keep}
-    seen: dict[int, tuple] = {}  # id(tensor) -> (weakref to tensor, its _HostCopy)
-    tracker = _tracker()
-
-    def report(nbytes, where):
-        if tracker is not None:
-            tracker.add(nbytes, where)
+    seen: dict[int, tuple] = {}  # id(tensor) -> (weakref to the tensor, weakref to its entry)
 
     def pack(t: torch.Tensor):
-        copy, pin, streams = _policy(t, cfg, min_bytes)
-        if (not copy or isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
-                or t.untyped_storage().data_ptr() in keep_ptrs):
+        if (not _policy(t, cfg, min_bytes)[0] or isinstance(t, torch.nn.Parameter)
+                or isinstance(t._base, torch.nn.Parameter) or t.untyped_storage().data_ptr() in keep_ptrs):
             return t
         hit = seen.get(id(t))
         if hit is not None and hit[0]() is t and hit[1]() is not None:
             return hit[1]()
-        rec = _HostCopy()
-        rec.device, rec.pin, rec.event = t.device, pin, None
-        if streams:
-            side = _side_stream(t.device)
-            side.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(side):
-                rec.host = torch.empty_like(t, device="cpu", pin_memory=pin).copy_(t, non_blocking=pin)
-            t.record_stream(side)
-            rec.event = torch.cuda.Event()
-            rec.event.record(side)
-        else:
-            rec.host = torch.empty_like(t, device="cpu", pin_memory=pin).copy_(t, non_blocking=pin)
-        report(_nbytes(t), "host")
-        weakref.finalize(rec, report, -_nbytes(t), "host")
-        seen[id(t)] = (weakref.ref(t), weakref.ref(rec))
-        return rec
+        entry = _Entry([t], cfg, min_bytes)
+        entry.offload()
+        seen[id(t)] = (weakref.ref(t), weakref.ref(entry))
+        return entry
 
-    def unpack(rec):
-        if not isinstance(rec, _HostCopy):
-            return rec
-        if rec.event is not None:
-            torch.cuda.current_stream(rec.device).wait_event(rec.event)
-        out = torch.empty_like(rec.host, device=rec.device).copy_(rec.host, non_blocking=rec.pin)
-        report(_nbytes(out), "device")
-        weakref.finalize(out, report, -_nbytes(out), "device")
-        return out
+    def unpack(entry):
+        if not isinstance(entry, _Entry):
+            return entry
+        entry.fetch()  # H2D on the side stream; the current stream waits in wait()
+        return entry.wait()[0]
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
