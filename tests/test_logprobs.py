@@ -133,6 +133,28 @@ def test_half_inputs_no_worse_than_plain_torch(dtype):
         assert rel_err(o, r) <= 2 * rel_err(p, r) + 1e-6, name
 
 
+def test_mixed_dtypes_and_autocast():
+    """bf16 hidden + fp32 weight: fp32 GEMMs, each grad in its input's dtype. Under autocast (bf16), the GEMM
+    operands are rounded to bf16 as TRL does: identical to passing bf16 copies of the inputs."""
+    hidden, weight, targets = make_inputs()
+    g_lp, g_ent = grads_out()
+    ours = run(chunked_logprobs, hidden.bfloat16(), weight, targets, g_lp, g_ent, compute_entropy=True)
+    ref = reference64(hidden.bfloat16(), weight, targets, g_lp, g_ent)
+    assert ours[2].dtype == torch.bfloat16 and ours[3].dtype == torch.float32
+    assert rel_err(ours[0], ref[0]) < 1e-5 and rel_err(ours[3], ref[3]) < 1e-5
+
+    def autocast_fn(*a, **k):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return chunked_logprobs(*a, **k)
+
+    auto = run(autocast_fn, hidden, weight, targets, g_lp, g_ent, compute_entropy=True)
+    cast = run(chunked_logprobs, hidden.bfloat16(), weight.bfloat16(), targets, g_lp, g_ent, compute_entropy=True)
+    assert auto[2].dtype == auto[3].dtype == torch.float32
+    for a, c in zip(auto, cast):
+        torch.testing.assert_close(a, c.float(), rtol=1e-2, atol=1e-6)
+    assert torch.equal(auto[0], cast[0])
+
+
 @pytest.mark.parametrize("layout", ["transposed", "strided"])
 def test_non_contiguous_hidden(layout):
     hidden, weight, targets = make_inputs()

@@ -84,8 +84,10 @@ def _mm_out_dtype_ok(a):
     return a.is_cuda and a.dtype in _HALF and _HAS_OUT_DTYPE
 
 
-def _gemm_operand(x, acc):
-    # CPU has no bf16 x bf16 -> fp32 GEMM: upcast the operand (a [chunk or tile, H] copy, small next to a block)
+def _gemm_operand(x, acc, cdt):
+    # both operands in the compute dtype; CPU has no bf16 x bf16 -> fp32 GEMM: then upcast the operand
+    # (a [chunk or tile, H] copy, small next to a [chunk, tile] block)
+    x = x.to(cdt)
     return x if x.dtype == acc or _mm_out_dtype_ok(x) else x.to(acc)
 
 
@@ -166,7 +168,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy,
-                chunk_size, vocab_tile, folds):
+                chunk_size, vocab_tile, folds, cdt):
         ctx.set_materialize_grads(False)  # entropy is often only logged: no grad, no backward work for it
         n, v = hidden.shape[0], weight.shape[0]
         acc = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
@@ -176,7 +178,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         if tgt.numel() and (int(tgt.min()) < 0 or int(tgt.max()) >= v):
             raise ValueError(f"targets must be in [0, {v}) or equal ignore_index={ignore_index}")
         n_rows = tgt.numel()
-        half_copy = hidden.is_cuda and hidden.dtype in _HALF
+        half_copy = hidden.is_cuda and cdt in _HALF
         bpe = 4 * folds.live_blocks(softcap, compute_entropy) + 2 * half_copy
         chunk, tile = plan_blocks(n_rows, v, hidden.device, bpe, chunk_size, vocab_tile)
         inv_t = 1.0 / temperature
@@ -187,7 +189,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         for r0 in range(0, n_rows, chunk):
             r1 = min(r0 + chunk, n_rows)
             rows = slice(r0, r1) if idx is None else idx[r0:r1]
-            h = _gemm_operand(hidden[rows], acc)
+            h = _gemm_operand(hidden[rows], acc, cdt)
             t = tgt[r0:r1]
             m = torch.full((r1 - r0,), torch.finfo(acc).min, dtype=acc, device=hidden.device)  # finite: no inf*0
             s = torch.zeros_like(m)
@@ -196,10 +198,10 @@ class ChunkedLogprobs(torch.autograd.Function):
                 c1 = min(c0 + tile, v)
                 a = buf[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
                 e = buf[chunk * tile:][: a.numel()].view_as(a) if compute_entropy else None
-                _logits_block(a, h, _gemm_operand(weight[c0:c1], acc), acc)
+                _logits_block(a, h, _gemm_operand(weight[c0:c1], acc, cdt), acc)
                 folds.forward(a, e, m, s, u, inv_t, softcap)
             # target logit as a row-wise dot: [chunk, H] work, no per-tile gather
-            y_t = (h.to(acc) * weight[t].to(acc)).sum(1)
+            y_t = (h.to(acc) * weight[t].to(cdt).to(acc)).sum(1)  # same operand rounding as the GEMM
             z_t = (softcap * torch.tanh(y_t / softcap) if softcap is not None else y_t) * inv_t
             lse_c = m + s.log()
             lse[rows], logp[rows] = lse_c, z_t - lse_c
@@ -207,27 +209,27 @@ class ChunkedLogprobs(torch.autograd.Function):
                 ent[rows] = s.log() - u / s
         del buf
         ctx.save_for_backward(hidden, weight, targets, lse, *(() if ent is None else (ent,)))
-        ctx.cfg = (temperature, softcap, ignore_index, chunk_size, vocab_tile, folds)
+        ctx.cfg = (temperature, softcap, ignore_index, chunk_size, vocab_tile, folds, cdt)
         return logp, ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp, grad_ent):
         hidden, weight, targets, lse, *rest = ctx.saved_tensors
-        temperature, softcap, ignore_index, chunk_size, vocab_tile, folds = ctx.cfg
+        temperature, softcap, ignore_index, chunk_size, vocab_tile, folds, cdt = ctx.cfg
         ent = rest[0] if rest else None
         need_h, need_w = ctx.needs_input_grad[:2]
         if grad_ent is None or ent is None:
             grad_ent = None
         if (grad_logp is None and grad_ent is None) or not (need_h or need_w):
-            return (None,) * 10
+            return (None,) * 11
         n, v = hidden.shape[0], weight.shape[0]
         acc = lse.dtype
         valid = targets != ignore_index
         idx = None if bool(valid.all()) else valid.nonzero().squeeze(1)
         tgt = targets if idx is None else targets[idx]
         n_rows = tgt.numel()
-        half_copy = hidden.is_cuda and hidden.dtype in _HALF
+        half_copy = hidden.is_cuda and cdt in _HALF
         bpe = 4 * folds.live_blocks(softcap, grad_ent is not None) + 2 * half_copy
         chunk, tile = plan_blocks(n_rows, v, hidden.device, bpe, chunk_size, vocab_tile)
         inv_t = 1.0 / temperature
@@ -242,7 +244,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         for r0 in range(0, n_rows, chunk):
             r1 = min(r0 + chunk, n_rows)
             rows = slice(r0, r1) if idx is None else idx[r0:r1]
-            h = _gemm_operand(hidden[rows], acc)
+            h = _gemm_operand(hidden[rows], acc, cdt)
             t = tgt[r0:r1]
             args = [x[rows] if x is not None else None for x in (lse, ent, g_lp, g_ent)]
             gh = torch.zeros(r1 - r0, hidden.shape[1], dtype=acc, device=hidden.device) if need_h else None
@@ -251,11 +253,11 @@ class ChunkedLogprobs(torch.autograd.Function):
                 k = (r1 - r0) * (c1 - c0)
                 a = bufs[:k].view(r1 - r0, c1 - c0)
                 extra = [bufs[chunk * tile * i:][:k].view_as(a) for i in range(1, n_bufs)]
-                w = _gemm_operand(weight[c0:c1], acc)
+                w = _gemm_operand(weight[c0:c1], acc, cdt)
                 _logits_block(a, h, w, acc)
-                d = folds.backward(a, extra, t - c0, *args, inv_t, softcap, hidden.dtype if half_copy else acc)
+                d = folds.backward(a, extra, t - c0, *args, inv_t, softcap, cdt if half_copy else acc)
                 if half_copy:
-                    d = d.to(hidden.dtype)  # bf16 tensor-core GEMMs, fp32 accumulate
+                    d = d.to(cdt)  # bf16 tensor-core GEMMs, fp32 accumulate
                 if need_h:
                     _mm(d, w, acc, out=gh)
                 if need_w:
@@ -264,7 +266,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_h[rows] = gh.to(hidden.dtype)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, softcap=None, ignore_index=-100,
@@ -284,10 +286,15 @@ def _apply(hidden, weight, targets, temperature, softcap, ignore_index, compute_
                          f"{tuple(weight.shape)}, {tuple(targets.shape)} (token_logprobs flattens [B, T, H])")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    # autocast would silently redo our GEMMs in bf16: the inputs' own dtypes decide the precision here
-    with torch.autocast(hidden.device.type, enabled=False):
+    # GEMM operand dtype: autocast's when it is on (as TRL does), else the wider input dtype; stats stay fp32.
+    # Autocast is then switched off inside so it cannot recast the per-block ops.
+    dev = hidden.device.type
+    cdt = torch.promote_types(hidden.dtype, weight.dtype)
+    if torch.is_autocast_enabled(dev) and cdt != torch.float64:
+        cdt = torch.get_autocast_dtype(dev)
+    with torch.autocast(dev, enabled=False):
         return ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), softcap, ignore_index,
-                                     compute_entropy, chunk_size, vocab_tile, folds)
+                                     compute_entropy, chunk_size, vocab_tile, folds, cdt)
 
 
 def triton_usable(device) -> bool:

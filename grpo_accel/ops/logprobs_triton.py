@@ -39,8 +39,11 @@ _BLOCK_V = 1024
 def _transform(y, inv_t, softcap, HAS_SOFTCAP: tl.constexpr):
     if HAS_SOFTCAP:
         th = 2 * tl.sigmoid(2 * y / softcap) - 1  # tanh; tl has no portable tanh (interpreter included)
-        return softcap * th * inv_t, th
-    return y * inv_t, y
+        z = softcap * th * inv_t
+    else:
+        th = y
+        z = y * inv_t
+    return z, th
 
 
 @triton.jit
