@@ -1,6 +1,6 @@
 """Log-prob head, forward + backward: naive vs TRL 1.16's chunked function vs ours (chunked, Triton on CUDA).
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_logprobs.py --quick      # CPU: goal shape only, fp32, 2 rounds
+    OMP_NUM_THREADS=1 python benchmarks/bench_logprobs.py --quick      # CPU: goal shape only, fp32, 2 rounds
     python benchmarks/bench_logprobs.py                                  # CUDA: the full grid, bf16
 
 Every (impl, shape, round) runs in a fresh subprocess, so one impl's allocator state cannot flatter another's.
