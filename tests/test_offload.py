@@ -18,6 +18,7 @@ from grpo_accel.offload import (
     SavedActivationTracker,
     install_activation_offload,
     offload_saved_tensors,
+    offloaded_checkpoint,
     remove_activation_offload,
     resolve_offload,
 )
@@ -100,12 +101,18 @@ def test_lora_grads_bit_identical_and_install_is_sticky():
 
     model = lora(tiny_llama(dropout=0.1))
     ckpt = install_activation_offload(model, FORCED)
-    layers = model.get_base_model().model.layers
-    model.gradient_checkpointing_enable()  # what Trainer / TRL's generation unwrap call later
-    assert all(layer.gradient_checkpointing and layer._gradient_checkpointing_func is ckpt for layer in layers)
+    emb = model.get_base_model().model.embed_tokens
+    assert not emb(ids).requires_grad  # no enable_input_require_grads: the layers' dummy input carries grads
     _, grads, tracker = run_step(model, "plain", ids)
     assert_same_grads(ref, grads)
     assert tracker.peak["host"] > 0
+
+    layers = model.get_base_model().model.layers
+    model.gradient_checkpointing_enable()  # what Trainer / TRL's generation unwrap call later
+    assert all(layer.gradient_checkpointing and layer._gradient_checkpointing_func is ckpt for layer in layers)
+    model.zero_grad(set_to_none=True)
+    _, grads, _ = run_step(model, "plain", ids)
+    assert_same_grads(ref, grads)
     assert remove_activation_offload(model) and not remove_activation_offload(model)
     assert not any(layer.gradient_checkpointing for layer in layers)
     assert all("_gradient_checkpointing_func" not in layer.__dict__ for layer in layers)
@@ -211,8 +218,8 @@ def test_kwargs_nested_tensors_and_tuple_outputs():
         return [t.grad for t in (x, w, c, bias)], y.detach()
 
     ref, y_ref = run(None)
-    for cfg in (FORCED, OffloadConfig()):
-        grads, y = run(OffloadedCheckpoint(cfg))
+    for checkpoint in (OffloadedCheckpoint(FORCED), OffloadedCheckpoint(), offloaded_checkpoint):
+        grads, y = run(checkpoint)
         assert torch.equal(y, y_ref)
         for a, b in zip(ref, grads):
             assert torch.equal(a, b)
@@ -366,3 +373,47 @@ def test_zero3_param_hooks_fire_in_the_recompute(tmp_path):
     proc = subprocess.run([sys.executable, "-c", ZERO3_SCRIPT], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0 and "ZERO3_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_forward_without_backward_and_deepcopy():
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(4))
+    model = tiny_llama()
+    ckpt = install_activation_offload(model, FORCED)
+    with SavedActivationTracker() as tracker:
+        loss = model(input_ids=ids, labels=ids).loss
+        assert tracker.bytes["host"] == 3 * LAYER_BYTES
+        del loss  # graph dropped without backward: copies freed, accounts settled
+        assert tracker.bytes == {"device": 0, "host": 0}
+    assert not [r for r in ckpt.stash._entries if r() is not None]
+
+    import copy
+
+    clone = copy.deepcopy(model)  # e.g. a reference model: its own stash, enabling it leaves ours alone
+    clone.gradient_checkpointing_enable()
+    func = clone.model.layers[0]._gradient_checkpointing_func
+    assert isinstance(func, OffloadedCheckpoint) and func is not ckpt and func.stash is not ckpt.stash
+    assert model.model.layers[0]._gradient_checkpointing_func is ckpt
+    remove_activation_offload(clone)
+    assert model.model.layers[0]._gradient_checkpointing_func is ckpt
+
+
+@pytest.mark.parametrize("mode", ["torch", "offload"])
+def test_autocast_state_replayed_in_recompute(mode):
+    """Forward under bf16 autocast, backward outside it: the recompute must run in bf16 again."""
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(5))
+
+    def step(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    ref = step(tiny_llama())
+    model = tiny_llama()
+    if mode == "torch":
+        model._set_gradient_checkpointing(True, functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                  use_reentrant=True))
+    else:
+        install_activation_offload(model, FORCED)
+    assert_same_grads(ref, step(model))
