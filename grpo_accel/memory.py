@@ -1,0 +1,459 @@
+"""Memory planner (predicts the peak footprint of one GRPO step) and per-phase memory telemetry.
+
+    plan = plan_memory(model_shape("qwen3-8b"), dtype="bf16", quantization="4bit", lora_r=16, num_generations=8,
+                       max_prompt_length=512, max_completion_length=110_000, per_device_batch=1,
+                       offload_activations=True, use_vllm=True, vllm_shares_weights=True)
+    print(plan.format()); print(plan.verdict(80 * 2**30))
+    grpo-accel plan --preset h100_110k          # the same from the command line
+
+A prediction, not a measurement: every term is a formula over the shape (L layers, hidden H, intermediate I,
+vocab V) and the batch (B sequences of T = prompt + completion tokens per forward/backward, N_c = B * completion
+tokens scored by the log-prob head). tests/test_memory.py checks it against a measured CPU step.
+Terms are summed as if they were alive at once (the backward of the first layer is where they are); with
+`vllm_sleep` the generation-only terms (KV cache, engine runtime) are released while training runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from .architectures import ModelShape, model_shape
+
+GIB = 1 << 30
+MIB = 1 << 20
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+# bitsandbytes NF4 with double quantization: 4 bits per weight, an 8-bit absmax per 64-weight block, and an fp32
+# scale per 256 blocks.
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# Assumptions (not measured here): what the CUDA context, cuBLAS workspaces and NCCL take outside
+# torch.cuda.max_memory_allocated, and the caching allocator's fragmentation on top of the live bytes.
+CUDA_CONTEXT_BYTES = 1 * GIB
+FRAGMENTATION = 0.05
+# vLLM's own working memory besides weights and KV cache (CUDA graphs, sampler, prefill activations): assumed.
+VLLM_RUNTIME_BYTES = 1 * GIB
+# Mirrors grpo_accel.ops.logprobs.plan_blocks (test_memory checks they agree): block budget and vocab tile.
+LOGPROB_BLOCK_BUDGET = {"cuda": 1024 * MIB, "cpu": 32 * MIB}
+LOGPROB_VOCAB_TILE = {"cuda": 16384, "cpu": 4096}
+TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py, trl/trainer/utils.py (TRL 1.16)
+LOGPROB_IMPLS = ("naive", "trl", "chunked", "triton", "auto")
+
+# Device-side terms; "peak" is their sum. Generation-only terms are released during training with vllm_sleep.
+DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "activations_checkpointed",
+                "recompute_working_set", "logprob_workspace", "vllm_weights", "vllm_kv_cache", "vllm_runtime",
+                "allocator_margin")
+GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime")
+TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_working_set", "logprob_workspace")
+
+
+def layer_saved_bytes_per_token(shape: ModelShape, act_bytes: int, lora_r: int) -> float:
+    """Bytes one decoder layer saves for its backward, per token (HF Llama/Qwen layer, SDPA/flash attention).
+
+    a = activation bytes (2 for bf16/fp16, 4 for fp32). Counted from what autograd keeps:
+      two RMSNorms, each: the fp32 upcast of its input (4H), the normalized tensor (aH), the output (aH)
+      q, k, v projection outputs (q + 2kv), the rotate_half copies of q and k (q + kv), rotated q and k (q + kv)
+      attention output as SDPA saves it plus o_proj's contiguous input (2q), logsumexp (4 bytes x heads)
+      MLP: gate, silu(gate), up, silu(gate)*up (4I)
+      Qwen3 q/k norms: the same three tensors per RMSNorm on q and kv
+      LoRA on the 7 linears: each lora_B saves lora_A's output (r); inputs are shared with the base layer.
+    Measured on CPU (fp32, SmolLM2-135M shape, no checkpointing): 51.6 KB vs 53.5 KB predicted per token-layer.
+    """
+    H, I, q, kv, a = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, act_bytes
+    norms = 2 * (4 * H + 2 * a * H)
+    attention = a * (5 * q + 4 * kv) + 4 * shape.heads
+    mlp = a * 4 * I
+    qk_norm = (4 + 2 * a) * (q + kv) if shape.qk_norm else 0
+    return norms + attention + mlp + qk_norm + 7 * lora_r * a
+
+
+def layer_backward_transient_per_token(shape: ModelShape, act_bytes: int) -> int:
+    """Gradients alive while one layer runs backward: d(out), d(in) [H each] and two MLP-sized grads [I each]."""
+    return act_bytes * (2 * shape.hidden + 2 * shape.intermediate)
+
+
+def auto_logprob_block(n_tokens: int, vocab: int, device: str, act_bytes: int, chunk: int | None = None):
+    """(chunk tokens, vocab tile, bytes of the live blocks) as grpo_accel.ops.logprobs.plan_blocks picks them."""
+    bpe = 4 * 2 + (2 if act_bytes == 2 else 0)  # two fp32 blocks live (logits, entropy/grad) + a half copy
+    budget = LOGPROB_BLOCK_BUDGET[device]
+    tile = min(vocab, LOGPROB_VOCAB_TILE[device])
+    chunk = chunk or max(16, budget // (tile * bpe) // 16 * 16)
+    if chunk >= n_tokens:
+        chunk = max(n_tokens, 1)
+        tile = min(vocab, max(tile, budget // (chunk * bpe)))
+    return chunk, tile, chunk * tile * bpe
+
+
+def _logprob_workspace(impl, shape, n_c, a, device, chunk_tokens, head_trainable) -> int:
+    """Bytes of the log-prob head beyond the hidden states it reads ([N_c, H], counted with the activations)."""
+    V, H = shape.vocab, shape.hidden
+    if impl == "naive":
+        # logits.float().log_softmax(-1).gather(): in backward the saved log-softmax output, gather's dense
+        # gradient and log_softmax's input gradient are alive at once: 3 fp32 [N_c, V] (measured 2.8 on CPU).
+        return 3 * n_c * V * 4
+    grad_w = V * H * 4 if head_trainable else 0  # fp32 accumulator of the lm_head gradient (full fine-tune)
+    if impl == "trl":
+        # TRL's ChunkedLogProbFunction: one [4096, 32768] GEMM tile in the compute dtype, fp32 d(hidden) [N_c, H],
+        # 7 fp32 per-token statistics
+        return min(n_c, TRL_TOKEN_CHUNK) * min(V, TRL_VOCAB_CHUNK) * a + n_c * H * 4 + 7 * n_c * 4 + grad_w
+    _, _, blocks = auto_logprob_block(n_c, V, device, a, chunk_tokens)
+    # ours: the live blocks, d(hidden) [N_c, H] in the hidden dtype, lse / logp / entropy fp32 per token
+    return blocks + n_c * H * a + 3 * n_c * 4 + grad_w
+
+
+def _weights_bytes(shape: ModelShape, dtype_bytes: int, quantization: str) -> float:
+    if quantization == "4bit":  # QLoRA: decoder linears in NF4; embeddings, lm_head, norms in the compute dtype
+        linear = shape.layers * shape.layer_linear_params
+        return linear * NF4_BYTES_PER_PARAM + (shape.n_params - linear) * dtype_bytes
+    return shape.n_params * dtype_bytes
+
+
+def _kv_bytes_per_token(shape: ModelShape, a: int) -> int:
+    return 2 * shape.layers * shape.kv_dim * a  # K and V, every layer
+
+
+def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
+                max_completion_length=1024, per_device_batch=8, gradient_checkpointing=True,
+                offload_activations=False, logprob_impl="auto", logprob_chunk_tokens=None, use_vllm=False,
+                vllm_shares_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
+                offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda") -> "MemoryPlan":
+    """Predicted per-device bytes of one GRPO training step (see the module docstring)."""
+    inputs = {k: v for k, v in locals().items() if k != "shape"}
+    shape = model_shape(shape)
+    if logprob_impl not in LOGPROB_IMPLS:
+        raise ValueError(f"logprob_impl={logprob_impl!r}: use one of {LOGPROB_IMPLS}")
+    if quantization not in ("none", "4bit"):
+        raise ValueError(f"quantization={quantization!r}: use 'none' or '4bit'")
+    if quantization == "4bit" and lora_r <= 0:
+        raise ValueError("quantization='4bit' trains adapters only: set lora_r > 0 (QLoRA)")
+    a = DTYPE_BYTES[dtype]  # weights of non-quantized parts and activations use the compute dtype
+    B, L, H = per_device_batch, shape.layers, shape.hidden
+    T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
+    n_tok, n_c = B * T, B * max_completion_length  # tokens through the layers / scored by the log-prob head
+    world = max(num_processes, 1) if deepspeed_stage else 1
+    dev, host = {}, {}
+
+    # weights: base model; ZeRO-3 shards them and gathers ~2 layers plus the embedding at a time
+    weights = _weights_bytes(shape, a, quantization)
+    if deepspeed_stage >= 3:
+        gathered = (2 * shape.layer_linear_params + shape.vocab * H) * a
+        host["weights"] = weights / world if offload_params else 0
+        weights = gathered + (0 if offload_params else weights / world)
+    dev["weights"] = weights
+    # trainable params: LoRA adapters live in fp32 (PEFT upcasts them); full fine-tune trains the weights above
+    trainable = shape.lora_params(lora_r) if lora_r > 0 else shape.n_params
+    dev["lora_weights"] = trainable * 4 if lora_r > 0 else 0
+    grad_bytes = 4 if lora_r > 0 else a
+    dev["gradients"] = trainable * grad_bytes / (world if deepspeed_stage >= 2 else 1)
+    # optimizer: fp32 master copy when the trained weights are not fp32, then Adam m and v (fp32, or 1 byte each
+    # for 8-bit Adam); ZeRO-1+ shards them, offload_optimizer moves them to host
+    master = 4 if (lora_r <= 0 and a != 4) else 0
+    moments = {"adamw": 8, "adamw_8bit": 2, "sgd": 0}[optimizer]
+    opt = trainable * (master + moments) / (world if deepspeed_stage >= 1 else 1)
+    dev["optimizer_states"], host["optimizer_states"] = (0, opt) if offload_optimizer else (opt, 0)
+
+    # activations
+    saved = layer_saved_bytes_per_token(shape, a, lora_r)
+    transient = layer_backward_transient_per_token(shape, a)
+    if gradient_checkpointing:
+        # each layer's input [B, T, H] plus the final hidden states fed to the head: (L + 1) tensors;
+        # offload keeps <= 2 of them on the device (the one in use and the one being prefetched)
+        ckpt = (L + 1) * n_tok * H * a
+        on_device = min(2, L + 1) * n_tok * H * a if offload_activations else ckpt
+        dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
+        dev["recompute_working_set"] = n_tok * (saved + transient)  # one layer re-run and back-propagated
+    else:
+        dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
+        dev["recompute_working_set"] = n_tok * transient
+    head_trainable = lora_r <= 0
+    dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_tokens,
+                                                  head_trainable)
+    # generation: vLLM's weights (none when it shares the training model's base weights) and a KV cache that must
+    # hold vllm_kv_seqs full-length sequences (vLLM refuses to start below one)
+    vllm_weights_bytes = _weights_bytes(shape, a, quantization)
+    dev["vllm_weights"] = vllm_weights_bytes if use_vllm and not vllm_shares_weights else 0
+    dev["vllm_kv_cache"] = vllm_kv_seqs * T * _kv_bytes_per_token(shape, a) if use_vllm else 0
+    dev["vllm_runtime"] = VLLM_RUNTIME_BYTES if use_vllm else 0
+    live = sum(dev.values()) - (min(sum(dev[k] for k in GENERATION_TERMS),
+                                    sum(dev[k] for k in TRAINING_TRANSIENT_TERMS)) if vllm_sleep else 0)
+    dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
+    return MemoryPlan(shape, inputs, {k: int(dev[k]) for k in DEVICE_TERMS}, {k: int(v) for k, v in host.items()})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    fits: bool
+    peak_bytes: int
+    gpu_bytes: int
+    fixes: tuple = ()  # (description, predicted peak bytes, fits alone)
+    message: str = ""
+
+    def __str__(self):
+        return self.message
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    shape: ModelShape
+    inputs: dict
+    device: dict  # term -> bytes on each device (DEVICE_TERMS)
+    host: dict = field(default_factory=dict)  # term -> bytes in host memory per process
+
+    @property
+    def peak_bytes(self) -> int:
+        total = sum(self.device.values())
+        if self.inputs.get("vllm_sleep"):
+            total -= min(sum(self.device[k] for k in GENERATION_TERMS),
+                         sum(self.device[k] for k in TRAINING_TRANSIENT_TERMS))
+        return int(total)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    @property
+    def vllm_bytes(self) -> int:
+        """What vLLM's gpu_memory_utilization budget must cover: its weights (the shared ones too), KV, runtime."""
+        shared = self.device["weights"] if self.inputs["use_vllm"] and self.inputs["vllm_shares_weights"] else 0
+        return int(shared + sum(self.device[k] for k in ("vllm_weights", "vllm_kv_cache", "vllm_runtime")))
+
+    def replan(self, **changes) -> "MemoryPlan":
+        return plan_memory(self.shape, **{**self.inputs, **changes})
+
+    def format(self) -> str:
+        lines = [f"{'term':<26}{'GiB':>10}"]
+        lines += [f"{k:<26}{v / GIB:>10.2f}" for k, v in self.device.items() if v]
+        lines.append(f"{'peak (device)':<26}{self.peak_gib:>10.2f}")
+        lines += [f"{'host: ' + k:<26}{v / GIB:>10.2f}" for k, v in self.host.items() if v]
+        return "\n".join(lines)
+
+    def verdict(self, gpu_mem_bytes: int) -> Verdict:
+        return _verdict(self, int(gpu_mem_bytes))
+
+
+def _largest_fitting(plan: MemoryPlan, key: str, hi: int, gpu: int, step: int = 1):
+    """Largest value of integer input `key` in [1, hi) that fits, by bisection (the peak grows with it)."""
+    lo = 1
+    if plan.replan(**{key: lo}).peak_bytes > gpu:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan.replan(**{key: mid}).peak_bytes <= gpu else (lo, mid)
+    return lo // step * step if lo >= step else lo
+
+
+def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
+    p, inp = plan.peak_bytes, plan.inputs
+    head = f"predicted peak {p / GIB:.1f} GiB of {gpu / GIB:.1f} GiB"
+    if p <= gpu:
+        return Verdict(True, p, gpu, (), f"fits: {head} ({(gpu - p) / GIB:.1f} GiB headroom)")
+    toggles = []
+    if inp["gradient_checkpointing"] and not inp["offload_activations"]:
+        toggles.append(("turn on offload_activations", dict(offload_activations=True)))
+    if not inp["gradient_checkpointing"]:
+        toggles.append(("turn on gradient_checkpointing", dict(gradient_checkpointing=True)))
+    if inp["logprob_impl"] in ("naive", "trl"):
+        toggles.append(("use logprob_impl='auto' (fused head)", dict(logprob_impl="auto")))
+    if inp["use_vllm"] and not inp["vllm_shares_weights"] and inp["lora_r"] > 0:
+        toggles.append(("share the base weights with vLLM (vllm_shares_weights)", dict(vllm_shares_weights=True)))
+    if inp["use_vllm"] and not inp["vllm_sleep"]:
+        toggles.append(("put vLLM to sleep while training (vllm_sleep)", dict(vllm_sleep=True)))
+    if inp["quantization"] == "none" and inp["lora_r"] > 0:
+        toggles.append(("use a QLoRA preset (quantization='4bit')", dict(quantization="4bit")))
+    if inp["lora_r"] <= 0:
+        toggles.append(("train LoRA adapters instead of all weights (lora_r=16)", dict(lora_r=16)))
+    fixes = [(text, plan.replan(**chg).peak_bytes) for text, chg in toggles]
+    if inp["per_device_batch"] > 1:
+        b = _largest_fitting(plan, "per_device_batch", inp["per_device_batch"], gpu)
+        if b:
+            fixes.append((f"lower per_device_train_batch_size to {b}", plan.replan(per_device_batch=b).peak_bytes))
+    t = _largest_fitting(plan, "max_completion_length", inp["max_completion_length"], gpu, step=128)
+    if t:
+        fixes.append((f"lower max_completion_length to {t}", plan.replan(max_completion_length=t).peak_bytes))
+    combined = plan.replan(**{k: v for _, chg in toggles for k, v in chg.items()}) if toggles else None
+    fixes = [(text, peak, peak <= gpu) for text, peak in sorted(fixes, key=lambda f: f[1])]
+    parts = [f"{text} (-> {peak / GIB:.1f} GiB{', fits' if ok else ''})" for text, peak, ok in fixes]
+    msg = f"does not fit: {head}, short by {(p - gpu) / GIB:.1f} GiB. Fixes, each alone: " + "; ".join(parts)
+    if combined is not None and not any(ok for *_, ok in fixes):
+        msg += f". All switches together: {combined.peak_gib:.1f} GiB" + (
+            ", fits" if combined.peak_bytes <= gpu else ": still too big, use a bigger GPU or a smaller model")
+    return Verdict(False, p, gpu, tuple(fixes), msg)
+
+
+def vllm_memory_fraction(plan: MemoryPlan, gpu_bytes: int, cap: float = 0.95) -> float:
+    """vLLM's gpu_memory_utilization: everything the training side leaves, rounded down to 0.001.
+
+    The engine checks at start that this fraction of the GPU is free; its KV cache then gets what remains of the
+    fraction after its weights and runtime, so giving it all the leftover maximizes concurrent generations.
+    """
+    training_only = plan.peak_bytes - plan.vllm_bytes
+    fraction = min(cap, int((gpu_bytes - training_only) / gpu_bytes * 1000) / 1000)
+    if fraction * gpu_bytes < plan.vllm_bytes:
+        raise ValueError(f"vLLM needs {plan.vllm_bytes / GIB:.1f} GiB but training leaves "
+                         f"{max(fraction, 0) * gpu_bytes / GIB:.1f} GiB: {plan.verdict(gpu_bytes)}")
+    return fraction
+
+
+def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
+    """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
+    inp = plan.inputs
+    per_seq = (inp["max_prompt_length"] + inp["max_completion_length"]) * _kv_bytes_per_token(
+        plan.shape, DTYPE_BYTES[inp["dtype"]])
+    budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
+    return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-phase telemetry: peak device memory of named phases (generate, logprobs, backward, optimizer, ...)
+
+def _proc_status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except ImportError:
+        rss = _proc_status_bytes("VmRSS")
+        return rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of this process: Linux >= 4.0, `echo 5 > clear_refs`."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _proc_status_bytes("VmHWM") is not None
+    except OSError:
+        return False
+
+
+@dataclass
+class PhaseRecord:
+    name: str
+    peak_bytes: int  # CUDA: max_memory_allocated; CPU: peak RSS of the process
+    start_bytes: int
+    end_bytes: int
+    seconds: float
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+
+class PhaseMemory:
+    """Records the peak memory of named, possibly nested, phases.
+
+        mem = PhaseMemory()                      # CUDA when available, else host RSS
+        with mem.phase("generate"): ...
+        with mem.phase("backward"): ...
+        mem.peaks_gib()                          # {"generate": 21.3, "backward": 64.0}, max over repeats
+
+    CUDA: torch.cuda.reset_peak_memory_stats at each phase start, max_memory_allocated at its end.
+    CPU: the kernel's VmHWM, reset per phase through /proc/self/clear_refs; where that is not allowed, a
+    background thread samples the RSS every `interval_s` (may miss peaks shorter than that).
+    Nested phases: a parent's peak includes its children's (read before each reset, merged after).
+    """
+
+    def __init__(self, device: str | None = None, interval_s: float = 0.005):
+        import torch
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.interval_s = interval_s
+        self.records: list[PhaseRecord] = []
+        self._stack: list[list] = []  # [name, running_peak, start_bytes, t0]
+        self._hwm = self.device == "cpu" and _reset_hwm()
+        self._sampler = None
+
+    # one backend: current bytes, peak since last reset, reset
+    def _current(self) -> int:
+        import torch
+
+        return torch.cuda.memory_allocated() if self.device.startswith("cuda") else _rss_bytes()
+
+    def _peak(self) -> int:
+        import torch
+
+        if self.device.startswith("cuda"):
+            return torch.cuda.max_memory_allocated()
+        if self._hwm:
+            return _proc_status_bytes("VmHWM") or 0
+        return max(self._sampled_peak, _rss_bytes())
+
+    def _reset(self) -> None:
+        import torch
+
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        elif self._hwm:
+            _reset_hwm()
+        else:
+            self._sampled_peak = _rss_bytes()
+
+    def _sample(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval_s):
+            self._sampled_peak = max(self._sampled_peak, _rss_bytes())
+
+    @contextmanager
+    def phase(self, name: str):
+        if self._stack:  # keep what the parent has seen so far before resetting the counter
+            self._stack[-1][1] = max(self._stack[-1][1], self._peak())
+        elif not self._hwm and not self.device.startswith("cuda"):
+            stop = threading.Event()
+            self._sampled_peak = _rss_bytes()
+            self._sampler = (stop, threading.Thread(target=self._sample, args=(stop,), daemon=True))
+            self._sampler[1].start()
+        self._reset()
+        frame = [name, 0, self._current(), time.perf_counter()]
+        self._stack.append(frame)
+        try:
+            yield self
+        finally:
+            self._stack.pop()
+            peak = max(frame[1], self._peak())
+            self.records.append(PhaseRecord(name, int(peak), frame[2], self._current(),
+                                            time.perf_counter() - frame[3]))
+            if self._stack:
+                self._stack[-1][1] = max(self._stack[-1][1], peak)
+            elif self._sampler is not None:
+                self._sampler[0].set()
+                self._sampler[1].join()
+                self._sampler = None
+
+    def peaks(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.name] = max(out.get(r.name, 0), r.peak_bytes)
+        return out
+
+    def peaks_gib(self) -> dict[str, float]:
+        return {k: round(v / GIB, 3) for k, v in self.peaks().items()}
+
+    def metrics(self, prefix: str = "memory/") -> dict[str, float]:
+        """Flat dict for trackers: {"memory/generate_peak_gib": ...}."""
+        return {f"{prefix}{k}_peak_gib": v for k, v in self.peaks_gib().items()}
+
+    def as_records(self) -> list[dict]:
+        return [dataclasses.asdict(r) for r in self.records]
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of this process so far (ru_maxrss is KiB on Linux)."""
+    hwm = _proc_status_bytes("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+__all__ = ["GIB", "MemoryPlan", "PhaseMemory", "PhaseRecord", "Verdict", "auto_logprob_block", "kv_cache_sequences",
+           "layer_saved_bytes_per_token", "peak_rss_bytes", "plan_memory", "vllm_memory_fraction"]
