@@ -239,8 +239,10 @@ def _describe(gpu: GPUProps) -> str:
     return f"{many}{gpu.name} ({gpu.mem_gib:.1f} GiB, sm{gpu.major}{gpu.minor})"
 
 
-def _name_tokens(text: str) -> set:
-    return set(re.findall(r"[a-z0-9]+", text.lower()))
+def _gpu_model(text: str) -> str | None:
+    """'t4', 'l4', 'a100', 'h100', 'h200', 'b200' from a device name ('NVIDIA GH200' is none of them)."""
+    found = re.findall(r"\b([abhlt]\d{1,3})\b", text.lower())
+    return found[0] if found else None
 
 
 def _detect(gpu) -> tuple[Preset, str]:
@@ -255,10 +257,10 @@ def _detect(gpu) -> tuple[Preset, str]:
         smallest = min((p for p in PRESETS.values() if p.is_gpu), key=lambda p: p.min_gpu_mem_gib)
         return PRESETS["cpu"], (f"{_describe(gpu)} is below every GPU preset (smallest: {smallest.name}, "
                                 f"≥ {smallest.min_gpu_mem_gib:g} GiB, sm{''.join(map(str, smallest.min_compute_capability))}+): cpu")
-    gpu_tokens = _name_tokens(gpu.name)
+    model = _gpu_model(gpu.name)
     # most processes used, then most memory, then the preset made for this GPU model (A100 vs H100 at 80 GB)
     best = max(ok, key=lambda p: (p.num_processes, p.min_gpu_mem_gib,
-                                  bool(_name_tokens(p.target_gpu.split("x ")[-1]) & gpu_tokens - {"nvidia"})))
+                                  model is not None and _gpu_model(p.target_gpu) == model))
     return best, f"detected {_describe(gpu)}: {best.name}"
 
 

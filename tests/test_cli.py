@@ -1,0 +1,68 @@
+"""`grpo-accel presets` and `grpo-accel plan`: output and exit codes.
+
+    OMP_NUM_THREADS=1 pytest tests/test_cli.py
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from grpo_accel.cli import COMMANDS, main
+from grpo_accel.presets import PRESETS, get_preset
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_presets_table_lists_every_preset_aligned(capsys):
+    assert main(["presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, rule = lines[0], lines[1]
+    assert header.split()[:2] == ["preset", "GPU"] and "peak GiB" in header and "accelerate YAML" in header
+    rows = {line.split()[0]: line for line in lines[2:2 + len(PRESETS)]}
+    assert list(rows) == list(PRESETS)
+    yaml_col = header.index("accelerate YAML")
+    for name, line in rows.items():
+        assert line[yaml_col:].strip() == f"{name}.yaml"  # columns line up
+        assert f"{get_preset(name).plan().peak_gib:.1f}" in line
+    assert len(rule) >= len(header)
+
+
+def test_plan_fits_exit_zero(capsys):
+    assert main(["plan", "--preset", "h100_110k", "--gpu-mem-gib", "79.1"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute_working_set" in out and "host: activations_offloaded" in out
+    assert "fits: predicted peak" in out and "vLLM gpu_memory_utilization" in out
+
+
+def test_plan_not_fitting_exits_nonzero_and_names_a_fix(capsys):
+    code = main(["plan", "--preset", "l4_24gb_qlora", "--max-completion-length", "65536", "--gpu-mem-gib", "22"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "does not fit" in out and "lower max_completion_length to" in out
+
+
+def test_plan_overrides_model_and_switches(capsys):
+    code = main(["plan", "--preset", "h100_110k", "--model", "llama-3.2-1b", "--no-offload-activations",
+                 "--max-completion-length", "4096", "--gpu-mem-gib", "80"])
+    out = capsys.readouterr().out
+    assert code == 0 and "model llama-3.2-1b" in out and "activations_offloaded" not in out
+
+
+def test_plan_bad_preset_is_a_clear_error(capsys):
+    assert main(["plan", "--preset", "h100"]) == 2
+    assert "valid presets: cpu" in capsys.readouterr().err
+
+
+def test_subcommands_are_registered_in_a_table():
+    assert {"presets", "plan"} <= set(COMMANDS)
+
+
+def test_module_entry_point_exit_code():
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    ok = subprocess.run([sys.executable, "-m", "grpo_accel.cli", "plan", "--preset", "t4_qlora"], env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "grpo_accel.cli", "plan", "--preset", "t4_qlora",
+                          "--gpu-mem-gib", "4"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "does not fit" in bad.stdout

@@ -1,0 +1,291 @@
+"""Memory planner arithmetic, named architectures, per-phase telemetry, and planner vs a measured CPU step.
+
+    OMP_NUM_THREADS=1 pytest tests/test_memory.py -s      # -s prints the planner-vs-measured table
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_accel.architectures import ARCHITECTURES, get_architecture, list_architectures, model_shape
+from grpo_accel.memory import (
+    GIB, PhaseMemory, auto_logprob_block, kv_cache_sequences, plan_memory, vllm_memory_fraction,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+# Parameter counts the model cards publish (rounded as they print them)
+PUBLISHED_PARAMS = {"llama-3.1-8b": 8.03e9, "qwen3-8b": 8.2e9, "qwen2.5-1.5b": 1.54e9, "qwen2.5-7b": 7.61e9,
+                    "llama-3.2-1b": 1.23e9, "smollm2-135m": 135e6}
+
+
+# ---------------------------------------------------------------------------------------------- architectures
+
+@pytest.mark.parametrize("name", list_architectures())
+def test_named_architecture_param_count_matches_the_built_model(name):
+    from transformers import AutoModelForCausalLM
+
+    config = get_architecture(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert model_shape(name).n_params == sum(p.numel() for p in model.parameters())
+    assert model_shape(config).n_params == model_shape(name).n_params  # from the config object, same answer
+    if name in PUBLISHED_PARAMS:
+        assert model_shape(name).n_params == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
+
+
+def test_published_shapes():
+    s = model_shape("llama-3.1-8b")
+    assert (s.layers, s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, s.vocab, s.tied) == \
+        (32, 4096, 14336, 32, 8, 128, 128256, False)
+    s = model_shape("qwen3-8b")
+    assert (s.layers, s.hidden, s.intermediate, s.kv_heads, s.vocab, s.qk_norm) == (36, 4096, 12288, 8, 151936, True)
+    assert model_shape("qwen2.5-1.5b").tied and not model_shape("qwen2.5-7b").tied
+    assert get_architecture("llama-3.2-1b").rope_parameters["factor"] == 32.0
+    assert get_architecture("qwen2.5-7b").rope_parameters["rope_theta"] == 1e6
+    assert model_shape("Qwen/Qwen3-8B") == model_shape("qwen3-8b")  # hub names of known shapes resolve offline
+
+
+def test_tiny_architectures_match_the_test_models():
+    from grpo_accel.models import TINY_CONFIGS
+
+    for name, spec in TINY_CONFIGS.items():
+        s = model_shape(name)
+        assert (s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.tied) == (
+            spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"],
+            spec["num_attention_heads"], spec["num_key_value_heads"], spec["tie_word_embeddings"])
+
+
+def test_model_shape_from_local_dir_and_clear_offline_error(tmp_path):
+    get_architecture("qwen2.5-1.5b").save_pretrained(tmp_path)
+    assert model_shape(tmp_path).n_params == model_shape("qwen2.5-1.5b").n_params
+    assert model_shape(str(tmp_path / "config.json")).hidden == 1536
+    with pytest.raises(ValueError, match="local directory with config.json"):  # HF_HUB_OFFLINE=1 in conftest
+        model_shape("some-org/some-model-that-is-not-here")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        model_shape(str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------------------------------- planner arithmetic
+
+def test_8b_bf16_weights_are_16_gb():
+    plan = plan_memory("llama-3.1-8b", dtype="bf16", lora_r=16)
+    assert plan.device["weights"] == 2 * 8_030_261_248  # 16.06 GB
+    q = plan_memory("llama-3.1-8b", dtype="bf16", quantization="4bit", lora_r=16)
+    assert 5.0e9 < q.device["weights"] < 6.0e9  # NF4 decoder linears + bf16 embeddings/head (2.1 GB)
+
+
+def test_naive_logits_match_design_figure():
+    """DESIGN.md: G=8, T=20K, V=128K -> 78 GB, which is one fp32 [G*T, V] copy (T = 20480, V = 128256)."""
+    G, T, V = 8, 20480, 128256
+    one_fp32_copy = G * T * V * 4
+    assert one_fp32_copy / GIB == pytest.approx(78.3, abs=0.1)
+    plan = plan_memory("llama-3.1-8b", dtype="bf16", per_device_batch=G, max_completion_length=T,
+                       logprob_impl="naive")
+    assert plan.device["logprob_workspace"] == 3 * one_fp32_copy  # planner: 3 live copies in backward
+    fused = plan.replan(logprob_impl="auto").device["logprob_workspace"]
+    assert fused < 4 * GIB  # blocks (<= 1 GiB) + d(hidden) [N, H] bf16 (1.25 GiB) + per-token stats
+
+
+def test_offload_moves_checkpointed_inputs_to_host():
+    G, T, L, H = 8, 20480, 32, 4096
+    kw = dict(dtype="bf16", per_device_batch=G, max_prompt_length=0, max_completion_length=T)
+    on = plan_memory("llama-3.1-8b", offload_activations=True, **kw)
+    off = plan_memory("llama-3.1-8b", offload_activations=False, **kw)
+    assert off.device["activations_checkpointed"] == (L + 1) * G * T * H * 2  # L inputs + the head's input
+    assert off.device["activations_checkpointed"] / 1e9 == pytest.approx(43, rel=0.05)  # DESIGN.md's 43 GB
+    moved = off.device["activations_checkpointed"] - on.device["activations_checkpointed"]
+    assert moved == on.host["activations_offloaded"] == (L + 1 - 2) * G * T * H * 2  # 2 stay for prefetch
+    assert off.peak_bytes - on.peak_bytes == pytest.approx(moved * 1.05)  # minus its share of fragmentation
+
+
+@pytest.mark.parametrize("preset", ["t4_qlora", "h100_110k", "8xh100_zero3_offload", "cpu"])
+def test_peak_grows_with_completion_length(preset):
+    from grpo_accel.presets import get_preset
+
+    p = get_preset(preset)
+    peaks = [p.plan(max_completion_length=t).peak_bytes for t in (64, 1024, 8192, 65536)]
+    assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)
+
+
+def test_zero_sharding_divides_states():
+    kw = dict(dtype="bf16", lora_r=0, per_device_batch=1, max_completion_length=1024)
+    single = plan_memory("qwen2.5-7b", **kw)
+    z1, z2, z3 = (plan_memory("qwen2.5-7b", deepspeed_stage=s, num_processes=8, **kw) for s in (1, 2, 3))
+    n = model_shape("qwen2.5-7b").n_params
+    assert single.device["optimizer_states"] == n * 12  # fp32 master + Adam m, v
+    assert z1.device["optimizer_states"] == n * 12 // 8 and z1.device["gradients"] == n * 2
+    assert z2.device["gradients"] == n * 2 // 8 and z2.device["weights"] == n * 2
+    s = model_shape("qwen2.5-7b")
+    gathered = (2 * s.layer_linear_params + s.vocab * s.hidden) * 2  # 2 layers + the embedding, gathered at once
+    assert z3.device["weights"] == pytest.approx(n * 2 / 8 + gathered, abs=1)
+    off = plan_memory("qwen2.5-7b", deepspeed_stage=3, num_processes=8, offload_optimizer=True,
+                      offload_params=True, **kw)
+    assert off.device["optimizer_states"] == 0 and off.host["optimizer_states"] == n * 12 // 8
+    assert off.device["weights"] < z3.device["weights"]
+
+
+def test_lora_states_are_small_and_fp32():
+    s = model_shape("qwen3-8b")
+    plan = plan_memory(s, dtype="bf16", lora_r=16)
+    assert plan.device["lora_weights"] == s.lora_params(16) * 4
+    assert plan.device["optimizer_states"] == s.lora_params(16) * 8  # m, v; the adapter is its own fp32 master
+    assert s.lora_params(16) == 36 * 16 * (8192 + 2 * 5120 + 8192 + 2 * 16384 + 16384)
+
+
+def test_verdict_names_fixes_and_bisection_is_tight():
+    plan = plan_memory("qwen3-8b", dtype="bf16", quantization="4bit", lora_r=16, per_device_batch=1,
+                       max_completion_length=110_000, offload_activations=False, use_vllm=True)
+    gpu = int(79.1 * GIB)
+    v = plan.verdict(gpu)
+    assert not v.fits and "turn on offload_activations" in v.message
+    fix = dict((text, ok) for text, _, ok in v.fixes)
+    assert fix["turn on offload_activations"] and plan.replan(offload_activations=True).verdict(gpu).fits
+    t = int(next(text for text in fix if text.startswith("lower max_completion_length")).split()[-1])
+    assert plan.replan(max_completion_length=t).peak_bytes <= gpu < plan.replan(max_completion_length=t + 128).peak_bytes
+    bf16 = plan_memory("llama-3.1-8b", dtype="bf16", lora_r=16, per_device_batch=1, max_completion_length=4096)
+    assert "use a QLoRA preset" in bf16.verdict(12 * GIB).message
+    assert bf16.verdict(80 * GIB).fits and "fits" in str(bf16.verdict(80 * GIB))
+
+
+def test_vllm_fraction_leaves_training_its_memory():
+    from grpo_accel.presets import get_preset
+
+    p = get_preset("h100_110k")
+    plan, gpu = p.plan(), int(79.1 * GIB)
+    frac = vllm_memory_fraction(plan, gpu)
+    assert frac * gpu >= plan.vllm_bytes  # the engine's weights (shared), minimum KV cache and runtime
+    assert (1 - frac) * gpu >= plan.peak_bytes - plan.vllm_bytes  # training keeps what it needs
+    assert kv_cache_sequences(plan, gpu) >= 1
+    with pytest.raises(ValueError, match="does not fit"):
+        vllm_memory_fraction(plan, int(40 * GIB))
+    shared, own = plan, p.plan(vllm_shares_weights=False)
+    assert own.device["vllm_weights"] == shared.device["weights"] and shared.device["vllm_weights"] == 0
+
+
+def test_logprob_blocks_mirror_the_kernel_planner():
+    from grpo_accel.ops.logprobs import live_blocks, plan_blocks
+
+    for n in (8, 300, 5000, 100_000):
+        for dtype_bytes in (4, 2):
+            bpe = 4 * live_blocks(None, True) + 2 * (dtype_bytes == 2)
+            chunk, tile, _ = auto_logprob_block(n, 49152, "cpu", dtype_bytes)
+            assert (chunk, tile) == plan_blocks(n, 49152, "cpu", bpe)
+
+
+# ---------------------------------------------------------------------------------------------- telemetry
+
+def test_phase_memory_cpu_peaks_reset_and_nest():
+    mem = PhaseMemory(device="cpu")
+    with mem.phase("outer"):
+        with mem.phase("big"):
+            x = torch.ones(300 * MIB // 4)  # 300 MiB, touched
+            del x
+        with mem.phase("small"):
+            y = torch.ones(20 * MIB // 4)
+            del y
+    rec = {r.name: r for r in mem.records}
+    assert rec["big"].peak_bytes - rec["big"].start_bytes >= 290 * MIB
+    assert rec["small"].peak_bytes - rec["small"].start_bytes < 150 * MIB  # the counter was reset
+    assert rec["outer"].peak_bytes >= rec["big"].peak_bytes
+    assert set(mem.metrics()) == {"memory/outer_peak_gib", "memory/big_peak_gib", "memory/small_peak_gib"}
+
+
+def test_phase_memory_sampling_fallback_sees_a_short_peak():
+    mem = PhaseMemory(device="cpu", interval_s=0.002)
+    mem._hwm = False  # as on a kernel without clear_refs
+    with mem.phase("hold"):
+        x = torch.ones(200 * MIB // 4)
+        time.sleep(0.05)
+        del x
+    r = mem.records[0]
+    assert r.peak_bytes - r.start_bytes >= 190 * MIB
+
+
+@pytest.mark.gpu
+def test_phase_memory_cuda():
+    mem = PhaseMemory(device="cuda")
+    with mem.phase("alloc"):
+        x = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+        del x
+    assert mem.records[0].peak_bytes - mem.records[0].start_bytes >= 256 * MIB
+
+
+# ---------------------------------------------------------------------------------------------- planner vs measured
+
+# One training step of a SmolLM2-135M-shaped random model with LoRA r=16 on all linears, fp32, gradient
+# checkpointing, the naive log-prob head, AdamW. A first 4-token step creates the Adam states (as in every step
+# after the first); the peak RSS over the process minus the RSS right after the imports is compared.
+# MALLOC_MMAP_THRESHOLD_ makes glibc return freed blocks to the OS so RSS follows live bytes (the analogue of
+# torch.cuda.max_memory_allocated); with glibc's default, retained heap adds ~40% on top (allocator behaviour).
+STEP_SCRIPT = r"""
+import json, sys
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+from grpo_accel.architectures import get_architecture
+from grpo_accel.memory import _rss_bytes, peak_rss_bytes
+
+B, P, T = map(int, sys.argv[1:4])
+torch.manual_seed(0)
+base = _rss_bytes()
+model = AutoModelForCausalLM.from_config(get_architecture("smollm2-135m"))
+model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+model.train()
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+def step(t):
+    ids = torch.randint(0, model.config.vocab_size, (B, P + t))
+    logits = model(input_ids=ids, logits_to_keep=t + 1).logits[:, :-1]
+    logp = logits.float().log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    del logits
+    (-logp.mean()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+step(4)
+step(T)
+print(json.dumps({"base": base, "peak": peak_rss_bytes()}))
+"""
+
+
+def _measure(batch, prompt, completion):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(batch), str(prompt), str(completion)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return got["peak"] - got["base"]
+
+
+def test_planner_matches_measured_cpu_step():
+    B, P = 2, 16
+    rows = []
+    for T in (64, 128, 256):
+        measured = _measure(B, P, T)
+        predicted = plan_memory("smollm2-135m", dtype="fp32", lora_r=16, per_device_batch=B, max_prompt_length=P,
+                                max_completion_length=T, gradient_checkpointing=True, logprob_impl="naive",
+                                device="cpu").peak_bytes
+        rows.append((T, measured, predicted))
+    print("\ncompletion  measured MiB  predicted MiB  error")
+    for T, m, p in rows:
+        print(f"{T:>10}  {m / MIB:>12.1f}  {p / MIB:>13.1f}  {(p - m) / m:+.1%}")
+    for T, m, p in rows:
+        assert abs(p - m) / m < 0.15, (T, m / MIB, p / MIB)
+    # the length-dependent part (activations + logits), not only the weights, is predicted
+    grow_measured, grow_predicted = rows[-1][1] - rows[0][1], rows[-1][2] - rows[0][2]
+    print(f"growth 64->256: measured {grow_measured / MIB:.1f} MiB, predicted {grow_predicted / MIB:.1f} MiB")
+    assert abs(grow_predicted - grow_measured) / grow_measured < 0.25
+
+
+def test_architectures_table_is_complete():
+    assert set(PUBLISHED_PARAMS) <= set(ARCHITECTURES)
