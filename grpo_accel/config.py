@@ -45,4 +45,10 @@ class GRPOAccelConfig(GRPOConfig):
         if normalized not in ("true", "false", "auto"):
             raise ValueError(f"offload_activations={self.offload_activations!r}: use true, false or auto.")
         self.offload_activations = normalized
+        if self.bf16 is None and not self.fp16:
+            # TRL defaults to bf16 mixed precision, which HF refuses without a bf16 GPU unless use_cpu is set:
+            # default to it only where it can run, so the same config works on a laptop and an H100.
+            import torch
+
+            self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         super().__post_init__()

@@ -2,16 +2,28 @@
 
 Overrides as little as possible; the loss math stays TRL's (`_compute_loss`), so our numbers are
 TRL's numbers. What it adds:
+- `_get_per_token_logps_and_entropies` (TRL's one hook for the policy, old and reference log-probs)
+  goes through our fused head (`logprob_impl`: chunked / triton / auto; "trl" keeps TRL's own), in
+  mini-batches of `logprob_mini_batch` rows;
+- activation offload installed as the model's gradient-checkpointing function (`offload_activations`);
 - reward functions are wrapped so a failing one is named in a clear error, never a silent 0.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 from trl import GRPOTrainer
 
 from .config import GRPOAccelConfig
+from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
+from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .rewards import guarded
+
+# Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
+FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
 
 
 class GRPOAccelTrainer(GRPOTrainer):
@@ -21,3 +33,51 @@ class GRPOAccelTrainer(GRPOTrainer):
         # Reward models (nn.Module) and hub ids (str) are TRL's business; plain functions get the guard.
         reward_funcs = [f if isinstance(f, (str, torch.nn.Module)) else guarded(f) for f in reward_funcs]
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        self.logprob_impl = self._install_logprob_head()
+        self.offload_enabled = self._install_offload()
+
+    def _install_logprob_head(self) -> str:
+        impl = getattr(self.args, "logprob_impl", "trl")
+        if impl == "trl":
+            return impl
+        reason = head_unsupported_reason(causal_lm_of(self.model))
+        if reason:
+            warnings.warn(f"logprob_impl={impl!r} falls back to TRL's head: {reason}.", stacklevel=3)
+            return "trl"
+        for m in (self.model, self.ref_model):
+            if m is not None:
+                install_logprob_head(m, temperature=self.temperature, impl=impl,
+                                     chunk_size=self.args.logprob_chunk_size, vocab_tile=self.args.logprob_vocab_tile)
+        return impl
+
+    def _install_offload(self) -> bool:
+        setting = getattr(self.args, "offload_activations", "false")
+        device = self.accelerator.device
+        if not resolve_offload(setting, device, gradient_checkpointing=self.args.gradient_checkpointing):
+            return False
+        force = os.environ.get(FORCE_OFFLOAD_COPIES_ENV) == "1"
+        config = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0) if force else None
+        install_activation_offload(self.model, config)
+        return True
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        batch_size = getattr(self.args, "logprob_mini_batch", None) or batch_size or input_ids.size(0)
+        multimodal_inputs = any(v is not None for v in multimodal.values())
+        if self.logprob_impl == "trl" or compute_aux_loss or multimodal_inputs:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            # Only the completion tokens are scored (same labels as TRL's hook)
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, :-logits_to_keep] = -100
+            with self.accelerator.autocast():
+                out = model(input_ids=ids, attention_mask=mask, accel_labels=labels, accel_entropy=compute_entropy)
+            all_logps.append(out.log_probs[:, -logits_to_keep:])
+            if compute_entropy:
+                all_entropies.append(out.entropy[:, -logits_to_keep:])
+        entropies = torch.cat(all_entropies) if compute_entropy else None
+        return torch.cat(all_logps), entropies, None

@@ -1,0 +1,98 @@
+"""Put our fused log-prob head on an HF causal LM, reachable through any wrapper (PEFT, DDP, DeepSpeed).
+
+`install_logprob_head(model)` patches the causal LM's forward on that instance: a call with
+`accel_labels=labels` runs the backbone, then `token_logprobs` on the hidden states of the labelled
+positions only, and returns `log_probs` / `entropy` [B, T] (0 where the label is -100). Every other call
+goes to the previous forward untouched (generation, TRL's own `fused_lm_head=True` path).
+
+Why through the model's forward and not by calling the backbone from the trainer: wrappers (DDP's
+reducer, DeepSpeed's engine, ZeRO-3's pre-forward hooks) must see a forward to arm their backward.
+
+Under DeepSpeed ZeRO-3 the head's weight is partitioned and only gathered inside the lm_head module's
+own forward; we read it directly, so it is gathered for our forward and again for the backward
+recompute (`weight_ctx`). With tied embeddings it is usually still gathered from the embedding.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from .ops.logprobs import token_logprobs
+
+
+@dataclass
+class HeadOutput:
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+def causal_lm_of(model):
+    """The HF *ForCausalLM under PEFT / DDP / DeepSpeed wrappers."""
+    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def zero3_gather_ctx(*params):
+    """Gathers ZeRO-3-partitioned parameters for a direct read; a null context otherwise."""
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:
+        return nullcontext()
+    if not is_deepspeed_zero3_enabled():
+        return nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    todo = {id(p): p for p in params if p is not None and getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE}
+    return deepspeed.zero.GatheredParameters(list(todo.values())) if todo else nullcontext()
+
+
+def head_unsupported_reason(causal_lm) -> str | None:
+    """Our head computes softcap(h @ W) / T. Models with a head bias or a logit scale need TRL's."""
+    cfg = causal_lm.config.get_text_config()
+    head = causal_lm.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        return "the model has no linear output embedding"
+    if getattr(head, "bias", None) is not None:
+        return "the LM head has a bias"
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        if getattr(cfg, name, None) not in (None, 1, 1.0):
+            return f"the config scales logits ({name})"
+    return None
+
+
+def install_logprob_head(model, *, temperature: float, impl: str = "auto", chunk_size: int | None = None,
+                         vocab_tile: int | None = None) -> None:
+    causal_lm = causal_lm_of(model)
+    reason = head_unsupported_reason(causal_lm)
+    if reason:
+        raise ValueError(f"grpo_accel's log-prob head does not support this model: {reason}. Fix: logprob_impl='trl'.")
+    previous = causal_lm.forward
+    softcap = getattr(causal_lm.config.get_text_config(), "final_logit_softcapping", None)
+
+    def forward(*args, accel_labels=None, accel_entropy=False, **kwargs):
+        if accel_labels is None:
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        for key in ("labels", "return_dict", "logits_to_keep", "num_items_in_batch"):  # PEFT passes these as None
+            kwargs.pop(key, None)
+        hidden = causal_lm.base_model(*args, **kwargs).last_hidden_state[:, :-1]
+        labels = accel_labels[:, 1:].to(hidden.device)
+        mask = labels != -100
+        weight = causal_lm.get_output_embeddings().weight
+        with zero3_gather_ctx(weight):
+            logp, ent = token_logprobs(hidden[mask], weight, labels[mask], impl=impl, temperature=temperature,
+                                       softcap=softcap, compute_entropy=accel_entropy, chunk_size=chunk_size,
+                                       vocab_tile=vocab_tile)
+        # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero)
+        scatter = lambda x: None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)  # noqa: E731
+        return HeadOutput(log_probs=scatter(logp), entropy=scatter(ent))
+
+    forward.__wrapped__ = previous  # generate() validates kwargs against the original signature
+    causal_lm.forward = forward

@@ -1,0 +1,108 @@
+"""Our trainer's log-probs, entropies, loss and gradients equal TRL 1.16's own, per logprob_impl.
+
+If TRL renames or re-signatures `_get_per_token_logps_and_entropies`, or stops calling it from the
+loss, these tests fail: that hook is the one private TRL method we override.
+"""
+
+import inspect
+
+import pytest
+import torch
+from peft import LoraConfig
+from trl import GRPOTrainer
+
+from grpo_accel.config import GRPOAccelConfig
+from grpo_accel.data import arithmetic_dataset
+from grpo_accel.models import load_model
+from grpo_accel.trainer import GRPOAccelTrainer
+from rewards_for_tests import length_reward
+
+HOOK_PARAMS = ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+               "compute_aux_loss"]
+
+
+def test_trl_hook_signature_is_the_one_we_override():
+    params = list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
+    assert params[: len(HOOK_PARAMS)] == HOOK_PARAMS, "TRL moved the hook: re-check GRPOAccelTrainer's override"
+    assert "_get_per_token_logps_and_entropies" in inspect.getsource(GRPOTrainer._compute_loss)
+
+
+def make_trainer(tmp_path, impl, peft=True, **overrides):
+    torch.manual_seed(0)
+    model, tokenizer = load_model("tiny-llama")
+    args = GRPOAccelConfig(output_dir=str(tmp_path / impl), per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=10, report_to="none", logprob_impl=impl, seed=0,
+                           beta=0.04 if peft else 0.0,  # full FT + beta loads a reference by hub id; tiny has none
+                           logging_steps=1, max_steps=1, **overrides)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]) if peft else None
+    return GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
+                            train_dataset=arithmetic_dataset("train", 8), peft_config=lora)
+
+
+def one_batch(trainer):
+    torch.manual_seed(1)
+    batch = [trainer.train_dataset[i] for i in range(4)]
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, read by the loss
+    return trainer._generate_and_score_completions(batch)
+
+
+def grads_of(trainer, inputs):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("impl", ["chunked", "triton"])
+@pytest.mark.parametrize("peft", [True, False], ids=["lora", "full"])
+def test_logps_loss_and_grads_match_trl(tmp_path, impl, peft, monkeypatch):
+    if impl == "triton":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available():
+            pytest.skip("triton head runs on CUDA tensors; its CPU interpreter parity is in test_logprobs_triton")
+    ours = make_trainer(tmp_path, impl, peft)
+    assert ours.logprob_impl == impl
+    inputs = one_batch(ours)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    k = inputs["completion_ids"].size(1)
+    with torch.no_grad():
+        lp, ent, _ = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, k, compute_entropy=True)
+        ref_lp, ref_ent, _ = GRPOTrainer._get_per_token_logps_and_entropies(ours, ours.model, ids, mask, k,
+                                                                            compute_entropy=True)
+    valid = inputs["completion_mask"].bool()
+    assert lp.shape == ref_lp.shape
+    torch.testing.assert_close(lp[valid], ref_lp[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[valid], ref_ent[valid], rtol=1e-5, atol=1e-5)
+
+    calls = []
+    original = GRPOAccelTrainer._get_per_token_logps_and_entropies
+    monkeypatch.setattr(GRPOAccelTrainer, "_get_per_token_logps_and_entropies",
+                        lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    loss, grads = grads_of(ours, inputs)
+    assert calls, "TRL's loss no longer goes through the hook we override"
+    ours.logprob_impl = "trl"
+    ref_loss, ref_grads = grads_of(ours, inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_mini_batch_rows_give_the_same_logps(tmp_path):
+    trainer = make_trainer(tmp_path, "chunked", logprob_mini_batch=3)
+    inputs = one_batch(trainer)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    k = inputs["completion_ids"].size(1)
+    with torch.no_grad():
+        a, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k)
+        trainer.args.logprob_mini_batch = None
+        b, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_logprob_impl_names_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="logprob_impl='fast' is not one of"):
+        GRPOAccelConfig(output_dir=str(tmp_path), logprob_impl="fast")
