@@ -267,6 +267,7 @@ def _measure(batch, prompt, completion):
     return got["peak"] - got["base"]
 
 
+@pytest.mark.slow  # ~45 s on 2 busy cores: three subprocesses, one per completion length
 def test_planner_matches_measured_cpu_step():
     B, P = 2, 16
     rows = []
