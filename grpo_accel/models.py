@@ -40,7 +40,11 @@ TINY_CONFIGS = {
 }
 
 
-class ModelNotFoundError(ValueError):
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded as asked; the message names the fix."""
+
+
+class ModelNotFoundError(ModelLoadError):
     pass
 
 
@@ -149,14 +153,48 @@ def build_tiny_model(name: str, tokenizer, seed: int = 0, dtype=torch.float32):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32, **kwargs):
+def quantization_config(quantization: str, compute_dtype: torch.dtype):
+    """None, or the QLoRA 4-bit NF4 config (double quantization; compute in the training dtype)."""
+    if quantization in (None, "none"):
+        return None
+    if quantization != "4bit":
+        raise ModelLoadError(f"quantization={quantization!r}: use 'none' or '4bit'.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ModelLoadError("4-bit (QLoRA) loading needs bitsandbytes, which is not installed. "
+                             "Fix: pip install 'grpo_accel[qlora]', or pick a non-QLoRA preset.") from exc
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def _keep_4bit_trainable_on_cpu(model) -> None:
+    """bitsandbytes 0.50 on AVX512-BF16 CPUs repacks a Linear4bit's weight on an eval-mode no-grad forward,
+    after which backward silently yields no gradients (DESIGN.md). Turn that repacking off."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32, quantization: str = "none",
+               **kwargs):
     """(model, tokenizer) for a hub name, a local dir, the embedded default or a tiny test model."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    quant = quantization_config(quantization, dtype)
     tokenizer = load_tokenizer(name)
     if name in TINY_CONFIGS:
+        if quant is not None:
+            raise ModelLoadError(f"{name} is built in code at random; 4-bit loading needs saved weights. "
+                                 f"Fix: --quantization none, or a saved model directory.")
         return build_tiny_model(name, tokenizer, dtype=dtype), tokenizer
+    if quant is not None:
+        kwargs["quantization_config"] = quant
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype, **kwargs)
+    if quant is not None:
+        _keep_4bit_trainable_on_cpu(model)
     return model, tokenizer

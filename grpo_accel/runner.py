@@ -12,16 +12,49 @@ import time
 from dataclasses import asdict
 
 from .data import DatasetError, train_eval_datasets
-from .models import ModelNotFoundError, load_model, load_tokenizer
+from .models import ModelLoadError, ModelNotFoundError, load_model, load_tokenizer
 from .report import plot_reward_curve, step_rows, write_json, write_metrics_csv
 from .rewards import RewardFunctionError, resolve_rewards
 
-USER_ERRORS = (ModelNotFoundError, DatasetError, RewardFunctionError, FileNotFoundError, PermissionError)
+from .presets import PresetError
+
+USER_ERRORS = (PresetError, ModelLoadError, DatasetError, RewardFunctionError, FileNotFoundError, PermissionError)
 
 
 def log(msg: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[grpo_accel] {msg}", flush=True)
+
+
+def choose_preset(cli_preset: str | None):
+    """The preset (--preset, else the launching YAML's, else the detected GPU's), checked against this GPU
+    before any weights load."""
+    from .presets import check_preset_fits_gpu, select_preset
+
+    preset, why = select_preset(cli_preset)
+    log(f"preset {preset.name}: {why}")
+    check_preset_fits_gpu(preset)
+    return preset
+
+
+def check_plan_fits(script_args, config) -> None:
+    """Refuse, before loading weights, a run the planner says cannot fit this GPU; names the fix."""
+    import torch
+
+    from .architectures import model_shape
+    from .presets import get_preset
+
+    if not torch.cuda.is_available():
+        return
+    preset = get_preset(script_args.preset)
+    shape = model_shape(preset.architecture if script_args.model == preset.model else script_args.model)
+    plan = preset.plan(shape=shape, max_completion_length=config.max_completion_length,
+                       num_generations=config.num_generations,
+                       per_device_batch=config.per_device_train_batch_size, lora_r=script_args.lora_r)
+    verdict = plan.verdict(torch.cuda.get_device_properties(0).total_memory)
+    log(f"memory plan: {plan.peak_gib:.1f} GiB predicted peak per GPU — {verdict}")
+    if not verdict.fits:
+        raise PresetError(f"this run does not fit: {verdict}")
 
 
 def configure_tracking(config) -> None:
@@ -43,6 +76,12 @@ def _netrc_has_wandb() -> bool:
         return netrc.netrc().authenticators("api.wandb.ai") is not None
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
+
+
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 def check_output_dir(path: str) -> None:
@@ -84,6 +123,10 @@ def run(script_args, config) -> int:
         raise ValueError(f"generation_batch_size={config.generation_batch_size} is not divisible by "
                          f"num_generations={config.num_generations}. Fix: make it a multiple.")
     check_output_dir(config.output_dir)
+    check_plan_fits(script_args, config)
+    if config.use_vllm and not _vllm_importable():
+        log("vLLM is not installed: generating with transformers' generate() (pip install 'grpo_accel[vllm]')")
+        config.use_vllm = False
     reward_funcs = resolve_rewards(script_args.rewards)
     tokenizer = load_tokenizer(script_args.model)
     if not tokenizer.chat_template:
@@ -95,7 +138,7 @@ def run(script_args, config) -> int:
         f"{len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} held-out prompts")
     configure_tracking(config)
 
-    model, _ = load_model(script_args.model, dtype=script_args.model_dtype)
+    model, _ = load_model(script_args.model, dtype=script_args.model_dtype, quantization=script_args.quantization)
     trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config,
                                train_dataset=train_ds, processing_class=tokenizer,
                                peft_config=lora_config(script_args))

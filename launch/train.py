@@ -37,6 +37,7 @@ class ScriptArguments:
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate() call in evaluation."})
     rewards: str = field(default="correctness,format", metadata={"help": "Comma list of built-in rewards "
                          "(correctness, format) or importable 'module:function' reward functions."})
+    quantization: str = field(default="none", metadata={"help": "'none' or '4bit' (QLoRA, needs bitsandbytes)."})
     preset: str | None = field(default=None, metadata={"help": "Preset name; wins over the launching YAML's."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank; 0 = full fine-tuning."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
@@ -64,6 +65,7 @@ def build_parser(defaults: dict):
 
 def preparse(argv):
     pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default=None)
     pre.add_argument("--run_name", default=None)
     pre.add_argument("--model", default=DEFAULT_MODEL)
     pre.add_argument("--dataset", default="arithmetic")
@@ -78,11 +80,17 @@ def default_run_name(model: str, dataset: str) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    pre = preparse(argv)
-    run_name = pre.run_name or default_run_name(pre.model, pre.dataset)
-    defaults = dict(DEMO_DEFAULTS, run_name=run_name, output_dir=os.path.join("runs", run_name))
-    from grpo_accel.runner import main_guarded
+    from grpo_accel.runner import choose_preset, main_guarded
 
+    pre = preparse(argv)
+    preset = main_guarded(choose_preset, pre.preset)
+    if isinstance(preset, int):
+        return preset
+    model = pre.model if "--model" in " ".join(argv) else preset.model
+    run_name = pre.run_name or default_run_name(model, pre.dataset)
+    # Precedence: the demo recipe < the preset < --config file < command-line flags.
+    defaults = dict(DEMO_DEFAULTS, **preset.training_overrides(), preset=preset.name, run_name=run_name,
+                    output_dir=os.path.join("runs", run_name))
     parsed = main_guarded(lambda: build_parser(defaults).parse_args_and_config(args=argv))
     if isinstance(parsed, int):
         return parsed

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import re
 
 import pytest
 from safetensors.torch import load_file
@@ -51,20 +52,27 @@ def test_wandb_offline_metrics_read_back(tiny_run):
         assert logged["train/loss"] == pytest.approx(float(row["loss"]), rel=1e-6, abs=1e-12)
 
 
+def error_line(stderr: str) -> str:
+    """The one line a user reads: `error: ...` (progress bars may print after it while closing)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, stderr[-2000:]
+    return lines[0]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "no-such-org/no-such-model"], "could not be loaded from the hub.*Fix"),
     (["--model", "./missing_model_dir"], "does not exist.*Fix"),
     (["--dataset", "/nonexistent/data.jsonl"], "does not exist.*Fix"),
     (["--rewards", "nope_reward"], "neither built in.*Fix"),
+    (["--preset", "no_such_preset"], "no_such_preset"),
+    (["--preset", "h100_110k"], "needs a CUDA GPU.*try cpu"),
+    (["--quantization", "4bit"], "4-bit"),
 ])
 def test_bad_input_fails_fast_with_the_fix(tmp_path, args, message):
     out = tmp_path / "run"
     result = run_train([*TINY_ARGS, "--output_dir", str(out), *args])
     assert result.returncode == 2, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:")
-    import re
-    assert re.search(message, last), last
+    assert re.search(message, error_line(result.stderr))
     assert not out.exists(), "a run that never started must leave no run directory"
 
 
@@ -72,11 +80,11 @@ def test_dataset_without_fields(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"problem": "1+1", "solution": "2"}\n')
     result = run_train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--dataset", str(data)])
-    assert result.returncode == 2 and "needs 'question' and 'answer'" in result.stderr
+    assert result.returncode == 2 and "needs 'question' and 'answer'" in error_line(result.stderr)
 
 
 def test_reward_that_raises_is_named(tmp_path):
     result = run_train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--eval_size", "0",
                         "--rewards", "rewards_for_tests:broken_reward"])
     assert result.returncode == 2
-    assert "reward function 'broken_reward' raised KeyError" in result.stderr.strip().splitlines()[-1]
+    assert "reward function 'broken_reward' raised KeyError" in error_line(result.stderr)
