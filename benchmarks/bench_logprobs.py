@@ -8,6 +8,7 @@ Peak extra memory = peak minus the memory held after the inputs exist (includes 
   CUDA  torch.cuda.max_memory_allocated() - memory_allocated() before the call
   CPU   peak resident set size (VmHWM, reset through /proc/self/clear_refs) - RSS before the call; this counts
         what the allocator really touched, which is what runs a CPU host out of memory.
+Each worker first runs the impl once (warm-up, see `worker`), then measures one call.
 Time = median over rounds of one forward + backward; rounds visit the impls in rotating order so that load from
 other processes on a shared host falls on all of them alike. The workload is GRPO's: log-probs and entropy
 (for logging) of every token, loss on the log-probs only, hidden and weight both trainable, temperature 1.
@@ -59,14 +60,14 @@ def worker(impl, n, h, v, dtype_name, device):
     targets = torch.randint(0, v, (n,), device=device, generator=g)
     grad_logp = torch.randn(n, device=device, generator=g)
 
-    def naive():
+    def naive(hidden, weight, targets):
         logp_all = (hidden @ weight.T).float().log_softmax(-1)
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 
-    def trl():  # as GRPOTrainer's add_fused_lm_head calls it (all labels valid here, so no compaction)
+    def trl(hidden, weight, targets):  # as GRPOTrainer's add_fused_lm_head calls it (all labels valid here, so no compaction)
         logp, entropy, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0,
                                                          _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
                                                          ("log_probs", "entropy"))
@@ -75,10 +76,16 @@ def worker(impl, n, h, v, dtype_name, device):
     fns = {
         "naive": naive,
         "trl": trl,
-        "chunked": lambda: chunked_logprobs(hidden, weight, targets, compute_entropy=True),
-        "triton": lambda: triton_logprobs(hidden, weight, targets, compute_entropy=True),
+        "chunked": lambda h, w, t: chunked_logprobs(h, w, t, compute_entropy=True),
+        "triton": lambda h, w, t: triton_logprobs(h, w, t, compute_entropy=True),
     }
     cuda = device == "cuda"
+    # warm-up: library/kernel loading, Triton compilation, allocator set-up are paid once per training run, not
+    # per step (on CPU they add 30-130 MiB of RSS to a first call); same shape on CUDA, 256 rows on CPU (cheap)
+    n_warm = n if cuda else min(n, 256)
+    logp, _ = fns[impl](hidden[:n_warm], weight, targets[:n_warm])
+    (logp * grad_logp[:n_warm]).sum().backward()
+    hidden.grad = weight.grad = logp = None
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -88,7 +95,7 @@ def worker(impl, n, h, v, dtype_name, device):
         base = _rss_kib("VmRSS") * 1024
     t0 = time.perf_counter()
     try:
-        logp, entropy = fns[impl]()
+        logp, entropy = fns[impl](hidden, weight, targets)
         (logp * grad_logp).sum().backward()
         if cuda:
             torch.cuda.synchronize()
