@@ -19,14 +19,15 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import ModelOutput
 
 from .ops.logprobs import token_logprobs
 
 
 @dataclass
-class HeadOutput:
-    log_probs: torch.Tensor
-    entropy: torch.Tensor | None
+class HeadOutput(ModelOutput):  # a ModelOutput, so ZeRO-3's hooks can see the tensors inside
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 def causal_lm_of(model):

@@ -106,11 +106,15 @@ def lora_config(script_args):
 
 def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
     from .evaluate import evaluate
+    from .head import zero3_gather_ctx
 
     t0 = time.time()
-    acc, records = evaluate(trainer_or_model, tokenizer, dataset, max_new_tokens=script_args.eval_max_new_tokens,
-                            batch_size=script_args.eval_batch_size, desc=f"held-out eval ({tag})",
-                            disable_progress=int(os.environ.get("RANK", "0")) != 0)
+    # Under ZeRO-3 every rank holds a shard: gather the whole model for generate() (costs one full copy of the
+    # weights per rank while evaluating; every rank decodes the same greedy sequences, so they stay in step).
+    with zero3_gather_ctx(*trainer_or_model.parameters()):
+        acc, records = evaluate(trainer_or_model, tokenizer, dataset, max_new_tokens=script_args.eval_max_new_tokens,
+                                batch_size=script_args.eval_batch_size, desc=f"held-out eval ({tag})",
+                                disable_progress=int(os.environ.get("RANK", "0")) != 0)
     log(f"held-out accuracy {tag}: strict {acc['accuracy_strict']:.1%}, lenient {acc['accuracy_lenient']:.1%} "
         f"({len(records)} problems, {time.time() - t0:.0f} s)")
     return acc, records

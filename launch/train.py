@@ -73,6 +73,12 @@ def preparse(argv):
     return known
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def default_run_name(model: str, dataset: str) -> str:
     short = lambda s: os.path.basename(os.path.normpath(s)).replace(".jsonl", "").lower()  # noqa: E731
     return f"{short(model)}-{short(dataset)}"
@@ -91,6 +97,10 @@ def main(argv=None):
     # Precedence: the demo recipe < the preset < --config file < command-line flags.
     defaults = dict(DEMO_DEFAULTS, **preset.training_overrides(), preset=preset.name, run_name=run_name,
                     output_dir=os.path.join("runs", run_name))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda_available():
+        # Several CPU processes (the cpu_zero* presets): without gloo forced, accelerate sees 1 process and
+        # DeepSpeed 2, and the batch-size check fails.
+        defaults["ddp_backend"] = "gloo"
     parsed = main_guarded(lambda: build_parser(defaults).parse_args_and_config(args=argv))
     if isinstance(parsed, int):
         return parsed
