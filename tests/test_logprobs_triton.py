@@ -5,25 +5,55 @@ OMP_NUM_THREADS=1 pytest tests/test_logprobs_triton.py -q
 
 import importlib
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
-# torch does not import triton; the interpreter flag is read when a kernel is decorated (module import),
-# so it must be set before grpo_accel.ops.logprobs_triton is first imported.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = not torch.cuda.is_available()
+# Under the interpreter, Triton must be imported with TRITON_INTERPRET=1 (its own tl.* helpers are decorated
+# then) and the flag must be set again whenever a kernel runs. torch does not import triton; if something else
+# in this pytest process already did without the flag, these tests re-run in a subprocess instead.
+PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+IN_PROCESS = not (INTERPRET and PREIMPORTED)
 
-import pytest  # noqa: E402
 
-pytest.importorskip("triton")
+def _set_interpret(value):
+    prev = os.environ.get("TRITON_INTERPRET")
+    if value is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = value
+    return prev
 
-import grpo_accel.ops.logprobs_triton as lt  # noqa: E402
+
+_prev = _set_interpret("1") if INTERPRET and IN_PROCESS else os.environ.get("TRITON_INTERPRET")
+try:
+    pytest.importorskip("triton")
+    import grpo_accel.ops.logprobs_triton as lt
+
+    if INTERPRET and IN_PROCESS and type(lt._grad_kernel).__name__ != "InterpretedFunction":
+        sys.modules.pop(lt.__name__)  # imported earlier without the flag: a fresh module object
+        lt = importlib.import_module(lt.__name__)
+finally:
+    _set_interpret(_prev)  # the flag must not leak into other tests or the subprocesses they start
+
 from test_logprobs import H, grads_out, make_inputs, reference64, rel_err, run  # noqa: E402
 
 from grpo_accel.ops.logprobs import chunked_logprobs, token_logprobs  # noqa: E402
 
-if not torch.cuda.is_available() and type(lt._grad_kernel).__name__ != "InterpretedFunction":
-    lt = importlib.reload(lt)  # imported earlier without the interpreter (another test module): redecorate
+in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET: see "
+                                "test_rerun_in_subprocess")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_for_this_module():
+    prev = _set_interpret("1") if INTERPRET else None
+    yield
+    if INTERPRET:
+        _set_interpret(prev)
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,6 +62,7 @@ def on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
+@in_process
 @pytest.mark.parametrize("temperature,softcap,chunk_size,vocab_tile", [
     (1.0, None, None, None),  # one block: the whole problem
     (0.7, 5.0, 16, 48),  # 3 chunks x 3 tiles, last tile 5 wide (masked lanes in every kernel)
@@ -48,6 +79,7 @@ def test_triton_fp32_matches_fp64_reference(temperature, softcap, chunk_size, vo
     assert (logp[targets == -100] == 0).all() and (dh[targets == -100] == 0).all()
 
 
+@in_process
 def test_triton_logp_grad_only_and_bf16():
     """Entropy computed but unused (its grad is None), bf16 inputs: same tolerance rule as the torch path."""
     hidden, weight, targets = on_device(*make_inputs(dtype=torch.bfloat16))
@@ -64,6 +96,7 @@ def test_triton_logp_grad_only_and_bf16():
         assert rel_err(o.cpu(), r) <= 2 * rel_err(c.cpu(), r) + 1e-6
 
 
+@in_process
 def test_triton_fp64_and_dispatcher():
     hidden, weight, targets = on_device(*make_inputs(n=12, dtype=torch.float64))
     h3, t3 = hidden.view(3, 4, H), targets.view(3, 4)
@@ -73,6 +106,7 @@ def test_triton_fp64_and_dispatcher():
     assert rel_err(logp, rl) < 1e-12 and rel_err(ent, re) < 1e-12
 
 
+@in_process
 @pytest.mark.gpu
 def test_triton_bf16_gpu_larger():
     """On a GPU: the real (compiled) kernels at a shape with many blocks, vs the chunked path."""
@@ -83,3 +117,11 @@ def test_triton_bf16_gpu_larger():
     chunked = run(chunked_logprobs, hidden, weight, targets, g_lp, g_ent, **kw)
     for o, c in zip(ours, chunked):
         assert rel_err(o, c) < 1e-2
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="ran in process")
+def test_rerun_in_subprocess():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], env=env,
+                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stdout[-3000:]
