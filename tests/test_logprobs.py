@@ -205,6 +205,29 @@ def test_tied_embeddings_accumulate_both_grads():
     assert rel_err(grads["ours"], grads["ref"]) < 1e-5
 
 
+def test_weight_ctx_wraps_the_backward_recompute():
+    """weight_ctx (ZeRO-3: re-gather the head for the recompute) is entered once, around the backward only."""
+    import contextlib
+
+    hidden, weight, targets = make_inputs()
+    events = []
+
+    @contextlib.contextmanager
+    def ctx():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, _ = token_logprobs(h, w, targets, impl="chunked", weight_ctx=ctx)
+    assert events == []
+    logp.sum().backward()
+    assert events == ["enter", "exit"]
+    h64 = hidden.double().requires_grad_()
+    logprobs_reference(h64, weight.double(), targets)[0].sum().backward()
+    assert rel_err(h.grad, h64.grad) < 1e-5
+
+
 def test_frozen_weight_only_hidden_grad():
     hidden, weight, targets = make_inputs()
     h = hidden.clone().requires_grad_()

@@ -20,6 +20,8 @@ Implementations, picked by one string (`token_logprobs(..., impl=...)`):
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 _MIB = 1 << 20
@@ -169,7 +171,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy,
-                chunk_size, vocab_tile, folds, cdt):
+                chunk_size, vocab_tile, folds, cdt, weight_ctx=None):
         ctx.set_materialize_grads(False)  # entropy is often only logged: no grad, no backward work for it
         n, v = hidden.shape[0], weight.shape[0]
         acc = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
@@ -211,11 +213,19 @@ class ChunkedLogprobs(torch.autograd.Function):
         del buf
         ctx.save_for_backward(hidden, weight, targets, lse, *(() if ent is None else (ent,)))
         ctx.cfg = (temperature, softcap, ignore_index, chunk_size, vocab_tile, folds, cdt)
+        ctx.weight_ctx = weight_ctx
         return logp, ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp, grad_ent):
+        # weight_ctx: re-materializes a weight that lives elsewhere between forward and backward (DeepSpeed
+        # ZeRO-3 partitions it again after the forward's gather; the recompute needs it whole once more).
+        with ctx.weight_ctx() if ctx.weight_ctx is not None else nullcontext():
+            return ChunkedLogprobs._backward(ctx, grad_logp, grad_ent)
+
+    @staticmethod
+    def _backward(ctx, grad_logp, grad_ent):
         hidden, weight, targets, lse, *rest = ctx.saved_tensors
         temperature, softcap, ignore_index, chunk_size, vocab_tile, folds, cdt = ctx.cfg
         ent = rest[0] if rest else None
@@ -223,7 +233,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         if grad_ent is None or ent is None:
             grad_ent = None
         if (grad_logp is None and grad_ent is None) or not (need_h or need_w):
-            return (None,) * 11
+            return (None,) * 12
         n, v = hidden.shape[0], weight.shape[0]
         acc = lse.dtype
         valid = targets != ignore_index
@@ -267,21 +277,21 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_h[rows] = gh.to(hidden.dtype)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None, None
 
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, softcap=None, ignore_index=-100,
-                     compute_entropy=False, chunk_size=None, vocab_tile=None):
+                     compute_entropy=False, chunk_size=None, vocab_tile=None, weight_ctx=None):
     """Chunked torch path: (logp [N] fp32, entropy [N] fp32 or None). hidden [N, H], weight [V, H], targets [N].
 
     Block sizes: `plan_blocks` (from free memory) unless chunk_size / vocab_tile are given.
     """
     return _apply(hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy,
-                  chunk_size, vocab_tile, TorchFolds)
+                  chunk_size, vocab_tile, TorchFolds, weight_ctx)
 
 
 def _apply(hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy, chunk_size, vocab_tile,
-           folds):
+           folds, weight_ctx=None):
     if hidden.ndim != 2 or weight.ndim != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(targets.shape)} (token_logprobs flattens [B, T, H])")
@@ -295,7 +305,7 @@ def _apply(hidden, weight, targets, temperature, softcap, ignore_index, compute_
         cdt = torch.get_autocast_dtype(dev)
     with torch.autocast(dev, enabled=False):
         return ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), softcap, ignore_index,
-                                     compute_entropy, chunk_size, vocab_tile, folds, cdt)
+                                     compute_entropy, chunk_size, vocab_tile, folds, cdt, weight_ctx)
 
 
 def triton_usable(device) -> bool:
@@ -309,7 +319,7 @@ def triton_usable(device) -> bool:
 
 
 def token_logprobs(hidden, weight, targets, *, impl="auto", temperature=1.0, softcap=None, ignore_index=-100,
-                   compute_entropy=False, chunk_size=None, vocab_tile=None):
+                   compute_entropy=False, chunk_size=None, vocab_tile=None, weight_ctx=None):
     """Per-token log p(target) [...] and entropy [...] (or None) for hidden [..., H], targets [...].
 
     impl: "auto" (triton on CUDA when importable, else chunked) | "chunked" | "triton" | "reference".
@@ -327,7 +337,8 @@ def token_logprobs(hidden, weight, targets, *, impl="auto", temperature=1.0, sof
         else:
             fn = chunked_logprobs
         logp, ent = fn(h2, weight, t2, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
-                       compute_entropy=compute_entropy, chunk_size=chunk_size, vocab_tile=vocab_tile)
+                       compute_entropy=compute_entropy, chunk_size=chunk_size, vocab_tile=vocab_tile,
+                       weight_ctx=weight_ctx)
     else:
         raise ValueError(f"impl={impl!r}: choose one of 'auto', 'chunked', 'triton', 'reference'")
     return logp.view(lead), (ent.view(lead) if ent is not None else None)
