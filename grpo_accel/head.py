@@ -90,7 +90,7 @@ def install_logprob_head(model, *, temperature: float, impl: str = "auto", chunk
         with zero3_gather_ctx(weight):
             logp, ent = token_logprobs(hidden[mask], weight, labels[mask], impl=impl, temperature=temperature,
                                        softcap=softcap, compute_entropy=accel_entropy, chunk_size=chunk_size,
-                                       vocab_tile=vocab_tile)
+                                       vocab_tile=vocab_tile, weight_ctx=lambda: zero3_gather_ctx(weight))
         # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero)
         scatter = lambda x: None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)  # noqa: E731
         return HeadOutput(log_probs=scatter(logp), entropy=scatter(ent))

@@ -147,6 +147,7 @@ def run(script_args, config) -> int:
                                train_dataset=train_ds, processing_class=tokenizer,
                                peft_config=lora_config(script_args))
     is_main = trainer.accelerator.is_main_process
+    log(f"log-prob head: {trainer.logprob_impl}; activation offload: {'on' if trainer.offload_enabled else 'off'}")
     os.makedirs(config.output_dir, exist_ok=True)
     summary = {"model": script_args.model, "dataset": script_args.dataset, "run_name": config.run_name}
     if is_main:

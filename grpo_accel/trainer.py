@@ -19,6 +19,7 @@ from trl import GRPOTrainer
 
 from .config import GRPOAccelConfig
 from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
+from .ops.logprobs import triton_usable
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .rewards import guarded
 
@@ -40,6 +41,8 @@ class GRPOAccelTrainer(GRPOTrainer):
         impl = getattr(self.args, "logprob_impl", "trl")
         if impl == "trl":
             return impl
+        if impl == "auto":
+            impl = "triton" if triton_usable(self.accelerator.device) else "chunked"
         reason = head_unsupported_reason(causal_lm_of(self.model))
         if reason:
             warnings.warn(f"logprob_impl={impl!r} falls back to TRL's head: {reason}.", stacklevel=3)
