@@ -6,7 +6,9 @@ TRL's numbers. What it adds:
   goes through our fused head (`logprob_impl`: chunked / triton / auto; "trl" keeps TRL's own), in
   mini-batches of `logprob_mini_batch` rows;
 - activation offload installed as the model's gradient-checkpointing function (`offload_activations`);
-- reward functions are wrapped so a failing one is named in a clear error, never a silent 0.
+- reward functions are wrapped so a failing one is named in a clear error, never a silent 0;
+- per-phase peak memory (generation, old/ref log-probs, policy forward, backward, optimizer step)
+  logged with every step (`telemetry.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
 from .ops.logprobs import triton_usable
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .rewards import guarded
+from .telemetry import PhaseTelemetry
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
 FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
@@ -34,6 +37,9 @@ class GRPOAccelTrainer(GRPOTrainer):
         # Reward models (nn.Module) and hub ids (str) are TRL's business; plain functions get the guard.
         reward_funcs = [f if isinstance(f, (str, torch.nn.Module)) else guarded(f) for f in reward_funcs]
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        self.telemetry = PhaseTelemetry()
+        self.telemetry.wrap_backward(self.accelerator)
+        self.add_callback(self.telemetry.callback())
         self.logprob_impl = self._install_logprob_head()
         self.offload_enabled = self._install_offload()
 
@@ -63,8 +69,24 @@ class GRPOAccelTrainer(GRPOTrainer):
         install_activation_offload(self.model, config)
         return True
 
+    def _generate(self, prompts):
+        with self.telemetry.phase("generation"):
+            return super()._generate(prompts)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training:
+            logs.update(self.telemetry.pop_metrics())
+        super().log(logs, start_time)
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
+        # No grad: the old-policy / reference passes in generate-and-score; with grad: the policy forward.
+        with self.telemetry.phase("policy_forward" if torch.is_grad_enabled() else "logps_no_grad"):
+            return self._logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                             compute_entropy, compute_aux_loss, **multimodal)
+
+    def _logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                             compute_entropy, compute_aux_loss, **multimodal):
         batch_size = getattr(self.args, "logprob_mini_batch", None) or batch_size or input_ids.size(0)
         multimodal_inputs = any(v is not None for v in multimodal.values())
         if self.logprob_impl == "trl" or compute_aux_loss or multimodal_inputs:

@@ -30,6 +30,10 @@ def test_two_steps_log_loss_and_reward_and_change_parameters(tiny_run):
         assert math.isfinite(float(row["loss"])) and math.isfinite(float(row["reward"]))
         assert math.isfinite(float(row["grad_norm"]))
     assert any(float(r["reward_std"]) > 0 for r in rows), "no reward variance: the test would not train"
+    # (no logps_no_grad phase here: with beta=0 and one iteration TRL skips the old/ref passes)
+    for phase in ("generation", "policy_forward", "backward", "optimizer_step"):
+        assert all(float(r[f"memory/{phase}_peak_gib"]) > 0 for r in rows), phase
+    assert all(float(r["memory/host_rss_gib"]) > 0 for r in rows)
     adapter = load_file(out / "final" / "adapter_model.safetensors")
     lora_b = [v for k, v in adapter.items() if "lora_B" in k]
     assert lora_b and all(v.isfinite().all() for v in adapter.values())
@@ -50,6 +54,7 @@ def test_wandb_offline_metrics_read_back(tiny_run):
         assert logged["train/global_step"] == int(float(row["step"]))
         assert logged["train/reward"] == pytest.approx(float(row["reward"]), rel=1e-6)
         assert logged["train/loss"] == pytest.approx(float(row["loss"]), rel=1e-6, abs=1e-12)
+        assert logged["train/memory/backward_peak_gib"] == pytest.approx(float(row["memory/backward_peak_gib"]))
 
 
 def error_line(stderr: str) -> str:
