@@ -1,9 +1,10 @@
-"""`grpo-accel` command: presets, plan (train and report are added by their modules through COMMANDS).
+"""`grpo-accel` command: presets, plan, report.
 
     grpo-accel presets                                        # the preset table with predicted peaks
     grpo-accel plan --preset h100_110k                        # breakdown + verdict; exit 1 when it does not fit
     grpo-accel plan --preset l4_24gb_qlora --max-completion-length 32768 --gpu-mem-gib 22
     grpo-accel plan --preset a100_80gb_bf16 --model ./my_model_dir   # any config.json / named architecture
+    grpo-accel report runs/demo                               # PNGs of a finished or crashed run
 """
 
 from __future__ import annotations
@@ -99,9 +100,23 @@ def cmd_plan(args) -> int:
 
 
 # subcommand -> (help, add_arguments, handler); train / report register here
+def add_report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run directory, e.g. runs/demo")
+
+
+def cmd_report(args) -> int:
+    from .report import render_report
+
+    for path in render_report(args.run_dir):
+        print(path)
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable | None, Callable]] = {
     "presets": ("list the GPU presets with the planner's predicted peak", None, cmd_presets),
     "plan": ("predict the memory of a preset (and overrides); exit 1 when it does not fit", add_plan_args, cmd_plan),
+    "report": ("render a run's PNGs (reward, rewards, completion length, memory per phase)", add_report_args,
+               cmd_report),
 }
 
 

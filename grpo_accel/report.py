@@ -85,3 +85,57 @@ def plot_reward_curve(rows: list[dict], path: str, title: str = "GRPO reward", a
 
 def write_json(obj, path: str) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _plot_series(rows, keys: dict[str, str], path: str, title: str, ylabel: str) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = {k: label for k, label in keys.items() if any(k in r for r in rows)}
+    if not present:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in present.items():
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", marker=".", label=label)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+    return True
+
+
+def render_report(run_dir: str) -> list[str]:
+    """PNGs for a run directory (finished or crashed): reward (+ held-out accuracy before → after),
+    correctness/format rewards, completion length, peak memory per phase. Returns the files written."""
+    metrics = os.path.join(run_dir, "metrics.csv")
+    if not os.path.exists(metrics):
+        raise FileNotFoundError(f"{metrics} not found. Fix: point at a run directory made by launch/train.py.")
+    rows = read_metrics_csv(metrics)
+    summary_path = os.path.join(run_dir, "summary.json")
+    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    acc = None
+    if "before" in summary and "after" in summary:
+        acc = {"before": summary["before"]["accuracy_lenient"], "after": summary["after"]["accuracy_lenient"]}
+    written = [os.path.join(run_dir, "reward_curve.png")]
+    plot_reward_curve(rows, written[0], title=os.path.basename(os.path.normpath(run_dir)), accuracy=acc)
+    reward_keys = {k: k.split("/")[1] for r in rows for k in r if k.startswith("rewards/") and k.endswith("/mean")}
+    plots = [
+        ("rewards.png", reward_keys, "reward per function", "mean reward"),
+        ("completion_length.png", {"completions/mean_length": "mean", "completions/max_length": "max",
+                                   "completions/min_length": "min"}, "completion length", "tokens"),
+        ("memory_phases.png", {k: k.removeprefix("memory/") for r in rows for k in r if k.startswith("memory/")},
+         "peak memory per phase (CUDA: allocated; CPU: process RSS)", "GiB"),
+    ]
+    for name, keys, title, ylabel in plots:
+        path = os.path.join(run_dir, name)
+        if _plot_series(rows, keys, path, title, ylabel):
+            written.append(path)
+    return written

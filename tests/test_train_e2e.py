@@ -93,3 +93,13 @@ def test_reward_that_raises_is_named(tmp_path):
                         "--rewards", "rewards_for_tests:broken_reward"])
     assert result.returncode == 2
     assert "reward function 'broken_reward' raised KeyError" in error_line(result.stderr)
+
+
+def test_report_renders_the_run(tiny_run):
+    from grpo_accel.cli import main
+
+    out, _ = tiny_run
+    os.remove(out / "reward_curve.png")
+    assert main(["report", str(out)]) == 0
+    for name in ("reward_curve.png", "rewards.png", "completion_length.png", "memory_phases.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
