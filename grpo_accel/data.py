@@ -13,10 +13,9 @@ import json
 import os
 import random
 
-SYSTEM_PROMPT = (
-    "You are a careful math tutor. Think step by step in a few short sentences, "
-    "then give the final answer on the last line in the form 'Answer: N' where N is a number."
-)
+# Short on purpose: every prompt token is paid for in each of the G sampled sequences' forward and backward
+# (64 → 38 prompt tokens cut a CPU demo step by ~25%).
+SYSTEM_PROMPT = "Reason briefly, then give the final answer on its own line as 'Answer: N'."
 
 # Difficulty levels of the synthetic set. Level 1 is the demo's: "What is a ± b?" with a, b in 1..30.
 LEVELS = {
@@ -137,6 +136,8 @@ def load_dataset_by_name(name: str, split: str = "train", n: int | None = None, 
 
     if name in ("arithmetic", "synthetic"):
         return arithmetic_dataset(split, n or 2000, level=level, seed=seed)
+    if name.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(name)):
+        raise DatasetError(f"dataset path {name!r} does not exist. Fix: check the path, or use --dataset arithmetic.")
     if os.path.isdir(name):
         rows = rows_to_prompts(read_jsonl(os.path.join(name, f"{split}.jsonl")), name)
     elif name.endswith((".jsonl", ".json")) or os.path.exists(name):

@@ -6,7 +6,10 @@ from grpo_accel.data import (
     DatasetError, LEVELS, _problems, arithmetic_rows, load_dataset_by_name, train_eval_datasets,
 )
 
-GSM8K = "../shared/data/gsm8k"
+import os
+
+# The real GSM8K files live beside the checkout (../shared), on developer machines and in CI.
+GSM8K = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "gsm8k")
 
 
 @pytest.mark.parametrize("level", sorted(LEVELS))
@@ -32,6 +35,7 @@ def test_deterministic_and_seeded():
     assert arithmetic_rows("train", 30, seed=1) != arithmetic_rows("train", 30, seed=2)
 
 
+@pytest.mark.skipif(not os.path.isdir(GSM8K), reason="../shared/data/gsm8k is not beside this checkout")
 def test_gsm8k_jsonl():
     train, test = train_eval_datasets(GSM8K, 20, 10)
     assert len(train) == 20 and len(test) == 10
@@ -42,6 +46,8 @@ def test_gsm8k_jsonl():
 def test_missing_file_names_the_fix(tmp_path):
     with pytest.raises(DatasetError, match="does not exist.*Fix"):
         load_dataset_by_name(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DatasetError, match="does not exist.*Fix"):
+        load_dataset_by_name("../no_such_dir/gsm8k")
 
 
 def test_missing_fields_and_bad_line(tmp_path):
