@@ -34,6 +34,12 @@ class GRPOAccelConfig(GRPOConfig):
         metadata={"help": "Offload checkpointed layer inputs to pinned host memory: 'true', 'false' or 'auto' "
                           "(on with a CUDA device and gradient checkpointing)."},
     )
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata={"help": "Steps with non-finite gradients are skipped; this many in a row stop the run, keeping "
+                          "the last good checkpoint."},
+    )
+
     def __post_init__(self):
         if self.logprob_impl not in LOGPROB_IMPLS:
             raise ValueError(f"logprob_impl={self.logprob_impl!r} is not one of {LOGPROB_IMPLS}. Fix: pick one of them.")

@@ -12,13 +12,14 @@ import time
 from dataclasses import asdict
 
 from .data import DatasetError, train_eval_datasets
+from .guards import NonFiniteStepsError
 from .models import ModelLoadError, ModelNotFoundError, load_model, load_tokenizer
 from .report import plot_reward_curve, step_rows, write_json, write_metrics_csv
 from .rewards import RewardFunctionError, resolve_rewards
 
 from .presets import PresetError
 
-USER_ERRORS = (PresetError, ModelLoadError, DatasetError, RewardFunctionError, FileNotFoundError, PermissionError)
+USER_ERRORS = (PresetError, ModelLoadError, NonFiniteStepsError, DatasetError, RewardFunctionError, FileNotFoundError, PermissionError)
 
 
 def log(msg: str) -> None:
@@ -164,6 +165,12 @@ def run(script_args, config) -> int:
     t0 = time.time()
     trainer.train(resume_from_checkpoint=resume)
     train_s = time.time() - t0
+    guard = trainer.nonfinite_guard
+    if guard.stopped_at is not None:
+        raise NonFiniteStepsError(
+            f"stopped at step {guard.stopped_at}: {guard.max_in_a_row} steps in a row had non-finite gradients "
+            f"(skipped, never applied). The newest checkpoint in {config.output_dir} is the last good one. Fix: "
+            f"lower --learning_rate, check the reward functions and data, then --resume_from_checkpoint latest.")
     rows = step_rows(trainer.state.log_history)
     step_times = [r["step_time"] for r in rows if "step_time" in r]
     summary.update(steps=trainer.state.global_step, train_seconds=round(train_s, 1),

@@ -23,6 +23,7 @@ from .config import GRPOAccelConfig
 from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
 from .ops.logprobs import triton_usable
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
+from .guards import NonFiniteGuard
 from .rewards import guarded
 from .telemetry import PhaseTelemetry
 
@@ -40,6 +41,9 @@ class GRPOAccelTrainer(GRPOTrainer):
         self.telemetry = PhaseTelemetry()
         self.telemetry.wrap_backward(self.accelerator)
         self.add_callback(self.telemetry.callback())
+        self.nonfinite_guard = NonFiniteGuard(getattr(self.args, "max_nonfinite_steps", 3))
+        if not self.is_deepspeed_enabled:
+            self.add_callback(self.nonfinite_guard)
         self.logprob_impl = self._install_logprob_head()
         self.offload_enabled = self._install_offload()
 
@@ -76,6 +80,7 @@ class GRPOAccelTrainer(GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training:
             logs.update(self.telemetry.pop_metrics())
+            logs.update(self.nonfinite_guard.metrics())
         super().log(logs, start_time)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
