@@ -79,6 +79,29 @@ def _netrc_has_wandb() -> bool:
         return False
 
 
+def latest_complete_checkpoint(output_dir: str) -> str:
+    """The newest checkpoint-N whose trainer_state.json (written last by the Trainer) parses: a kill during a
+    save leaves a partial newest directory behind, and resuming must skip it for the previous good one."""
+    import json
+    import re
+
+    found = []
+    if os.path.isdir(output_dir):
+        for name in os.listdir(output_dir):
+            match = re.fullmatch(r"checkpoint-(\d+)", name)
+            if match:
+                found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    for _, path in sorted(found, reverse=True):
+        try:
+            with open(os.path.join(path, "trainer_state.json")) as f:
+                json.load(f)
+            return path
+        except (OSError, ValueError):
+            log(f"skipping incomplete checkpoint {path} (interrupted save)")
+    raise FileNotFoundError(f"no complete checkpoint in {output_dir}. Fix: start without "
+                            f"--resume_from_checkpoint, or point --output_dir at the run to continue.")
+
+
 def _vllm_importable() -> bool:
     import importlib.util
 
@@ -156,7 +179,12 @@ def run(script_args, config) -> int:
                    os.path.join(config.output_dir, "resolved_config.json"))
 
     resume = config.resume_from_checkpoint
-    resume = True if resume == "latest" else resume
+    if resume == "latest":
+        resume = latest_complete_checkpoint(config.output_dir)
+        log(f"resuming from {resume}")
+    elif resume and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+        raise FileNotFoundError(f"{resume} is not a complete checkpoint (no trainer_state.json). Fix: pass "
+                                f"--resume_from_checkpoint latest, or another checkpoint-N directory.")
     if eval_ds is not None and not resume:
         summary["before"], records = _evaluate(trainer.model, tokenizer, eval_ds, script_args, "before")
         if is_main:

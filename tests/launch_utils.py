@@ -10,7 +10,7 @@ TINY_ARGS = ["--model", "tiny-llama", "--train_size", "32", "--eval_size", "4", 
              "--max_steps", "2", "--save_steps", "100", "--logging_steps", "1"]
 
 
-def test_env(**extra):
+def child_env(**extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "tests"))
     env.update(extra)
@@ -21,4 +21,4 @@ def test_env(**extra):
 def run_train(args, launcher=None, timeout=900, **env):
     """`python launch/train.py ARGS`, or `<launcher...> launch/train.py ARGS` (e.g. accelerate launch)."""
     cmd = [*(launcher or [sys.executable]), os.path.join(ROOT, "launch", "train.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=test_env(**env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
