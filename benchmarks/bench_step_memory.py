@@ -1,0 +1,469 @@
+"""One GRPO training step (policy forward + backward, no generation): TRL 1.16 vs naive logits vs grpo_accel.
+
+    # CPU (fp32; measures overhead and that every variant computes the same loss, not the GPU memory win)
+    OMP_NUM_THREADS=1 python benchmarks/bench_step_memory.py --arch smollm2-135m --num-generations 4 \
+        --completion-length 256 --reps 2
+    # GPU goal 1: Llama-3.1-8B-shaped LoRA bf16, G=8, T=8192 (goal: ours_head_offload peak <= 40% of trl's,
+    # ours_head_offload step time <= 1.05 x ours_head)
+    python benchmarks/bench_step_memory.py --arch llama-3.1-8b --num-generations 8 --completion-length 8192
+    # GPU goal 2: the longest completion that fits, Qwen3-8B QLoRA, G=8 (bisection, one fresh process per probe)
+    python benchmarks/bench_step_memory.py --arch qwen3-8b --quant 4bit --num-generations 8 --find-max-t \
+        --completion-length 8192 --impls trl ours_head_offload
+
+Model: a named architecture (`grpo_accel.architectures`) with random weights, bf16 on CUDA / fp32 on CPU, LoRA r=16
+(alpha 32) on all linear layers; `--quant 4bit` loads the decoder linears in NF4 (QLoRA; CUDA + bitsandbytes only:
+a random bf16 checkpoint is saved once under --ckpt-cache and loaded through BitsAndBytesConfig).
+Step: G rows of P prompt + T completion tokens (random ids, all unmasked), random advantages, a fixed
+`old_per_token_logps` (-log V, so the loss depends on the log-probs instead of being -mean(advantage)), then
+`trainer.compute_loss(model, inputs)` (TRL's `_compute_loss`, the same loss math for every variant) + `backward()`.
+Gradient checkpointing is switched on exactly as `Trainer.train()` does (the trainer's __init__ does not).
+
+Variants (each in a fresh subprocess, so one's allocator state and peak cannot leak into another's):
+  trl                TRL 1.16 GRPOTrainer, its defaults: its own fused LM head, checkpointing, no offload
+  naive              GRPOTrainer whose log-prob hook materializes logits: logits.float().log_softmax(-1).gather()
+  ours_offload_only  GRPOAccelTrainer, logprob_impl="trl", offload_activations="true"
+  ours_head          GRPOAccelTrainer, logprob_impl="auto", offload_activations="false"
+  ours_head_offload  GRPOAccelTrainer, logprob_impl="auto", offload_activations="true"
+On CPU, offload would be the no-op twin; the offload variants run with GRPO_ACCEL_OFFLOAD_FORCE_COPIES=1 so the real
+stash/copy/restore path runs. Host and device are the same memory there (metric host_is_device=1), so offload
+cannot lower the CPU peak: CPU rows measure overhead and correctness; the memory win is a GPU claim.
+
+Metrics per variant: peak_step_mem_mib = peak during a measured step minus the memory after the model and trainer
+are built (CUDA: torch.cuda.max_memory_allocated; CPU: peak RSS via VmHWM; both through grpo_accel.memory.PhaseMemory),
+max over the measured steps; step_time_ms = median over --reps steps after one warm-up step; loss, entropy (TRL's
+logged mean) and lora_grad_norm of the first measured step (equal across variants = same computation);
+offloaded_peak_mib = saved-activation bytes the offload stash held on the host (0 without offload).
+CPU workers run with MALLOC_MMAP_THRESHOLD_=131072 (--cpu-mmap-threshold). With glibc's dynamic default the RSS peak
+is mostly freed-but-retained heap (ours_head, smollm2-135m G=4 T=128: 925 MiB, vs 134 MiB with the fixed threshold),
+which says nothing about the variant; the fixed threshold costs page faults (slower CPU steps, in every variant).
+The CPU command above took 9.5 min on a busy 2-core host (~30 s per step, 3 steps per variant).
+Writes benchmarks/results/step_memory.csv (long format; rows for the same op/impl/shape/device are replaced) and
+benchmarks/results/step_memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+FIELDS = ["op", "impl", "shape", "metric", "value", "unit", "device", "versions", "git_sha", "date"]
+MIB = 1 << 20
+# name -> (trainer, logprob_impl, offload_activations); None = TRL's GRPOTrainer / GRPOConfig untouched
+VARIANTS = {
+    "trl": ("trl", None, None),
+    "naive": ("naive", None, None),
+    "ours_offload_only": ("ours", "trl", "true"),
+    "ours_head": ("ours", "auto", "false"),
+    "ours_head_offload": ("ours", "auto", "true"),
+}
+RESULT_TAG = "RESULT "
+
+
+# ------------------------------------------------------------------------------------------------ worker side
+def synthetic_tokenizer():
+    """A word-level tokenizer built in code: the trainer needs one (pad/eos ids), the step never tokenizes."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({"<unk>": 0, "<pad>": 1, "<eos>": 2, "x": 3}, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+                                   padding_side="left")
+
+
+def build_model(arch, device, dtype, quant, ckpt_cache):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_accel.architectures import get_architecture
+
+    config = get_architecture(arch)
+    config.use_cache = False
+    torch.manual_seed(0)
+    if quant != "4bit":
+        with torch.device(device):  # random init straight on the device: no 32 GB fp32 detour on the host
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    from grpo_accel.models import quantization_config
+
+    bnb = quantization_config("4bit", dtype)  # clear error naming the fix when bitsandbytes is missing
+    path = Path(ckpt_cache) / f"{arch}-bf16-random"
+    if not (path / "config.json").exists():  # once per arch: bitsandbytes quantizes while loading a checkpoint
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.save_pretrained(path)
+        del model
+        torch.cuda.empty_cache()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=bnb,
+                                                device_map={"": torch.cuda.current_device()})
+
+
+def make_trainer(impl, model, G, T, device, outdir):
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.trainer import GRPOAccelTrainer
+
+    class NaiveLogitsTrainer(GRPOTrainer):
+        """TRL's hook, the way it was before fused heads: full [G, T, V] logits, fp32 log_softmax, gather."""
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                               batch_size=None, compute_entropy=False, compute_aux_loss=False, **_):
+            with self.accelerator.autocast():
+                logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                               logits_to_keep=logits_to_keep + 1).logits[:, :-1]
+            logp_all = (logits / self.temperature).float().log_softmax(-1)
+            logps = logp_all.gather(-1, input_ids[:, -logits_to_keep:, None]).squeeze(-1)
+            entropies = None
+            if compute_entropy:
+                with torch.no_grad():
+                    entropies = -(logp_all.exp() * logp_all).sum(-1)
+            return logps, entropies, None
+
+    kind, logprob_impl, offload = VARIANTS[impl]
+    cuda = device == "cuda"
+    common = dict(output_dir=outdir, per_device_train_batch_size=G, num_generations=G, max_completion_length=T,
+                  report_to="none", bf16=cuda, use_cpu=not cuda, seed=0)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    kwargs = dict(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                  processing_class=synthetic_tokenizer(), train_dataset=Dataset.from_dict({"prompt": ["x"] * G}),
+                  peft_config=lora)
+    torch.manual_seed(0)  # same LoRA init in every variant
+    if kind == "ours":
+        args = GRPOAccelConfig(**common, logprob_impl=logprob_impl, offload_activations=offload)
+        return GRPOAccelTrainer(args=args, **kwargs)
+    return (NaiveLogitsTrainer if kind == "naive" else GRPOTrainer)(args=GRPOConfig(**common), **kwargs)
+
+
+def enable_checkpointing_like_train(trainer):
+    """What transformers' Trainer.train() does before the first step (5.23, trainer.py), so compute_loss sees the
+    model as training sees it. With offload installed, our sticky hook keeps its checkpoint function."""
+    args, model = trainer.args, trainer.model
+    if args.activation_checkpointing:
+        gc_kwargs = dict(args.activation_checkpointing_kwargs or {})
+        every_n_layers, offload = gc_kwargs.pop("every_n_layers", 1), gc_kwargs.pop("offload", False)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs or None,
+                                              every_n_layers=every_n_layers, offload=offload)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return bool(layers) and all(m.gradient_checkpointing for m in layers)
+
+
+def make_inputs(G, P, T, V, device):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(3, V, (G, n), generator=g).to(device)  # noqa: E731
+    completion_mask = torch.ones(G, T, dtype=torch.long, device=device)
+    return dict(
+        prompt_ids=ids(P), prompt_mask=torch.ones(G, P, dtype=torch.long, device=device),
+        completion_ids=ids(T), completion_mask=completion_mask,
+        advantages=torch.randn(G, generator=g).to(device),
+        # fixed "old policy" log-probs: with None TRL uses the current ones detached, the ratio is 1 and the loss
+        # value is -mean(advantage) whatever the model computes
+        old_per_token_logps=torch.full((G, T), -math.log(V), device=device),
+        num_items_in_batch=completion_mask.sum(),
+    )
+
+
+def worker(a):
+    """Build, warm up, measure; print one RESULT json line."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from grpo_accel.memory import PhaseMemory
+    from grpo_accel.offload import SavedActivationTracker
+
+    cuda = a.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    mem = PhaseMemory(a.device)
+    out = {"impl": a.impl}
+    with tempfile.TemporaryDirectory() as tmp, mem.phase("load"):
+        model = build_model(a.arch, a.device, dtype, a.quant, a.ckpt_cache)
+        trainer = make_trainer(a.impl, model, a.num_generations, a.completion_length, a.device, tmp)
+        out["checkpointing"] = enable_checkpointing_like_train(trainer)
+    base = mem.records[-1].end_bytes  # model + adapters (+ the trainer's bookkeeping) in memory
+    out.update(base_mib=base / MIB, logprob_impl=getattr(trainer, "logprob_impl", "trl"),
+               offload=bool(getattr(trainer, "offload_enabled", False)))
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, read by the loss
+    inputs = make_inputs(a.num_generations, a.prompt_length, a.completion_length,
+                         model.config.get_text_config().vocab_size, a.device)
+    lora = [p for n, p in model.named_parameters() if p.requires_grad]
+
+    def step(name):
+        model.zero_grad(set_to_none=True)
+        tracker = SavedActivationTracker()
+        with mem.phase(name), tracker:
+            t0 = time.perf_counter()
+            loss = trainer.compute_loss(model, inputs)
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3
+        rec = mem.records[-1]
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in lora if p.grad is not None]))
+        return dict(ms=ms, peak=(rec.peak_bytes - base) / MIB, held=(rec.start_bytes - base) / MIB,
+                    loss=loss.item(), entropy=trainer._metrics["train"]["entropy"][-1], grad_norm=grad_norm.item(),
+                    host=tracker.peak["host"] / MIB,
+                    reserved=torch.cuda.max_memory_reserved() / MIB if cuda else None)
+
+    try:
+        steps = [step("warmup")] + [step(f"step{i}") for i in range(a.reps)]
+    except torch.OutOfMemoryError as exc:
+        out.update(oom=True, error=str(exc).splitlines()[0][:200])
+        print(RESULT_TAG + json.dumps(out), flush=True)
+        return
+    measured = steps[1:] or steps
+    first = measured[0]
+    out.update(oom=False, time_ms=[s["ms"] for s in measured], peak_mib=max(s["peak"] for s in measured),
+               held_mib=max(s["held"] for s in measured), loss=first["loss"], entropy=first["entropy"],
+               grad_norm=first["grad_norm"], offloaded_peak_mib=max(s["host"] for s in measured),
+               warmup_peak_mib=steps[0]["peak"], load_1min=os.getloadavg()[0],
+               losses_equal_across_steps=len({s["loss"] for s in steps}) == 1)
+    if cuda:
+        out["peak_reserved_mib"] = max(s["reserved"] for s in measured)
+    print(RESULT_TAG + json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ parent side
+def run_worker(args, impl, T, reps):
+    env = dict(os.environ)
+    if args.device == "cpu" and VARIANTS[impl][2] == "true":
+        env["GRPO_ACCEL_OFFLOAD_FORCE_COPIES"] = "1"  # CPU: run the real copy path instead of the no-op twin
+    if args.device == "cpu" and args.cpu_mmap_threshold:
+        # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed and then serves those
+        # sizes from a heap it rarely returns: with the default, the peak RSS of a smollm2-135m step was ~900 MiB
+        # of retained, freed memory over a ~130 MiB live working set. A fixed threshold returns every block
+        # >= it at free(), so the peak RSS follows the live tensors (page faults then cost time, in every variant).
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.cpu_mmap_threshold)
+    cmd = [sys.executable, __file__, "--worker", impl, "--arch", args.arch, "--quant", args.quant,
+           "--num-generations", str(args.num_generations), "--prompt-length", str(args.prompt_length),
+           "--completion-length", str(T), "--reps", str(reps), "--device", args.device,
+           "--ckpt-cache", str(args.ckpt_cache)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if lines:
+        res = json.loads(lines[-1][len(RESULT_TAG):])
+    elif "OutOfMemoryError" in proc.stderr or "CUDA out of memory" in proc.stderr:
+        res = {"impl": impl, "oom": True, "error": "out of memory outside the step"}
+    else:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{impl} T={T} failed (rc {proc.returncode})")
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def _shape(args, T=None):
+    adapter = "qlora-r16" if args.quant == "4bit" else "lora-r16"
+    dtype = "bf16" if args.device == "cuda" else "fp32"
+    t = f"T={T}" if T is not None else f"T<=max,step={args.t_step}"
+    return f"{args.arch},{adapter},G={args.num_generations},P={args.prompt_length},{t},{dtype}"
+
+
+def _meta(device):
+    import torch
+    import transformers
+    import trl
+
+    vers = f"torch={torch.__version__} trl={trl.__version__} transformers={transformers.__version__}"
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if device == "cuda":
+        dev = torch.cuda.get_device_name()
+    else:
+        dev = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    return vers, sha.stdout.strip() or "unknown", dev
+
+
+def step_rows(res, args, T):
+    metrics = [("oom", float(res["oom"]), "bool")]
+    if not res["oom"]:
+        metrics += [
+            ("peak_step_mem_mib", res["peak_mib"], "MiB"),
+            ("step_time_ms", statistics.median(res["time_ms"]), "ms"),
+            ("loss", res["loss"], "nats"),
+            ("entropy", res["entropy"], "nats"),
+            ("lora_grad_norm", res["grad_norm"], "l2"),
+            ("held_between_steps_mib", res["held_mib"], "MiB"),
+            ("offloaded_peak_mib", res["offloaded_peak_mib"], "MiB"),
+            ("model_mem_mib", res["base_mib"], "MiB"),
+            ("checkpointing", float(res["checkpointing"]), "bool"),
+            ("head_is_triton", float(res["logprob_impl"] == "triton"), "bool"),
+            ("host_is_device", float(args.device == "cpu"), "bool"),
+            ("malloc_mmap_threshold", float(args.cpu_mmap_threshold if args.device == "cpu" else 0), "bytes"),
+            ("reps", float(len(res["time_ms"])), "count"),
+            ("host_load_1min", res["load_1min"], "procs"),
+        ]
+        if "peak_reserved_mib" in res:
+            metrics.append(("peak_reserved_mib", res["peak_reserved_mib"] - res["base_mib"], "MiB"))
+    return [dict(op="grpo_step_fwd_bwd", impl=res["impl"], shape=_shape(args, T), metric=m, value=f"{v:.6g}", unit=u)
+            for m, v, u in metrics]
+
+
+def run_steps(args):
+    rows = []
+    for impl in args.impls:
+        res = run_worker(args, impl, args.completion_length, args.reps)
+        brief = {k: res.get(k) for k in ("oom", "peak_mib", "time_ms", "loss", "entropy", "grad_norm",
+                                          "offloaded_peak_mib", "logprob_impl", "offload", "checkpointing", "wall_s")}
+        print(f"{impl}: {json.dumps(brief)}", flush=True)
+        rows += step_rows(res, args, args.completion_length)
+    return rows
+
+
+def find_max_t(args):
+    """Per impl: double T from --completion-length until a step does not fit, then bisect to --t-step."""
+    rows = []
+    for impl in args.impls:
+        probes = {}
+
+        def fits(T):
+            if T not in probes:
+                probes[T] = run_worker(args, impl, T, reps=1)
+                verdict = "oom" if probes[T]["oom"] else "fits"
+                print(f"{impl} T={T}: {verdict} ({probes[T]['wall_s']:.0f} s)", flush=True)
+            return not probes[T]["oom"]
+
+        lo, hi, T = 0, None, args.completion_length
+        while hi is None and T <= args.max_t:
+            lo, hi, T = (T, None, T * 2) if fits(T) else (lo, T, T)
+        hi = hi or args.max_t + args.t_step  # every probe up to --max-t fit
+        while hi - lo > args.t_step:
+            mid = max(args.t_step, (lo + hi) // 2 // args.t_step * args.t_step)
+            if mid in (lo, hi):
+                break
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        rows.append(dict(op="grpo_max_completion_length", impl=impl, shape=_shape(args), metric="max_completion_length",
+                         value=str(lo), unit="tokens"))
+        rows.append(dict(op="grpo_max_completion_length", impl=impl, shape=_shape(args), metric="probes",
+                         value=str(len(probes)), unit="count"))
+        if lo:
+            rows += step_rows(probes[lo], args, lo)
+    return rows
+
+
+def write_csv(rows, path):
+    """Replace rows for the same (op, impl, shape, device); keep everything else (e.g. the other device's runs)."""
+    keys = {(r["op"], r["impl"], r["shape"], r["device"]) for r in rows}
+    old = []
+    if path.exists():
+        with path.open() as f:
+            old = [r for r in csv.DictReader(f) if (r["op"], r["impl"], r["shape"], r["device"]) not in keys]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(old + rows)
+    return old + rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["op"] == "grpo_step_fwd_bwd"]
+    groups = sorted({(r["device"], r["shape"]) for r in rows})
+    impls = [i for i in VARIANTS if any(r["impl"] == i for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 2.6 * len(groups) + 5), 4.8))
+    for ax, metric, label in zip(axes, ("peak_step_mem_mib", "step_time_ms"),
+                                 ("peak memory of one step above the model (MiB)", "step time, fwd + bwd (ms)")):
+        for k, impl in enumerate(impls):
+            xs, vals, ooms = [], [], []
+            for i, g in enumerate(groups):
+                pick = {r["metric"]: float(r["value"]) for r in rows if (r["device"], r["shape"]) == g
+                        and r["impl"] == impl}
+                x = i + 0.8 * k / len(impls)
+                if pick.get("oom"):
+                    ooms.append(x)
+                elif metric in pick:
+                    xs.append(x)
+                    vals.append(pick[metric])
+            bars = ax.bar(xs, vals, 0.8 / len(impls), label=impl, color=f"C{k}")
+            ax.bar_label(bars, fmt="%.0f", fontsize=6)
+            for x in ooms:
+                ax.text(x, 0, "OOM", rotation=90, ha="center", va="bottom", fontsize=7, color=f"C{k}")
+        ax.set_xticks([i + 0.4 - 0.4 / len(impls) for i in range(len(groups))])
+        ax.set_xticklabels([f"{s.replace(',', ' ', 3)}\n{d[:40]}" for d, s in groups], fontsize=6)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=7)
+    if any(r["device"].startswith("cpu") for r in rows):
+        fig.text(0.01, 0.01, "CPU: host memory is device memory, offload cannot lower the peak there "
+                 "(forced copies; measures overhead)", fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=120)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", metavar="IMPL", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.architectures (tiny-llama for tests)")
+    p.add_argument("--quant", default="none", choices=["none", "4bit"], help="4bit = QLoRA (CUDA + bitsandbytes)")
+    p.add_argument("--num-generations", type=int, default=4, help="G: rows in the step")
+    p.add_argument("--prompt-length", type=int, default=64, help="P: prompt tokens per row")
+    p.add_argument("--completion-length", type=int, default=256, help="T: completion tokens per row "
+                   "(--find-max-t: the first probe)")
+    p.add_argument("--reps", type=int, default=3, help="measured steps after the warm-up; time is their median")
+    p.add_argument("--impls", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--find-max-t", action="store_true", help="bisect the longest T whose step fits, per impl")
+    p.add_argument("--t-step", type=int, default=1024, help="--find-max-t resolution (tokens)")
+    p.add_argument("--max-t", type=int, default=262144, help="--find-max-t upper bound (tokens)")
+    p.add_argument("--ckpt-cache", type=Path, default=Path(tempfile.gettempdir()) / "grpo_accel_bench_ckpt",
+                   help="--quant 4bit: where the random bf16 checkpoint is saved once per arch")
+    p.add_argument("--cpu-mmap-threshold", type=int, default=128 << 10,
+                   help="CPU: glibc MALLOC_MMAP_THRESHOLD_ for the workers, so peak RSS follows live tensors "
+                        "(0 = glibc's dynamic default, whose retained free memory dominates the RSS peak)")
+    p.add_argument("--out", type=Path, default=RESULTS / "step_memory.csv")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        args.impl = args.worker
+        return worker(args)
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.quant == "4bit":
+        try:
+            import bitsandbytes  # noqa: F401
+            ok = args.device == "cuda" and torch.cuda.is_available()
+        except ImportError:
+            ok = False
+        if not ok:
+            print("skipped: --quant 4bit (QLoRA) needs a CUDA GPU and bitsandbytes (pip install 'grpo_accel[qlora]'); "
+                  "nothing measured, nothing written. Run without --quant for LoRA.", flush=True)
+            return
+    versions, sha, dev = _meta(args.device)
+    rows = find_max_t(args) if args.find_max_t else run_steps(args)
+    for r in rows:
+        r.update(device=dev, versions=versions, git_sha=sha, date=datetime.date.today().isoformat())
+    all_rows = write_csv(rows, args.out)
+    plot(all_rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
