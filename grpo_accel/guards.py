@@ -8,8 +8,6 @@ Not active under DeepSpeed, whose engine owns the step (its fp16 loss scaler ski
 
 from __future__ import annotations
 
-import math
-
 import torch
 from transformers import TrainerCallback
 
@@ -50,8 +48,5 @@ class NonFiniteGuard(TrainerCallback):
         if self.stopped_at is not None:
             control.should_save = False  # keep the last good checkpoint as the newest one
 
-    def metrics(self, loss: float | None = None) -> dict[str, float]:
-        out = {"nonfinite/skipped_steps": float(self.skipped)}
-        if loss is not None and not math.isfinite(loss):
-            out["nonfinite/loss"] = 1.0
-        return out
+    def metrics(self) -> dict[str, float]:
+        return {"nonfinite/skipped_steps": float(self.skipped)}

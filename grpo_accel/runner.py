@@ -194,7 +194,7 @@ def run(script_args, config) -> int:
     trainer.train(resume_from_checkpoint=resume)
     train_s = time.time() - t0
     guard = trainer.nonfinite_guard
-    if guard.stopped_at is not None:
+    if guard is not None and guard.stopped_at is not None:
         raise NonFiniteStepsError(
             f"stopped at step {guard.stopped_at}: {guard.max_in_a_row} steps in a row had non-finite gradients "
             f"(skipped, never applied). The newest checkpoint in {config.output_dir} is the last good one. Fix: "

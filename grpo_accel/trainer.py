@@ -41,8 +41,10 @@ class GRPOAccelTrainer(GRPOTrainer):
         self.telemetry = PhaseTelemetry()
         self.telemetry.wrap_backward(self.accelerator)
         self.add_callback(self.telemetry.callback())
-        self.nonfinite_guard = NonFiniteGuard(getattr(self.args, "max_nonfinite_steps", 3))
+        # Under DeepSpeed the engine owns the optimizer step (and its loss scaler skips overflow steps).
+        self.nonfinite_guard = None
         if not self.is_deepspeed_enabled:
+            self.nonfinite_guard = NonFiniteGuard(getattr(self.args, "max_nonfinite_steps", 3))
             self.add_callback(self.nonfinite_guard)
         self.logprob_impl = self._install_logprob_head()
         self.offload_enabled = self._install_offload()
@@ -80,7 +82,8 @@ class GRPOAccelTrainer(GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training:
             logs.update(self.telemetry.pop_metrics())
-            logs.update(self.nonfinite_guard.metrics())
+            if self.nonfinite_guard is not None:
+                logs.update(self.nonfinite_guard.metrics())
         super().log(logs, start_time)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
