@@ -6,10 +6,14 @@ second with a message that names the fix, and no run directory is created for a 
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
 from dataclasses import asdict
+
+import torch
+import yaml
 
 from .data import DatasetError, train_eval_datasets
 from .guards import NonFiniteStepsError
@@ -112,7 +116,7 @@ def check_output_dir(path: str) -> None:
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK):
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise PermissionError(f"output directory {path!r} is not writable (checked {parent}). Fix: pass a "
                               f"writable --output_dir.")
 
@@ -126,6 +130,31 @@ def lora_config(script_args):
     targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
     return LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha, lora_dropout=0.0,
                       target_modules=targets, task_type="CAUSAL_LM")
+
+
+def check_lora_targets(model, script_args) -> None:
+    """PEFT's own error lists nothing useful; name the modules the model does have."""
+    if script_args.lora_r <= 0 or script_args.lora_target_modules == "all-linear":
+        return
+    wanted = {t.strip() for t in script_args.lora_target_modules.split(",")}
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = sorted(wanted - linear)
+    if missing:
+        raise ModelLoadError(f"LoRA target modules {missing} are not in {script_args.model}. Fix: --lora_target_modules "
+                             f"with some of {sorted(linear - {'lm_head'})}, or all-linear.")
+
+
+def check_context(model, tokenizer, dataset, max_completion_length: int) -> None:
+    """A prompt + completion longer than the model's context fails deep inside generation; say so up front."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if not limit:
+        return
+    longest, index = max((len(tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True)), i)
+                         for i, p in enumerate(dataset["prompt"]))
+    if longest + max_completion_length > limit:
+        raise DatasetError(f"prompt {index + 1} has {longest} tokens; with --max_completion_length "
+                           f"{max_completion_length} that exceeds the model's context of {limit} tokens. Fix: lower "
+                           f"--max_completion_length to {max(limit - longest, 0)} or drop the long prompts.")
 
 
 def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
@@ -167,6 +196,8 @@ def run(script_args, config) -> int:
     configure_tracking(config)
 
     model, _ = load_model(script_args.model, dtype=script_args.model_dtype, quantization=script_args.quantization)
+    check_lora_targets(model, script_args)
+    check_context(model, tokenizer, train_ds, config.max_completion_length)
     trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config,
                                train_dataset=train_ds, processing_class=tokenizer,
                                peft_config=lora_config(script_args))
@@ -230,6 +261,17 @@ def main_guarded(fn, *args) -> int:
         return fn(*args)
     except USER_ERRORS as exc:
         print(f"\nerror: {exc}", file=sys.stderr, flush=True)  # newline: a progress bar may be mid-line
+        return 2
+    except yaml.YAMLError as exc:
+        print(f"\nerror: the --config file is not valid YAML: {' '.join(str(exc).split())}. Fix: correct it at "
+              f"that line (keys are GRPOAccelConfig / script flags without the dashes).", file=sys.stderr, flush=True)
+        return 2
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        print(f"\nerror: disk full while writing {exc.filename or 'the run'}. Fix: free space or pass another "
+              f"--output_dir; files are written via rename, so the previous checkpoint and artifacts are intact, "
+              f"and --resume_from_checkpoint latest skips the interrupted save.", file=sys.stderr, flush=True)
         return 2
     except ValueError as exc:  # config validation (ours and TRL's) says what is wrong
         print(f"\nerror: {exc}", file=sys.stderr, flush=True)  # newline: a progress bar may be mid-line

@@ -1,0 +1,81 @@
+"""The bad-input table: each case exits 2 with one `error:` line naming the fix, and writes no run directory."""
+
+import errno
+import os
+import re
+
+import pytest
+
+from grpo_accel.report import atomic_write_text
+from grpo_accel.runner import main_guarded
+from launch_utils import TINY_ARGS, run_train
+
+
+def error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, stderr[-2000:]
+    return lines[0]
+
+
+def tiny_model_without_chat_template(tmp_path):
+    from grpo_accel.models import load_model
+
+    model, tokenizer = load_model("tiny-llama")
+    tokenizer.chat_template = None
+    path = tmp_path / "no_template"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    for name in os.listdir(path):  # transformers 5 keeps the template in its own file too
+        if name.startswith("chat_template"):
+            os.remove(path / name)
+    return str(path)
+
+
+CASES = {
+    "malformed_yaml": (lambda d: ["--config", write(d / "bad.yaml", "learning_rate: [1e-4\nmax_steps: 2\n")],
+                       r"not valid YAML.*line"),
+    "malformed_jsonl": (lambda d: ["--dataset", write(d / "d.jsonl", '{"question": "1+1", "answer": "2"}\n{oops\n')],
+                        r"d\.jsonl:2: not valid JSON"),
+    "generation_batch": (lambda d: ["--generation_batch_size", "10"], r"generation_batch_size.*divisible|divisible"),
+    "lora_targets": (lambda d: ["--lora_target_modules", "q_proj,not_a_module"],
+                     r"\['not_a_module'\] are not in tiny-llama.*Fix"),
+    "prompt_too_long": (lambda d: ["--max_completion_length", "4000"], r"exceeds the model's context of 2048.*Fix"),
+    "output_not_writable": (lambda d: ["--output_dir", os.path.join(write(d / "a_file", "x"), "run")],
+                            r"not writable.*Fix"),
+    "no_chat_template": (lambda d: ["--model", tiny_model_without_chat_template(d)], r"no chat template.*Fix"),
+}
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input(case, tmp_path):
+    make_args, message = CASES[case]
+    extra = make_args(tmp_path)
+    out = tmp_path / "run"
+    args = [*TINY_ARGS, "--output_dir", str(out), *extra] if "--output_dir" not in extra else [*TINY_ARGS, *extra]
+    result = run_train(args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(message, error_line(result.stderr)), error_line(result.stderr)
+    assert not out.exists()
+
+
+def test_disk_full_while_saving_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    """Simulated ENOSPC: the artifact being written is not left half-written, the message names the fix."""
+    target = tmp_path / "summary.json"
+    target.write_text('{"previous": true}')
+    real_fdopen = os.fdopen
+
+    def full_disk(fd, *a, **kw):
+        f = real_fdopen(fd, *a, **kw)
+        f.write = lambda data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device", str(target)))
+        return f
+
+    monkeypatch.setattr(os, "fdopen", full_disk)
+    assert main_guarded(atomic_write_text, str(target), '{"new": true}') == 2
+    assert "disk full while writing" in capsys.readouterr().err
+    assert target.read_text() == '{"previous": true}'
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
