@@ -176,9 +176,6 @@ def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
 def run(script_args, config) -> int:
     from .trainer import GRPOAccelTrainer
 
-    if config.generation_batch_size is not None and config.generation_batch_size % config.num_generations:
-        raise ValueError(f"generation_batch_size={config.generation_batch_size} is not divisible by "
-                         f"num_generations={config.num_generations}. Fix: make it a multiple.")
     check_output_dir(config.output_dir)
     check_plan_fits(script_args, config)
     if config.use_vllm and not _vllm_importable():
