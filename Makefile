@@ -56,7 +56,7 @@ $(VLLM_STAMP): pyproject.toml
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
-	$(VLLM_PY) -m pytest -q -rP tests/vllm_engine --timeout 900
+	$(VLLM_PY) -m pytest -q tests/vllm_engine --timeout 900
 
 clean:
 	rm -rf $(VENV) runs wandb

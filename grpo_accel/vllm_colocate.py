@@ -126,7 +126,7 @@ def _is_cpu() -> bool:
 def create_engine(model_dir: str, cfg: EngineConfig):
     """An in-process vLLM LLM with LoRA on (one adapter slot), weights kept shareable."""
     check_vllm_version()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: the weights can be shared
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its weights can be shared
     cpu = _is_cpu()
     if cpu:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gib))

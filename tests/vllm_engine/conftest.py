@@ -6,9 +6,24 @@ vLLM allows one in-process engine per process comfortably, so it is session-scop
 """
 
 import os
+import time
 
 import pytest
 import torch
+
+MEASURED: list[str] = []
+
+
+def report(line: str) -> None:
+    """A measured number, printed in the summary of `make test-vllm` (pytest keeps passing tests quiet)."""
+    MEASURED.append(line)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if MEASURED:
+        terminalreporter.section("vLLM shared-weight measurements")
+        for line in MEASURED:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +42,10 @@ def engine(model_dir):
 
     cfg = EngineConfig(dtype=torch.float32, max_model_len=256, max_num_seqs=8, max_lora_rank=16, kv_cache_gib=1,
                        num_threads=int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "2")))
-    return SharedVLLM(model_dir, cfg)
+    t0 = time.perf_counter()
+    engine = SharedVLLM(model_dir, cfg)
+    report(f"engine created in {time.perf_counter() - t0:.1f} s ({cfg.num_threads} threads)")
+    return engine
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ pytest.importorskip("vllm.sampling_params")  # a real vLLM, not a folder that sh
 pytestmark = pytest.mark.vllm
 
 from grpo_accel import vllm_colocate as vc  # noqa: E402
+from conftest import report  # noqa: E402
 
 FIXED = "Question: what is 17 + 25? Think step by step, then answer.\nAnswer: 17 + 25 = 42. The answer is 42."
 
@@ -30,7 +31,7 @@ def _param_bytes(model) -> int:
 
 def test_generates_through_engine_like_hf(engine, training_model, tokenizer):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}],
-                                           add_generation_prompt=True)
+                                           add_generation_prompt=True, return_dict=False)
     out = engine.generate([prompt], max_tokens=16, temperature=0.0)
     tokens = list(out[0].outputs[0].token_ids)
     assert len(tokens) > 0
@@ -68,8 +69,10 @@ def test_host_memory_does_not_grow_by_a_model_copy(engine, model_dir):
     # The same measurement sees an unshared copy (proof that it can see one).
     before = rss_bytes()
     copy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        sum(p.sum() for p in copy.parameters())  # touch every page (a lazily mapped file would not count yet)
     copy_growth = rss_bytes() - before
-    print(f"model {model_bytes / 2**20:.0f} MiB: shared build +{shared_growth / 2**20:.1f} MiB RSS, "
+    report(f"model {model_bytes / 2**20:.0f} MiB: shared build +{shared_growth / 2**20:.1f} MiB RSS, "
           f"unshared copy +{copy_growth / 2**20:.0f} MiB RSS")
     assert shared_growth < 0.05 * model_bytes
     assert copy_growth > 0.8 * model_bytes
@@ -114,7 +117,7 @@ def test_adapter_sync_after_optimizer_steps(engine, peft_model, tokenizer):
         got = engine.prompt_logprobs(ids)
         ref = vc.hf_token_logprobs(peft_model, ids)
         err, moved = (got - ref).abs().max().item(), (stale - ref).abs().max().item()
-        print(f"step {step + 1}: engine vs training log-probs max |diff| {err:.2e}; before the push {moved:.2e}")
+        report(f"step {step + 1}: engine vs training log-probs max |diff| {err:.2e}; before the push {moved:.2e}")
         assert err < 1e-4
         assert moved > 100 * err, "the step did not change the log-probs: the test proves nothing"
         # vLLM scales lora_B in place: the trainer's tensors must be untouched by the push.
