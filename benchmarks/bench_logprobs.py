@@ -19,7 +19,6 @@ benchmarks/results/logprobs.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -29,9 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+from results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-FIELDS = ["op", "impl", "shape", "metric", "value", "unit", "device", "versions", "git_sha", "date"]
 GOAL = (16384, 576, 49152)
 
 
@@ -108,22 +108,7 @@ def worker(impl, n, h, v, dtype_name, device):
 
 
 def _meta(device):
-    import torch
-    import trl
-
-    vers = f"torch={torch.__version__} trl={trl.__version__}"
-    try:
-        import triton
-
-        vers += f" triton={triton.__version__}"
-    except ImportError:
-        pass
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    if device == "cuda":
-        dev = torch.cuda.get_device_name()
-    else:
-        dev = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-    return vers, sha.stdout.strip() or "unknown", dev
+    return run_meta(device, ("torch", "trl", "triton"))
 
 
 def run_grid(args):
@@ -163,18 +148,7 @@ def run_grid(args):
 
 
 def write_csv(rows, path):
-    """Replace rows for the same (impl, shape, device); keep everything else (e.g. the other device's runs)."""
-    keys = {(r["impl"], r["shape"], r["device"]) for r in rows}
-    old = []
-    if path.exists():
-        with path.open() as f:
-            old = [r for r in csv.DictReader(f) if (r["impl"], r["shape"], r["device"]) not in keys]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(old + rows)
-    return old + rows
+    return merge_csv(rows, path, key=("impl", "shape", "device"))
 
 
 def plot(rows, path):

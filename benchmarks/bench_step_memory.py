@@ -44,7 +44,6 @@ benchmarks/results/step_memory.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import math
@@ -56,9 +55,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-FIELDS = ["op", "impl", "shape", "metric", "value", "unit", "device", "versions", "git_sha", "date"]
 MIB = 1 << 20
 # name -> (trainer, logprob_impl, offload_activations); None = TRL's GRPOTrainer / GRPOConfig untouched
 VARIANTS = {
@@ -281,17 +281,7 @@ def _shape(args, T=None):
 
 
 def _meta(device):
-    import torch
-    import transformers
-    import trl
-
-    vers = f"torch={torch.__version__} trl={trl.__version__} transformers={transformers.__version__}"
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    if device == "cuda":
-        dev = torch.cuda.get_device_name()
-    else:
-        dev = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-    return vers, sha.stdout.strip() or "unknown", dev
+    return run_meta(device, ("torch", "trl", "transformers"))
 
 
 def step_rows(res, args, T):
@@ -362,18 +352,7 @@ def find_max_t(args):
 
 
 def write_csv(rows, path):
-    """Replace rows for the same (op, impl, shape, device); keep everything else (e.g. the other device's runs)."""
-    keys = {(r["op"], r["impl"], r["shape"], r["device"]) for r in rows}
-    old = []
-    if path.exists():
-        with path.open() as f:
-            old = [r for r in csv.DictReader(f) if (r["op"], r["impl"], r["shape"], r["device"]) not in keys]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(old + rows)
-    return old + rows
+    return merge_csv(rows, path)
 
 
 def plot(rows, path):

@@ -234,7 +234,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad_ent = None
         if (grad_logp is None and grad_ent is None) or not (need_h or need_w):
             return (None,) * 12
-        n, v = hidden.shape[0], weight.shape[0]
+        v = weight.shape[0]
         acc = lse.dtype
         valid = targets != ignore_index
         idx = None if bool(valid.all()) else valid.nonzero().squeeze(1)

@@ -1,0 +1,47 @@
+"""What every benchmark shares: the long-format CSV (merge by key, keep other devices' rows) and run metadata."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = ["op", "impl", "shape", "metric", "value", "unit", "device", "versions", "git_sha", "date"]
+
+
+def merge_csv(rows: list[dict], path: Path, key=("op", "impl", "shape", "device")) -> list[dict]:
+    """Replace the rows of `path` that share `key` with the new ones; keep everything else (e.g. GPU rows
+    measured elsewhere when re-running on CPU). Returns the file's rows."""
+    fresh = {tuple(r[k] for k in key) for r in rows}
+    old = []
+    if path.exists():
+        with path.open() as f:
+            old = [r for r in csv.DictReader(f) if tuple(r[k] for k in key) not in fresh]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(old + rows)
+    return old + rows
+
+
+def run_meta(device: str, packages=("torch", "trl")) -> tuple[str, str, str]:
+    """(versions, git sha, device description) for the CSV's columns."""
+    import importlib
+
+    import torch
+
+    versions = []
+    for name in packages:
+        try:
+            versions.append(f"{name}={importlib.import_module(name).__version__}")
+        except ImportError:
+            pass
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if device == "cuda":
+        dev = torch.cuda.get_device_name()
+    else:
+        dev = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    return " ".join(versions), sha.stdout.strip() or "unknown", dev
