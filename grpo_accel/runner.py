@@ -17,7 +17,7 @@ import yaml
 
 from .data import DatasetError, train_eval_datasets
 from .guards import NonFiniteStepsError
-from .models import ModelLoadError, ModelNotFoundError, load_model, load_tokenizer
+from .models import ModelLoadError, load_model, load_tokenizer
 from .report import plot_reward_curve, step_rows, write_json, write_metrics_csv
 from .rewards import RewardFunctionError, resolve_rewards
 
@@ -178,14 +178,21 @@ def run(script_args, config) -> int:
 
     check_output_dir(config.output_dir)
     check_plan_fits(script_args, config)
+    resume = config.resume_from_checkpoint
+    if resume == "latest":
+        resume = latest_complete_checkpoint(config.output_dir)
+        log(f"resuming from {resume}")
+    elif resume and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+        raise FileNotFoundError(f"{resume} is not a complete checkpoint (no trainer_state.json). Fix: pass "
+                                f"--resume_from_checkpoint latest, or another checkpoint-N directory.")
     if config.use_vllm and not _vllm_importable():
         log("vLLM is not installed: generating with transformers' generate() (pip install 'grpo_accel[vllm]')")
         config.use_vllm = False
     reward_funcs = resolve_rewards(script_args.rewards)
     tokenizer = load_tokenizer(script_args.model)
     if not tokenizer.chat_template:
-        raise ModelNotFoundError(f"the tokenizer of {script_args.model!r} has no chat template. Fix: use an "
-                                 f"instruct/chat model, or set tokenizer.chat_template in a local copy.")
+        raise ModelLoadError(f"the tokenizer of {script_args.model!r} has no chat template. Fix: use an "
+                             f"instruct/chat model, or set tokenizer.chat_template in a local copy.")
     train_ds, eval_ds = train_eval_datasets(script_args.dataset, script_args.train_size, script_args.eval_size,
                                             level=script_args.dataset_level, seed=config.seed)
     log(f"model {script_args.model} ({script_args.model_dtype}), dataset {script_args.dataset}: "
@@ -206,13 +213,6 @@ def run(script_args, config) -> int:
         write_json({"script": asdict(script_args), "config": config.to_dict()},
                    os.path.join(config.output_dir, "resolved_config.json"))
 
-    resume = config.resume_from_checkpoint
-    if resume == "latest":
-        resume = latest_complete_checkpoint(config.output_dir)
-        log(f"resuming from {resume}")
-    elif resume and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
-        raise FileNotFoundError(f"{resume} is not a complete checkpoint (no trainer_state.json). Fix: pass "
-                                f"--resume_from_checkpoint latest, or another checkpoint-N directory.")
     if eval_ds is not None and not resume:
         summary["before"], records = _evaluate(trainer.model, tokenizer, eval_ds, script_args, "before")
         if is_main:

@@ -55,3 +55,4 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
 def test_resume_without_checkpoint_names_the_fix(tmp_path):
     result = run_train([*ARGS, "--output_dir", str(tmp_path / "none"), "--resume_from_checkpoint", "latest"])
     assert result.returncode == 2 and "no complete checkpoint" in result.stderr
+    assert not (tmp_path / "none").exists()
