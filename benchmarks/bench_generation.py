@@ -16,7 +16,6 @@ impl/shape/device are replaced).
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -26,9 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import ROOT, merge_csv, run_meta  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
-FIELDS = ["op", "impl", "shape", "metric", "value", "unit", "device", "versions", "git_sha", "date"]
 IMPLS = ("vllm_shared", "vllm_stock", "hf_generate")
 QUESTIONS = ["What is {a} + {b}?", "What is {a} - {b}?", "Compute {a} plus {b}.", "What is {a} times {b}?"]
 
@@ -87,7 +87,7 @@ def worker(args):
     else:
         from vllm import SamplingParams
 
-        from grpo_accel.vllm_colocate import EngineConfig, SharedVLLM, build_shared_model
+        from grpo_accel.vllm_colocate import EngineConfig, SharedVLLM
 
         cfg = EngineConfig(dtype=torch.float32, max_model_len=512, max_num_seqs=args.prompts * args.generations,
                            max_lora_rank=args.lora_r, kv_cache_gib=2, num_threads=args.threads)
@@ -124,22 +124,6 @@ def worker(args):
                       "load_1min": os.getloadavg()[0]}))
 
 
-def _meta(threads):
-    import torch
-    import transformers
-
-    vers = f"torch={torch.__version__} transformers={transformers.__version__}"
-    try:
-        import vllm
-
-        vers += f" vllm={vllm.__version__}"
-    except ImportError:
-        pass
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dev = f"cpu ({os.cpu_count()} cores, {threads} torch threads)"
-    return vers, sha.stdout.strip() or "unknown", dev
-
-
 UNITS = {"tokens_per_s": "tokens/s", "wall_s": "s", "new_tokens": "tokens", "load_s": "s",
          "rss_after_load_mib": "MiB", "peak_rss_mib": "MiB", "load_1min": "procs"}
 
@@ -158,7 +142,10 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    versions, sha, dev = _meta(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    versions, sha, dev = run_meta("cpu", packages=("torch", "transformers", "vllm"))
     shape = (f"smollm2-135m-instruct,float32,P={args.prompts},G={args.generations},new={args.new_tokens},"
              f"lora_r={args.lora_r}")
     rows, date = [], datetime.date.today().isoformat()
@@ -178,16 +165,7 @@ def main():
         for metric, value in res.items():
             rows.append(dict(op="generate", impl=impl, shape=shape, metric=metric, value=f"{value:.6g}",
                              unit=UNITS[metric], device=dev, versions=versions, git_sha=sha, date=date))
-    keys = {(r["impl"], r["shape"], r["device"]) for r in rows}
-    old = []
-    if args.out.exists():
-        with args.out.open() as f:
-            old = [r for r in csv.DictReader(f) if (r["impl"], r["shape"], r["device"]) not in keys]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(old + rows)
+    merge_csv(rows, args.out)
     print(f"wrote {args.out}")
 
 

@@ -1,7 +1,6 @@
 """TRL 1.16 GRPOTrainer generating through the shared engine (attach_shared_vllm): one real GRPO step."""
 
 import pytest
-import torch
 
 pytest.importorskip("vllm.sampling_params")
 pytest.importorskip("trl")
