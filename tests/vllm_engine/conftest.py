@@ -2,7 +2,9 @@
 
 Runs in the vLLM venv (`make test-vllm`); in the main venv these tests skip (no vllm there). The folder is not
 named `vllm`: pytest puts tests/ on sys.path, and a tests/vllm folder would shadow vLLM as a namespace package.
-vLLM allows one in-process engine per process comfortably, so it is session-scoped.
+vLLM allows one in-process engine per process comfortably, so it is session-scoped. One thread by default
+(GRPO_ACCEL_VLLM_THREADS): on a host busy with another job, 2 threads made this folder 5x slower (6.5 min vs
+~1.3 min), as the CPU worker binds its OpenMP threads to cores.
 """
 
 import os
@@ -41,7 +43,7 @@ def engine(model_dir):
         pytest.skip(f"no vllm: {vllm_unavailable_reason()}")
 
     cfg = EngineConfig(dtype=torch.float32, max_model_len=256, max_num_seqs=8, max_lora_rank=16, kv_cache_gib=1,
-                       num_threads=int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "2")))
+                       num_threads=int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")))
     t0 = time.perf_counter()
     engine = SharedVLLM(model_dir, cfg)
     report(f"engine created in {time.perf_counter() - t0:.1f} s ({cfg.num_threads} threads)")
