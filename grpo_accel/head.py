@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
+from .offload import offload_saved_tensors
 from .ops.logprobs import token_logprobs
 
 
@@ -69,7 +70,9 @@ def head_unsupported_reason(causal_lm) -> str | None:
 
 
 def install_logprob_head(model, *, temperature: float, impl: str = "auto", chunk_size: int | None = None,
-                         vocab_tile: int | None = None) -> None:
+                         vocab_tile: int | None = None, offload=None) -> None:
+    """`offload`: an OffloadConfig to hold the head's saved hidden states (G·T·H, the largest tensor the head
+    keeps for backward) in host memory between the policy forward and the head's backward; None keeps them."""
     causal_lm = causal_lm_of(model)
     reason = head_unsupported_reason(causal_lm)
     if reason:
@@ -87,7 +90,9 @@ def install_logprob_head(model, *, temperature: float, impl: str = "auto", chunk
         labels = accel_labels[:, 1:].to(hidden.device)
         mask = labels != -100
         weight = causal_lm.get_output_embeddings().weight
-        with zero3_gather_ctx(weight):
+        keep_on_host = (offload_saved_tensors(min_bytes=offload.min_bytes, config=offload) if offload is not None
+                        else nullcontext())
+        with zero3_gather_ctx(weight), keep_on_host:
             logp, ent = token_logprobs(hidden[mask], weight, labels[mask], impl=impl, temperature=temperature,
                                        softcap=softcap, compute_entropy=accel_entropy, chunk_size=chunk_size,
                                        vocab_tile=vocab_tile, weight_ctx=lambda: zero3_gather_ctx(weight))

@@ -46,8 +46,11 @@ class GRPOAccelTrainer(GRPOTrainer):
         if not self.is_deepspeed_enabled:
             self.nonfinite_guard = NonFiniteGuard(getattr(self.args, "max_nonfinite_steps", 3))
             self.add_callback(self.nonfinite_guard)
+        self.offload_config = self._offload_config()
+        self.offload_enabled = self.offload_config is not None
+        if self.offload_enabled:
+            install_activation_offload(self.model, self.offload_config)
         self.logprob_impl = self._install_logprob_head()
-        self.offload_enabled = self._install_offload()
 
     def _install_logprob_head(self) -> str:
         impl = getattr(self.args, "logprob_impl", "trl")
@@ -62,18 +65,19 @@ class GRPOAccelTrainer(GRPOTrainer):
         for m in (self.model, self.ref_model):
             if m is not None:
                 install_logprob_head(m, temperature=self.temperature, impl=impl,
-                                     chunk_size=self.args.logprob_chunk_size, vocab_tile=self.args.logprob_vocab_tile)
+                                     chunk_size=self.args.logprob_chunk_size, vocab_tile=self.args.logprob_vocab_tile,
+                                     offload=self.offload_config if m is self.model else None)
         return impl
 
-    def _install_offload(self) -> bool:
+    def _offload_config(self) -> OffloadConfig | None:
+        """None when offload is off; else how to offload (the layer inputs and the head's hidden states)."""
         setting = getattr(self.args, "offload_activations", "false")
         device = self.accelerator.device
         if not resolve_offload(setting, device, gradient_checkpointing=self.args.gradient_checkpointing):
-            return False
-        force = os.environ.get(FORCE_OFFLOAD_COPIES_ENV) == "1"
-        config = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0) if force else None
-        install_activation_offload(self.model, config)
-        return True
+            return None
+        if os.environ.get(FORCE_OFFLOAD_COPIES_ENV) == "1":
+            return OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0)
+        return OffloadConfig()
 
     def _generate(self, prompts):
         with self.telemetry.phase("generation"):

@@ -4,6 +4,7 @@ If TRL renames or re-signatures `_get_per_token_logps_and_entropies`, or stops c
 loss, these tests fail: that hook is the one private TRL method we override.
 """
 
+import contextlib
 import inspect
 
 import pytest
@@ -86,6 +87,38 @@ def test_logps_loss_and_grads_match_trl(tmp_path, impl, peft, monkeypatch):
     ref_loss, ref_grads = grads_of(ours, inputs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_head_hidden_offload_keeps_grads(tmp_path, monkeypatch):
+    """With offload on (real copy path forced), the head's saved hidden states go through the stash and the
+    loss and every gradient still equal TRL's head."""
+    monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")
+    ours = make_trainer(tmp_path, "chunked", offload_activations="true", gradient_checkpointing=True)
+    assert ours.offload_enabled
+    inputs = one_batch(ours)
+    import grpo_accel.head as head
+    import grpo_accel.offload as offload
+
+    packed = []
+    real_hooks, real_offload = head.offload_saved_tensors, offload._Entry.offload
+
+    @contextlib.contextmanager
+    def counting_hooks(**kw):  # count what goes to the stash while the head's saved-tensor hooks are active
+        offload._Entry.offload = lambda self: packed.append(1) or real_offload(self)
+        try:
+            with real_hooks(**kw):
+                yield
+        finally:
+            offload._Entry.offload = real_offload
+
+    monkeypatch.setattr(head, "offload_saved_tensors", counting_hooks)
+    loss, grads = grads_of(ours, inputs)
+    assert packed, "the head's saved hidden states did not go through the offload stash"
+    ours.logprob_impl = "trl"
+    ref_loss, ref_grads = grads_of(ours, inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
