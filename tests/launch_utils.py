@@ -22,3 +22,10 @@ def run_train(args, launcher=None, timeout=900, **env):
     """`python launch/train.py ARGS`, or `<launcher...> launch/train.py ARGS` (e.g. accelerate launch)."""
     cmd = [*(launcher or [sys.executable]), os.path.join(ROOT, "launch", "train.py"), *args]
     return subprocess.run(cmd, cwd=ROOT, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def error_line(stderr: str) -> str:
+    """The one line a user reads: `error: ...` (progress bars may print after it while closing)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, stderr[-2000:]
+    return lines[0]

@@ -8,13 +8,7 @@ import pytest
 
 from grpo_accel.report import atomic_write_text
 from grpo_accel.runner import main_guarded
-from launch_utils import TINY_ARGS, run_train
-
-
-def error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, stderr[-2000:]
-    return lines[0]
+from launch_utils import TINY_ARGS, error_line, run_train
 
 
 def tiny_model_without_chat_template(tmp_path):

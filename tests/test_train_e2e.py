@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from grpo_accel.tracking import read_wandb_history
-from launch_utils import TINY_ARGS, run_train
+from launch_utils import TINY_ARGS, error_line, run_train
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +55,6 @@ def test_wandb_offline_metrics_read_back(tiny_run):
         assert logged["train/reward"] == pytest.approx(float(row["reward"]), rel=1e-6)
         assert logged["train/loss"] == pytest.approx(float(row["loss"]), rel=1e-6, abs=1e-12)
         assert logged["train/memory/backward_peak_gib"] == pytest.approx(float(row["memory/backward_peak_gib"]))
-
-
-def error_line(stderr: str) -> str:
-    """The one line a user reads: `error: ...` (progress bars may print after it while closing)."""
-    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, stderr[-2000:]
-    return lines[0]
 
 
 @pytest.mark.parametrize("args,message", [
