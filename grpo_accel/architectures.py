@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .models import TINY_CONFIGS
+
 __all__ = ["ALIASES", "ARCHITECTURES", "ModelShape", "get_architecture", "list_architectures", "model_shape"]
 
 # name -> (transformers config class name, kwargs, the hub checkpoint the shape is taken from)
@@ -84,24 +86,14 @@ _SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
         ),
         "HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
-    # The lead's tiny random test models (models.TINY_CONFIGS) with SmolLM2's 49152-token vocabulary.
-    "tiny-llama": (
-        "LlamaConfig",
-        dict(
-            vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        ),
-        "(random init, grpo_accel.models.TINY_CONFIGS)",
-    ),
-    "tiny-qwen2": (
-        "Qwen2Config",
-        dict(
-            vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        ),
-        "(random init, grpo_accel.models.TINY_CONFIGS)",
-    ),
 }
+
+# The tiny random test models are defined once, in models.TINY_CONFIGS; here they get SmolLM2's tokenizer ids.
+_SMOLLM2_TOKENS = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+for _name, _spec in TINY_CONFIGS.items():
+    _kwargs = {k: v for k, v in _spec.items() if k != "model_type"}
+    _SPECS[_name] = ({"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[_spec["model_type"]],
+                     {**_kwargs, **_SMOLLM2_TOKENS}, "(random init, grpo_accel.models.TINY_CONFIGS)")
 
 ARCHITECTURES: dict[str, str] = {name: spec[2] for name, spec in _SPECS.items()}  # name -> source checkpoint
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import tempfile
@@ -32,11 +33,11 @@ def step_rows(log_history: list[dict]) -> list[dict]:
 
 def write_metrics_csv(rows: list[dict], path: str) -> None:
     keys = ["step"] + sorted({k for row in rows for k in row} - {"step"})
-    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False, newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(f.name, path)
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=keys)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buffer.getvalue())
 
 
 def read_metrics_csv(path: str) -> list[dict]:
