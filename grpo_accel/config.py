@@ -34,6 +34,11 @@ class GRPOAccelConfig(GRPOConfig):
         metadata={"help": "Offload checkpointed layer inputs to pinned host memory: 'true', 'false' or 'auto' "
                           "(on with a CUDA device and gradient checkpointing)."},
     )
+    vllm_share_weights: bool = field(
+        default=True,
+        metadata={"help": "Colocated vLLM with LoRA: the engine and the trainer use one copy of the frozen base "
+                          "weights (checked at start-up; falls back to two copies with a warning)."},
+    )
     max_nonfinite_steps: int = field(
         default=3,
         metadata={"help": "Steps with non-finite gradients are skipped; this many in a row stop the run, keeping "

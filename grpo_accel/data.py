@@ -175,3 +175,9 @@ def train_eval_datasets(name: str, train_size: int, eval_size: int, level: int =
         raise DatasetError(f"{name!r} has {len(rows)} rows, all taken by --eval_size {eval_size}. "
                            f"Fix: lower --eval_size or add rows.")
     return Dataset.from_list(rest[:train_size]), (Dataset.from_list(held_out) if held_out else None)
+
+
+def prompt_lengths(tokenizer, prompts) -> list[int]:
+    """Tokens of each prompt as the trainer feeds it (chat template + generation prompt for conversations)."""
+    return [len(tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True, return_dict=False))
+            if isinstance(p, list) else len(tokenizer(p)["input_ids"]) for p in prompts]

@@ -15,20 +15,16 @@ from dataclasses import asdict
 import torch
 import yaml
 
-from .data import DatasetError, train_eval_datasets
+from .console import log
+from .data import DatasetError, prompt_lengths, train_eval_datasets
 from .guards import NonFiniteStepsError
-from .models import ModelLoadError, load_model, load_tokenizer
+from .models import ModelLoadError, load_model, load_tokenizer, resolve_model_path
 from .report import plot_reward_curve, step_rows, write_json, write_metrics_csv
 from .rewards import RewardFunctionError, resolve_rewards
 
 from .presets import PresetError
 
 USER_ERRORS = (PresetError, ModelLoadError, NonFiniteStepsError, DatasetError, RewardFunctionError, FileNotFoundError, PermissionError)
-
-
-def log(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[grpo_accel] {msg}", flush=True)
 
 
 def choose_preset(cli_preset: str | None):
@@ -106,12 +102,6 @@ def latest_complete_checkpoint(output_dir: str) -> str:
                             f"--resume_from_checkpoint, or point --output_dir at the run to continue.")
 
 
-def _vllm_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 def check_output_dir(path: str) -> None:
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
@@ -144,13 +134,12 @@ def check_lora_targets(model, script_args) -> None:
                              f"with some of {sorted(linear - {'lm_head'})}, or all-linear.")
 
 
-def check_context(model, tokenizer, dataset, max_completion_length: int) -> None:
+def check_context(model_config, tokenizer, dataset, max_completion_length: int) -> None:
     """A prompt + completion longer than the model's context fails deep inside generation; say so up front."""
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    limit = getattr(model_config.get_text_config(), "max_position_embeddings", None)
     if not limit:
         return
-    longest, index = max((len(tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True)), i)
-                         for i, p in enumerate(dataset["prompt"]))
+    longest, index = max((n, i) for i, n in enumerate(prompt_lengths(tokenizer, dataset["prompt"])))
     if longest + max_completion_length > limit:
         raise DatasetError(f"prompt {index + 1} has {longest} tokens; with --max_completion_length "
                            f"{max_completion_length} that exceeds the model's context of {limit} tokens. Fix: lower "
@@ -173,6 +162,29 @@ def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
     return acc, records
 
 
+def load_training_model(script_args, config, tokenizer, train_ds):
+    """(model, colocated engine or None). With colocated vLLM and a bf16/fp32 model the engine loads the checkpoint
+    and the training model is built around its weights, so no second copy exists even while loading."""
+    from .models import TINY_CONFIGS
+    from .vllm_setup import fallback_reason, start_colocated_engine
+
+    colocate = config.use_vllm and config.vllm_mode == "colocate"
+    if colocate and script_args.quantization == "none" and script_args.model not in TINY_CONFIGS:
+        if fallback_reason(script_args.model, config) is None:
+            from transformers import AutoConfig
+
+            # Before the engine loads anything: a too-long prompt should fail in a second, not after start-up.
+            check_context(AutoConfig.from_pretrained(resolve_model_path(script_args.model)), tokenizer, train_ds,
+                          config.max_completion_length)
+            engine, model = start_colocated_engine(script_args.model, config, peft_config=lora_config(script_args),
+                                                   train_dataset=train_ds, tokenizer=tokenizer,
+                                                   dtype=getattr(torch, script_args.model_dtype))
+            return model, engine
+    # Otherwise (no vLLM, a 4-bit or tiny model) the trainer starts an unshared engine or says why it cannot.
+    model, _ = load_model(script_args.model, dtype=script_args.model_dtype, quantization=script_args.quantization)
+    return model, None
+
+
 def run(script_args, config) -> int:
     from .trainer import GRPOAccelTrainer
 
@@ -185,9 +197,6 @@ def run(script_args, config) -> int:
     elif resume and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
         raise FileNotFoundError(f"{resume} is not a complete checkpoint (no trainer_state.json). Fix: pass "
                                 f"--resume_from_checkpoint latest, or another checkpoint-N directory.")
-    if config.use_vllm and not _vllm_importable():
-        log("vLLM is not installed: generating with transformers' generate() (pip install 'grpo_accel[vllm]')")
-        config.use_vllm = False
     reward_funcs = resolve_rewards(script_args.rewards)
     tokenizer = load_tokenizer(script_args.model)
     if not tokenizer.chat_template:
@@ -199,10 +208,10 @@ def run(script_args, config) -> int:
         f"{len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} held-out prompts")
     configure_tracking(config)
 
-    model, _ = load_model(script_args.model, dtype=script_args.model_dtype, quantization=script_args.quantization)
+    model, engine = load_training_model(script_args, config, tokenizer, train_ds)
     check_lora_targets(model, script_args)
-    check_context(model, tokenizer, train_ds, config.max_completion_length)
-    trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config,
+    check_context(model.config, tokenizer, train_ds, config.max_completion_length)
+    trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config, vllm_engine=engine,
                                train_dataset=train_ds, processing_class=tokenizer,
                                peft_config=lora_config(script_args))
     is_main = trainer.accelerator.is_main_process

@@ -8,7 +8,10 @@ TRL's numbers. What it adds:
 - activation offload installed as the model's gradient-checkpointing function (`offload_activations`);
 - reward functions are wrapped so a failing one is named in a clear error, never a silent 0;
 - per-phase peak memory (generation, old/ref log-probs, policy forward, backward, optimizer step)
-  logged with every step (`telemetry.py`).
+  logged with every step (`telemetry.py`);
+- `use_vllm=True, vllm_mode="colocate"`: one in-process engine whose base weights are the training model's
+  (LoRA), sized by the memory planner, the adapter pushed from memory after each optimizer step
+  (`vllm_setup.py`, `vllm_colocate.py`). Without vLLM, one line says generation falls back to generate().
 """
 
 from __future__ import annotations
@@ -20,24 +23,37 @@ import torch
 from trl import GRPOTrainer
 
 from .config import GRPOAccelConfig
+from .console import log
 from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
 from .ops.logprobs import triton_usable
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .guards import NonFiniteGuard
 from .rewards import guarded
 from .telemetry import PhaseTelemetry
+from .vllm_colocate import attach_shared_vllm
+from .vllm_setup import fallback_reason, start_colocated_engine
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
 FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
 
 
 class GRPOAccelTrainer(GRPOTrainer):
-    def __init__(self, model, reward_funcs, args: GRPOAccelConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs, args: GRPOAccelConfig | None = None, vllm_engine=None, **kwargs):
+        """As GRPOTrainer; `vllm_engine`: an engine already started with `vllm_setup.start_colocated_engine`
+        whose training model is `model` (else one is started here when args ask for colocated vLLM)."""
         if not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         # Reward models (nn.Module) and hub ids (str) are TRL's business; plain functions get the guard.
         reward_funcs = [f if isinstance(f, (str, torch.nn.Module)) else guarded(f) for f in reward_funcs]
+        if vllm_engine is None and args is not None and args.use_vllm and args.vllm_mode == "colocate":
+            vllm_engine, model = self._start_engine(model, args, kwargs)
+        if vllm_engine is not None:
+            args.use_vllm = False  # TRL must not start its own engine: a second copy of the weights
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        self.vllm_engine = vllm_engine
+        if vllm_engine is not None:
+            args.use_vllm = True
+            attach_shared_vllm(self, vllm_engine)
         self.telemetry = PhaseTelemetry()
         self.telemetry.wrap_backward(self.accelerator)
         self.add_callback(self.telemetry.callback())
@@ -51,6 +67,18 @@ class GRPOAccelTrainer(GRPOTrainer):
         if self.offload_enabled:
             install_activation_offload(self.model, self.offload_config)
         self.logprob_impl = self._install_logprob_head()
+
+    @staticmethod
+    def _start_engine(model, args, kwargs):
+        """(engine, model) for colocated generation, or (None, model) with one line when it cannot run here."""
+        reason = fallback_reason(model, args)
+        if reason is not None:
+            log(reason)
+            args.use_vllm = False
+            return None, model
+        return start_colocated_engine(model, args, peft_config=kwargs.get("peft_config"),
+                                      train_dataset=kwargs.get("train_dataset"),
+                                      tokenizer=kwargs.get("processing_class"))
 
     def _install_logprob_head(self) -> str:
         impl = getattr(self.args, "logprob_impl", "trl")

@@ -5,7 +5,7 @@ engine loads the checkpoint once and the HF training model is built around views
 parameters (fused `qkv_proj` / `gate_up_proj` sliced row-wise). Only the adapter changes per step; it reaches
 the engine from memory (`push_adapter`, ~40 ms for a 135M model), never through disk.
 
-    engine = SharedVLLM(model_dir, dtype=torch.float32, max_model_len=512, kv_cache_gib=1, max_lora_rank=16)
+    engine = SharedVLLM(model_dir, dtype=torch.float32, max_model_len=512, kv_cache_bytes=2**30, max_lora_rank=16)
     model = engine.build_training_model()        # HF model, base weights shared with the engine
     model = peft.get_peft_model(model, lora_config)
     engine.push_adapter(model)                    # after every optimizer step
@@ -44,7 +44,7 @@ SELF_CHECK_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, so
 SELF_CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
 
-class VLLMVersionError(RuntimeError):
+class VLLMVersionError(ValueError):
     pass
 
 
@@ -111,12 +111,14 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     max_model_len: int = 1024
     max_num_seqs: int = 16
-    max_lora_rank: int = 16
-    kv_cache_gib: int = 1              # CPU: VLLM_CPU_KVCACHE_SPACE
-    memory_fraction: float = 0.3       # CUDA: gpu_memory_utilization (take it from memory.vllm_memory_fraction)
+    max_lora_rank: int = 16            # 0: no LoRA slot (full fine-tuning)
+    kv_cache_bytes: int | None = None  # exact KV cache size (CPU default 1 GiB); on CUDA None = memory_fraction
+    memory_fraction: float = 0.3       # CUDA: gpu_memory_utilization (vllm_setup takes it from the planner)
     num_threads: int | None = None     # CPU: the worker freezes torch.set_num_threads, so set it before
     seed: int = 0
     enable_prefix_caching: bool = True
+    sleep: bool = False                # CUDA, unshared weights only: release weights + KV cache while training
+    quantization: str | None = None    # "bitsandbytes": the engine quantizes its own copy in flight (QLoRA)
 
 
 def _is_cpu() -> bool:
@@ -128,8 +130,9 @@ def create_engine(model_dir: str, cfg: EngineConfig):
     check_vllm_version()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its weights can be shared
     cpu = _is_cpu()
+    # The legacy env var would override the exact size below (vllm-cpu reads it as whole GiB).
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     if cpu:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gib))
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         keep_cpu_weights()
@@ -137,15 +140,23 @@ def create_engine(model_dir: str, cfg: EngineConfig):
 
     kwargs = dict(
         model=str(model_dir), dtype=cfg.dtype,  # explicit: "auto" runs an fp32 checkpoint in bf16 on CPU
-        enable_lora=True, max_loras=1, max_lora_rank=cfg.max_lora_rank, max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs, seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching,
+        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
+        enable_prefix_caching=cfg.enable_prefix_caching,
         logprobs_mode="processed_logprobs",  # temperature-scaled, as TRL's importance-sampling correction expects
         max_num_batched_tokens=max(4096, cfg.max_model_len),
     )
+    if cfg.max_lora_rank:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=cfg.max_lora_rank)
+    if cfg.quantization:
+        kwargs["quantization"] = cfg.quantization
     if cpu:
         kwargs["enforce_eager"] = True  # no torch.compile warm-up on a CPU host
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes or 2**30
     else:
         kwargs["gpu_memory_utilization"] = cfg.memory_fraction
+        if cfg.kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+        kwargs["enable_sleep_mode"] = cfg.sleep
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per rank, as TRL's colocate
     return LLM(**kwargs)
@@ -279,6 +290,31 @@ class SharedVLLM:
         self.shared = False
         return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.config.dtype)
 
+    def adopt_model(self, model, check: bool = True):
+        """Make an already loaded HF model share the engine's weights (the reverse of build_training_model).
+
+        Every parameter must equal the engine's bit for bit (same checkpoint, same dtype); then it is replaced by a
+        view into the engine and the model's own copy is freed once nothing else holds it. On any mismatch the
+        model is left as it is, unshared, with a warning that says why. Loading the model first costs a second
+        copy at start-up; passing the directory to build_training_model avoids even that.
+        """
+        try:
+            params = dict(model.named_parameters(remove_duplicate=False))
+            views = engine_views(self.llm, {n: p.shape for n, p in params.items()})
+            for name, view in views.items():
+                if params[name].dtype != view.dtype or not torch.equal(params[name].data, view):
+                    raise ValueError(f"{name} differs from the engine's weights (another checkpoint or dtype)")
+            for name, view in views.items():
+                params[name].data = view
+            reason = self._self_check(model) if check else None
+        except (KeyError, RuntimeError, ValueError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        self.shared = reason is None
+        if reason is not None:
+            warnings.warn(f"vLLM weight sharing disabled, the engine keeps its own copy of the base weights: "
+                          f"{reason}", stacklevel=2)
+        return model
+
     def _self_check(self, model) -> str | None:
         from transformers import AutoTokenizer
 
@@ -354,6 +390,9 @@ class SharedVLLMGeneration:
 
     TRL calls `sync_weights()` when `global_step` changed and `generate(prompts, images, num_generations,
     profiler)` for token-id prompts, and reads `llm.llm_engine.model_config.max_model_len`.
+    Shared (LoRA) weights: only the adapter is pushed. Unshared (full fine-tuning, 4-bit): every weight is pushed,
+    as TRL does; with `EngineConfig.sleep` (CUDA) the engine's weights and KV cache are released while training
+    (sleep level 2) and brought back around each generation, so the two phases never hold both at once.
     """
 
     def __init__(self, engine: SharedVLLM, trainer):
@@ -361,33 +400,59 @@ class SharedVLLMGeneration:
         self.llm = engine.llm
         self.trainer = trainer
         self.mode = "colocate"
+        self.sleep = engine.config.sleep and not engine.shared  # shared weights are the trainer's: never released
+        self.weights_sleeping = False
+        if self.sleep:
+            self.llm.sleep(level=2)
+            self.weights_sleeping = True
 
     def sync_weights(self) -> None:
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        if hasattr(model, "peft_config"):
+        if hasattr(model, "peft_config") and self.engine.config.max_lora_rank:
+            if not self.engine.shared and self.sleep:
+                self._wake_weights()
             self.engine.push_adapter(model)
             return
         if self.engine.shared:
             raise RuntimeError("full fine-tuning with shared vLLM weights is not supported: the optimizer would "
                                "update the engine's weights mid-generation. Fix: use LoRA (peft_config), or "
                                "build the model unshared.")
+        if self.sleep:
+            self._wake_weights()
+        from .head import zero3_gather_ctx
+
         runner_model = engine_model(self.llm)
+        # One tensor at a time: no second full copy of the weights is ever built (TRL's sync does the same).
         for name, param in model.named_parameters():
-            runner_model.load_weights([(name, param.data)])
+            with zero3_gather_ctx(param):
+                runner_model.load_weights([(name, param.data)])
         self.llm.reset_prefix_cache()
+
+    def _wake_weights(self) -> None:
+        if self.weights_sleeping:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self.weights_sleeping = False
 
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         from vllm import SamplingParams
 
         if images is not None and any(i is not None for i in images):
             raise NotImplementedError("the shared-weight vLLM path is text-only")
+        if self.sleep and self.weights_sleeping:
+            self.sync_weights()  # level-2 sleep discarded the weights: push the trainer's current ones again
         t = self.trainer
         sampling = dict(n=1, repetition_penalty=t.repetition_penalty, temperature=t.temperature, top_p=t.top_p,
                         top_k=t.top_k if t.top_k is not None else -1, min_p=0.0 if t.min_p is None else t.min_p,
                         max_tokens=t.max_completion_length, logprobs=0)
         sampling.update(t.args.generation_kwargs or {})
+        if self.sleep:
+            self.llm.wake_up(tags=["kv_cache"])
         with profiler or contextlib.nullcontext():
             outputs = self.engine.generate(prompts, SamplingParams(**sampling))
+        if self.sleep:
+            self.llm.sleep(level=2)
+            self.weights_sleeping = True
         prompt_ids = [list(o.prompt_token_ids) for o in outputs]
         completion_ids = [list(c.token_ids) for o in outputs for c in o.outputs]
         logprobs, token_ids = [], []

