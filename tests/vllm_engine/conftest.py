@@ -42,7 +42,7 @@ def engine(model_dir):
     if vllm_unavailable_reason():
         pytest.skip(f"no vllm: {vllm_unavailable_reason()}")
 
-    cfg = EngineConfig(dtype=torch.float32, max_model_len=256, max_num_seqs=8, max_lora_rank=16, kv_cache_gib=1,
+    cfg = EngineConfig(dtype=torch.float32, max_model_len=256, max_num_seqs=8, max_lora_rank=16, kv_cache_bytes=2**30,
                        num_threads=int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")))
     t0 = time.perf_counter()
     engine = SharedVLLM(model_dir, cfg)

@@ -34,3 +34,15 @@ def test_unsupported_version_names_the_range(version):
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.1rc1"])
 def test_supported_versions_pass(version):
     assert vc.check_vllm_version(version) == version
+
+
+def test_launch_without_vllm_falls_back_with_one_line(tmp_path):
+    """--use_vllm true where vLLM is not installed (the main venv): one line, then training with generate()."""
+    if vc.vllm_unavailable_reason() is None:
+        pytest.skip("vllm is installed here: the fallback cannot happen")
+    from launch_utils import TINY_ARGS, run_train
+
+    proc = run_train([*TINY_ARGS, "--use_vllm", "true", "--report_to", "none", "--output_dir", str(tmp_path / "run")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(vc.FALLBACK_LINE) == 1, proc.stdout[-3000:]
+    assert (tmp_path / "run" / "summary.json").exists()

@@ -1,0 +1,108 @@
+"""A few GRPOAccelTrainer steps in a fresh process (one engine per process); prints one JSON line of measurements.
+
+    python tests/vllm_engine/grpo_run.py MODE [--steps N]
+
+MODE: shared    LoRA, use_vllm=True (the model passed as a directory: the engine loads it, the trainer gets views)
+      unshared  LoRA, use_vllm=True, vllm_share_weights=False (the engine keeps its own copy, as TRL does)
+      full      full fine-tuning, use_vllm=True (own copy; every weight pushed after each optimizer step)
+      hf        LoRA, use_vllm=False: the training footprint without an engine (HF generate())
+Used by test_vllm_trainer.py and benchmarks/bench_vllm_memory.py. Peak memory is the process's VmHWM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+FIXED = "Question: what is 17 + 25? Think step by step, then answer.\nAnswer: 17 + 25 = 42. The answer is 42."
+
+
+def status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reward_digits(completions, **kwargs):
+    """Any reward with spread, so every step has a non-zero gradient and moves the weights."""
+    return [float(sum(ch.isdigit() for ch in c[0]["content"]) % 4) + 0.1 * (len(c[0]["content"]) % 5)
+            for c in completions]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["shared", "unshared", "full", "hf"])
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")))
+    ap.add_argument("--completion", type=int, default=24)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from peft import LoraConfig
+
+    from grpo_accel import vllm_colocate as vc
+    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.data import train_eval_datasets
+    from grpo_accel.models import embedded_model_dir, load_tokenizer
+    from grpo_accel.trainer import GRPOAccelTrainer
+
+    model_dir = str(embedded_model_dir())
+    tokenizer = load_tokenizer(model_dir)
+    train, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=0)
+    lora = None if args.mode == "full" else LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config = GRPOAccelConfig(
+        output_dir=os.environ.get("GRPO_RUN_OUT", "/tmp/grpo_run"), use_cpu=True, bf16=False, report_to=[],
+        use_vllm=args.mode != "hf", vllm_mode="colocate", vllm_share_weights=args.mode != "unshared",
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=args.completion,
+        max_steps=args.steps, learning_rate=5e-5 if args.mode == "full" else 2e-3, logging_steps=1,
+        save_strategy="no", gradient_checkpointing=False, temperature=0.7, seed=0,
+        model_init_kwargs={"dtype": "float32"})
+    t0 = time.perf_counter()
+    trainer = GRPOAccelTrainer(model=model_dir, reward_funcs=reward_digits, args=config, train_dataset=train,
+                               processing_class=tokenizer, peft_config=lora)
+    out = {"mode": args.mode, "threads": args.threads, "start_s": time.perf_counter() - t0,
+           "rss_after_start": status_bytes("VmRSS"),
+           "param_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters())}
+    engine = trainer.vllm_engine
+    calls = []
+    if engine is not None:
+        out.update(shared=engine.shared, kv_cache_bytes=engine.config.kv_cache_bytes,
+                   shared_fraction=vc.shared_fraction(trainer.model, engine.llm))
+        original = engine.generate
+        engine.generate = lambda *a, **k: (calls.append(len(a[0])), original(*a, **k))[1]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    t0 = time.perf_counter()
+    trainer.train()
+    out.update(train_s=time.perf_counter() - t0, peak_rss=status_bytes("VmHWM"), engine_generate_calls=calls)
+    out["moved"] = max((p.detach() - before[n]).abs().max().item()
+                       for n, p in trainer.model.named_parameters() if n in before)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    out["grad_norms"] = [h.get("grad_norm") for h in logs]
+    out["sampling_logp_difference_max"] = [h.get("sampling/sampling_logp_difference/max") for h in logs]
+    if engine is not None:
+        ids = tokenizer(FIXED)["input_ids"]
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        reference = vc.hf_token_logprobs(model, ids)
+
+        def engine_diff():
+            return (engine.prompt_logprobs(ids, use_adapter=engine.has_adapter) - reference).abs().max().item()
+
+        # The engine still has the weights of before the last optimizer step; the sync brings that step over,
+        # as it would before the next generation.
+        out["stale_logprob_maxdiff"] = engine_diff()
+        trainer.vllm_generation.sync_weights()
+        out["engine_vs_trainer_logprob_maxdiff"] = engine_diff()
+        out["shared_fraction_after"] = vc.shared_fraction(trainer.model, engine.llm)
+    print("GRPO_RUN " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
