@@ -1,0 +1,102 @@
+"""Engine sizing and the sharing decision (vllm_setup.py) without an engine: runs in the main venv.
+
+The engine itself is exercised in tests/vllm_engine (make test-vllm); here the arithmetic and the choices.
+"""
+
+import types
+
+import pytest
+import torch
+
+from grpo_accel import vllm_setup as vs
+from grpo_accel.architectures import model_shape
+from grpo_accel.config import GRPOAccelConfig
+from grpo_accel.data import train_eval_datasets
+from grpo_accel.models import embedded_model_dir, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(embedded_model_dir())
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8,
+                num_generations=4, max_completion_length=40)
+    return GRPOAccelConfig(**(base | kw))
+
+
+def test_max_model_len_is_longest_prompt_plus_completion(tmp_path, hf_config):
+    tok = load_tokenizer("smollm2-135m-instruct")
+    train, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=0)
+    longest = max(len(tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False))
+                  for p in train["prompt"])
+    assert vs.max_model_len(_args(tmp_path), hf_config, train, tok) == max(longest + 40, vs.MIN_MODEL_LEN)
+    assert vs.max_model_len(_args(tmp_path, vllm_max_model_length=300), hf_config, train, tok) == 300
+    # No dataset: the model's context.
+    assert vs.max_model_len(_args(tmp_path), hf_config) == hf_config.max_position_embeddings
+
+
+def test_cpu_kv_cache_is_sized_to_the_step(tmp_path, hf_config):
+    args = _args(tmp_path, gradient_accumulation_steps=2)
+    cfg, why = vs.engine_config(args, hf_config, dtype=torch.float32, lora_r=16, shared=True, quantized=False,
+                                model_len=200)
+    shape = model_shape(hf_config)
+    per_token = 2 * shape.layers * shape.kv_dim * 4  # K and V, fp32
+    assert cfg.max_num_seqs == 16  # 8 per device x 2 steps per generation (TRL's own max_num_seqs)
+    assert cfg.kv_cache_bytes == 16 * (200 + vs.CPU_KV_BLOCK) * per_token
+    assert cfg.max_lora_rank == 16 and not cfg.sleep and cfg.quantization is None
+    assert "KV cache" in why and "16 sequences" in why
+
+
+def _fake_gpu(monkeypatch, total_bytes):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=total_bytes))
+
+
+def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
+    """On a (faked) 80 GB GPU the fraction is what the planned training step leaves; full FT sleeps."""
+    from grpo_accel.memory import plan_memory, vllm_memory_fraction
+
+    args, chosen = _args(tmp_path), _args(tmp_path, vllm_gpu_memory_utilization=0.5)  # built before the fake GPU
+    _fake_gpu(monkeypatch, 80 * 2**30)
+    for lora_r, shared in ((16, True), (0, False)):
+        cfg, why = vs.engine_config(args, hf_config, dtype=torch.bfloat16, lora_r=lora_r, shared=shared,
+                                    quantized=False, model_len=512)
+        plan = plan_memory(model_shape(hf_config), dtype="bf16", lora_r=lora_r, num_generations=4,
+                           max_prompt_length=472, max_completion_length=40, per_device_batch=8,
+                           gradient_checkpointing=bool(args.gradient_checkpointing), use_vllm=True,
+                           vllm_shares_weights=shared, vllm_kv_seqs=8, vllm_sleep=not shared, device="cuda")
+        assert cfg.memory_fraction == vllm_memory_fraction(plan, 80 * 2**30) != 0.3
+        assert cfg.sleep is (not shared) and "memory planner" in why
+    # A fraction the user chose is kept.
+    cfg, why = vs.engine_config(chosen, hf_config, dtype=torch.bfloat16, lora_r=16, shared=True, quantized=False,
+                                model_len=512)
+    assert cfg.memory_fraction == 0.5 and "as given" in why
+
+
+def test_engine_that_does_not_fit_names_the_fix(tmp_path, hf_config, monkeypatch):
+    args = _args(tmp_path, max_completion_length=8192)
+    _fake_gpu(monkeypatch, 2**30)
+    with pytest.raises(vs.VLLMSetupError, match="does not fit beside training"):
+        vs.engine_config(args, hf_config, dtype=torch.bfloat16, lora_r=16, shared=True, quantized=False,
+                         model_len=8192 + 64)
+
+
+def test_models_without_a_checkpoint_name_the_fix():
+    with pytest.raises(vs.VLLMSetupError, match="checkpoint directory.*Fix"):
+        vs.model_directory("tiny-llama")
+    assert vs.model_directory("smollm2-135m-instruct") == str(embedded_model_dir())
+
+
+def test_fallback_reasons(tmp_path):
+    four_bit = torch.nn.Linear(2, 2)
+    four_bit.is_loaded_in_4bit = True
+    reason = vs.fallback_reason(four_bit, _args(tmp_path))
+    if vs.vc.vllm_unavailable_reason() is not None:  # the main venv: no vLLM at all
+        assert reason == vs.vc.FALLBACK_LINE
+    elif not torch.cuda.is_available():
+        assert "4-bit" in reason and "CUDA" in reason
