@@ -90,7 +90,7 @@ def worker(args):
         from grpo_accel.vllm_colocate import EngineConfig, SharedVLLM
 
         cfg = EngineConfig(dtype=torch.float32, max_model_len=512, max_num_seqs=args.prompts * args.generations,
-                           max_lora_rank=args.lora_r, kv_cache_gib=2, num_threads=args.threads)
+                           max_lora_rank=args.lora_r, kv_cache_bytes=2 * 2**30, num_threads=args.threads)
         if args.worker == "vllm_stock":
             import grpo_accel.vllm_colocate as vc
 

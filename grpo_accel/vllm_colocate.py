@@ -390,9 +390,9 @@ class SharedVLLMGeneration:
 
     TRL calls `sync_weights()` when `global_step` changed and `generate(prompts, images, num_generations,
     profiler)` for token-id prompts, and reads `llm.llm_engine.model_config.max_model_len`.
-    Shared (LoRA) weights: only the adapter is pushed. Unshared (full fine-tuning, 4-bit): every weight is pushed,
-    as TRL does; with `EngineConfig.sleep` (CUDA) the engine's weights and KV cache are released while training
-    (sleep level 2) and brought back around each generation, so the two phases never hold both at once.
+    LoRA (base shared, or the engine's own copy as with 4-bit): only the adapter is pushed. Full fine-tuning: every
+    weight is pushed, as TRL does; with `EngineConfig.sleep` (CUDA) the engine's weights and KV cache are released
+    while training (sleep level 2) and brought back around each generation, so the phases never hold both at once.
     """
 
     def __init__(self, engine: SharedVLLM, trainer):
@@ -409,9 +409,7 @@ class SharedVLLMGeneration:
     def sync_weights(self) -> None:
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         if hasattr(model, "peft_config") and self.engine.config.max_lora_rank:
-            if not self.engine.shared and self.sleep:
-                self._wake_weights()
-            self.engine.push_adapter(model)
+            self.engine.push_adapter(model)  # the base is frozen (shared, or the engine's own copy): adapter only
             return
         if self.engine.shared:
             raise RuntimeError("full fine-tuning with shared vLLM weights is not supported: the optimizer would "

@@ -88,7 +88,9 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: b
     cuda = torch.cuda.is_available()
     cfg = vc.EngineConfig(dtype=dtype, max_model_len=model_len, max_num_seqs=seqs, max_lora_rank=lora_r,
                           num_threads=None if cuda else torch.get_num_threads(), seed=args.seed,
-                          quantization="bitsandbytes" if quantized else None, sleep=cuda and not shared)
+                          quantization="bitsandbytes" if quantized else None,
+                          # Level-2 sleep discards the weights and only full fine-tuning pushes them all back.
+                          sleep=cuda and not lora_r)
     if not cuda:
         per_token = _kv_bytes_per_token(shape, dtype.itemsize)
         cfg.kv_cache_bytes = seqs * (model_len + CPU_KV_BLOCK) * per_token
@@ -97,7 +99,7 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: b
     if args.vllm_gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
         cfg.memory_fraction = args.vllm_gpu_memory_utilization
         return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
-    plan = plan_memory(shape, dtype=dtype_name if dtype_name != "fp32" else "bf16",
+    plan = plan_memory(shape, dtype=dtype_name,
                        quantization="4bit" if quantized else "none", lora_r=lora_r,
                        num_generations=args.num_generations, max_prompt_length=max(model_len - args.max_completion_length, 1),
                        max_completion_length=args.max_completion_length, per_device_batch=args.per_device_train_batch_size,
@@ -112,6 +114,18 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: b
                  f"{(plan.peak_bytes - plan.vllm_bytes) / GIB:.1f} GiB of {total / GIB:.0f} GiB)")
 
 
+def _training_dtype(model, args, hf_config) -> torch.dtype:
+    """The dtype the engine runs in: the loaded model's (a 4-bit model's compute dtype: its unquantized
+    parameters), else model_init_kwargs' dtype as TRL loads a model by name (float32 unless given; "auto" = the
+    checkpoint's)."""
+    if isinstance(model, torch.nn.Module):
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+    name = str((args.model_init_kwargs or {}).get("dtype", "float32")).replace("torch.", "")
+    if name == "auto":
+        name = str(getattr(hf_config, "dtype", None) or "float32").replace("torch.", "")
+    return getattr(torch, name)
+
+
 def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None, tokenizer=None,
                            dtype: torch.dtype | None = None, log=console_log):
     """(engine, training model) for `use_vllm=True, vllm_mode="colocate"`; see the module docstring.
@@ -121,9 +135,9 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    vc.check_vllm_version()
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
+    vc.check_vllm_version()
     if is_deepspeed_zero3_enabled():
         raise VLLMSetupError("colocated vLLM under DeepSpeed ZeRO-3 is not supported by grpo_accel (each rank "
                              "would gather the whole model to push it). Fix: a ZeRO-2 preset, or vllm_mode='server'.")
@@ -131,13 +145,9 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
         raise VLLMSetupError("pass the base model and peft_config=..., not a PeftModel: the engine must see the "
                              "base weights to share them and the adapter to push it.")
     model_dir = model_directory(model)
-    if dtype is None:
-        dtype = (next(model.parameters()).dtype if isinstance(model, torch.nn.Module) and not is_4bit(model)
-                 else getattr(torch, str((args.model_init_kwargs or {}).get("dtype", "float32")).replace("torch.", "")))
-    if is_4bit(model):
-        dtype = model.config.quantization_config.bnb_4bit_compute_dtype if hasattr(
-            model.config, "quantization_config") else torch.bfloat16
     hf_config = AutoConfig.from_pretrained(model_dir)
+    if dtype is None:
+        dtype = _training_dtype(model, args, hf_config)
     if tokenizer is None and train_dataset is not None:
         from transformers import AutoTokenizer
 

