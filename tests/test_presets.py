@@ -224,3 +224,22 @@ def test_launching_yaml_walks_the_real_parent_processes(tmp_path):
     assert out.returncode == 0, out.stderr
     name, why = out.stdout.strip().split(" | ")
     assert name == "cpu_zero2" and why == f"launched with --config_file {repo}/accelerate_configs/cpu_zero2.yaml"
+
+
+def test_lora_rank_on_a_full_finetuning_preset_gets_a_working_alpha(capsys):
+    """cpu_zero2 is full fine-tuning (lora_alpha 0); `--lora_r 16` on it once kept alpha 0, which scales the
+    adapter to nothing: zero gradients and a run that never learns. It must get alpha 2r."""
+    import types
+
+    from grpo_accel.presets import get_preset
+    from grpo_accel.runner import lora_config, settle_lora_alpha
+
+    assert get_preset("cpu_zero2").lora_alpha == 0
+    args = types.SimpleNamespace(lora_r=16, lora_alpha=get_preset("cpu_zero2").lora_alpha,
+                                 lora_target_modules="all-linear")
+    settle_lora_alpha(args)
+    assert lora_config(args).lora_alpha == 32
+    assert "using lora_alpha 32" in capsys.readouterr().out
+    kept = types.SimpleNamespace(lora_r=8, lora_alpha=8, lora_target_modules="all-linear")
+    settle_lora_alpha(kept)
+    assert kept.lora_alpha == 8

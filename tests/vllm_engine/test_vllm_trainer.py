@@ -115,3 +115,28 @@ def test_cuda_engine_shares_or_sleeps(mode, tmp_path_factory):
     assert r["engine_vs_trainer_logprob_maxdiff"] < 0.05
     report(f"CUDA {mode}: peak {r['peak_cuda_bytes'] / 2**30:.2f} GiB allocated by training, fraction "
            f"{r['memory_fraction']}, engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.1e}")
+
+
+def test_two_ranks_each_with_an_engine_under_zero2(tmp_path):
+    """accelerate launch with the 2-process DeepSpeed ZeRO-2 CPU preset: one in-process engine per rank (as TRL's
+    colocate mode), LoRA base shared on each, the adapter synced on each rank after every optimizer step."""
+    pytest.importorskip("deepspeed")
+    import csv
+
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    out = tmp_path / "zero2"
+    proc = run_train(["--model", "smollm2-135m-instruct", "--lora_r", "16", "--train_size", "16", "--eval_size", "0",
+                      "--max_completion_length", "16", "--num_generations", "4", "--per_device_train_batch_size", "4",
+                      "--max_steps", "2", "--save_steps", "100", "--logging_steps", "1", "--use_vllm", "true",
+                      "--rewards", "rewards_for_tests:length_reward", "--learning_rate", "2e-3",
+                      "--report_to", "none", "--output_dir", str(out)],
+                     launcher=[accelerate, "launch", "--config_file",
+                               os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml")],
+                     OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "preset cpu_zero2: launched with --config_file" in proc.stdout
+    assert "base weights shared with the training model" in proc.stdout
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert float(rows[0]["grad_norm"]) > 0  # step 1 moved the adapter ...
+    # ... and step 2 sampled with it on both ranks (the metric is gathered over the ranks' completions).
+    assert float(rows[1]["sampling/sampling_logp_difference/max"]) < 1e-3
