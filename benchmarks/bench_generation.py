@@ -10,7 +10,7 @@ Each implementation runs in a fresh process (clean RSS, and the CPU keep-weights
 All sample at temperature 0.7 with EOS ignored, so every sequence yields exactly --new-tokens tokens. The LoRA
 adapter (random B, as after some training) is active in all three, as in a GRPO step. One warm-up round, then
 --reps timed rounds (median). Writes benchmarks/results/generation.csv (long format; rows for the same
-impl/shape/device are replaced).
+impl/shape/device are replaced) and generation.png.
 """
 
 from __future__ import annotations
@@ -128,6 +128,33 @@ UNITS = {"tokens_per_s": "tokens/s", "wall_s": "s", "new_tokens": "tokens", "loa
          "rss_after_load_mib": "MiB", "peak_rss_mib": "MiB", "load_1min": "procs"}
 
 
+def plot(csv_path: Path) -> Path:
+    """tokens/s per implementation, one group per (shape, device) measured: generation.png beside the CSV."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in csv.DictReader(csv_path.open()) if r["metric"] == "tokens_per_s"]
+    groups = sorted({(r["shape"], r["device"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 1.1 * len(groups)))
+    width = 0.8 / len(IMPLS)
+    for i, impl in enumerate(IMPLS):
+        vals = [next((float(r["value"]) for r in rows if (r["shape"], r["device"]) == g and r["impl"] == impl), 0)
+                for g in groups]
+        ax.barh([j + i * width for j in range(len(groups))], vals, height=width, label=impl)
+    ax.set_yticks([j + width for j in range(len(groups))])
+    ax.set_yticklabels([f"{s.split(',', 1)[1]}\n{d}" for s, d in groups], fontsize=7)
+    ax.set_xlabel("generated tokens/s")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = csv_path.with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", choices=IMPLS)
@@ -139,9 +166,12 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS / "generation.csv")
+    p.add_argument("--plot-only", action="store_true", help="redraw generation.png from the CSV")
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.plot_only:
+        return print(f"wrote {plot(args.out)}")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -166,7 +196,7 @@ def main():
             rows.append(dict(op="generate", impl=impl, shape=shape, metric=metric, value=f"{value:.6g}",
                              unit=UNITS[metric], device=dev, versions=versions, git_sha=sha, date=date))
     merge_csv(rows, args.out)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {plot(args.out)}")
 
 
 if __name__ == "__main__":
