@@ -143,13 +143,12 @@ def check_lora_targets(model, script_args) -> None:
                              f"with some of {sorted(linear - {'lm_head'})}, or all-linear.")
 
 
-def check_context(model_config, tokenizer, dataset, max_completion_length: int) -> None:
-    """A prompt + completion longer than the model's context fails deep inside generation; say so up front."""
-    limit = getattr(model_config.get_text_config(), "max_position_embeddings", None)
-    if not limit:
-        return
+def check_context(model_config, tokenizer, dataset, max_completion_length: int) -> int:
+    """A prompt + completion longer than the model's context fails deep inside generation; say so up front.
+    Returns the longest prompt's tokens (the colocated engine's max_model_len is sized from it)."""
     longest, index = max((n, i) for i, n in enumerate(prompt_lengths(tokenizer, dataset["prompt"])))
-    if longest + max_completion_length > limit:
+    limit = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+    if limit and longest + max_completion_length > limit:
         raise DatasetError(f"prompt {index + 1} has {longest} tokens; with --max_completion_length "
                            f"{max_completion_length} that exceeds the model's context of {limit} tokens. Fix: lower "
                            f"--max_completion_length to {max(limit - longest, 0)} or drop the long prompts.")
@@ -172,8 +171,9 @@ def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
 
 
 def load_training_model(script_args, config, tokenizer, train_ds):
-    """(model, colocated engine or None). With colocated vLLM and a bf16/fp32 model the engine loads the checkpoint
-    and the training model is built around its weights, so no second copy exists even while loading."""
+    """(model, colocated engine or None), the prompts checked against the model's context. With colocated vLLM and
+    a bf16/fp32 model the engine loads the checkpoint and the training model is built around its weights, so no
+    second copy exists even while loading."""
     from .models import TINY_CONFIGS
     from .vllm_setup import fallback_reason, start_colocated_engine
 
@@ -183,14 +183,15 @@ def load_training_model(script_args, config, tokenizer, train_ds):
             from transformers import AutoConfig
 
             # Before the engine loads anything: a too-long prompt should fail in a second, not after start-up.
-            check_context(AutoConfig.from_pretrained(resolve_model_path(script_args.model)), tokenizer, train_ds,
-                          config.max_completion_length)
+            longest = check_context(AutoConfig.from_pretrained(resolve_model_path(script_args.model)), tokenizer,
+                                    train_ds, config.max_completion_length)
             engine, model = start_colocated_engine(script_args.model, config, peft_config=lora_config(script_args),
-                                                   train_dataset=train_ds, tokenizer=tokenizer,
+                                                   longest_prompt=longest,
                                                    dtype=getattr(torch, script_args.model_dtype))
             return model, engine
     # Otherwise (no vLLM, a 4-bit or tiny model) the trainer starts an unshared engine or says why it cannot.
     model, _ = load_model(script_args.model, dtype=script_args.model_dtype, quantization=script_args.quantization)
+    check_context(model.config, tokenizer, train_ds, config.max_completion_length)
     return model, None
 
 
@@ -220,7 +221,6 @@ def run(script_args, config) -> int:
 
     model, engine = load_training_model(script_args, config, tokenizer, train_ds)
     check_lora_targets(model, script_args)
-    check_context(model.config, tokenizer, train_ds, config.max_completion_length)
     trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config, vllm_engine=engine,
                                train_dataset=train_ds, processing_class=tokenizer,
                                peft_config=lora_config(script_args))

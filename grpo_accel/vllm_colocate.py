@@ -282,12 +282,8 @@ class SharedVLLM:
             reason = self._self_check(model) if check else None
         except (KeyError, RuntimeError, ValueError) as exc:
             model, reason = None, f"{type(exc).__name__}: {exc}"
-        if reason is None:
-            self.shared = True
+        if self._record_sharing(reason):
             return model
-        warnings.warn(f"vLLM weight sharing disabled, the engine keeps its own copy of the base weights: {reason}",
-                      stacklevel=2)
-        self.shared = False
         return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.config.dtype)
 
     def adopt_model(self, model, check: bool = True):
@@ -309,11 +305,16 @@ class SharedVLLM:
             reason = self._self_check(model) if check else None
         except (KeyError, RuntimeError, ValueError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
+        self._record_sharing(reason)
+        return model
+
+    def _record_sharing(self, reason: str | None) -> bool:
+        """Shared when there is no reason against it; otherwise warn with the reason (the run goes on unshared)."""
         self.shared = reason is None
         if reason is not None:
             warnings.warn(f"vLLM weight sharing disabled, the engine keeps its own copy of the base weights: "
-                          f"{reason}", stacklevel=2)
-        return model
+                          f"{reason}", stacklevel=3)
+        return self.shared
 
     def _self_check(self, model) -> str | None:
         from transformers import AutoTokenizer

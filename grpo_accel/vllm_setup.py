@@ -57,18 +57,21 @@ def model_directory(model) -> str:
     return resolve_model_path(name)
 
 
-def max_model_len(args, hf_config, train_dataset=None, tokenizer=None) -> int:
-    """vllm_max_model_length, else the longest prompt of the dataset + max_completion_length, else the context."""
+def max_model_len(args, hf_config, train_dataset=None, tokenizer=None, longest_prompt: int | None = None) -> int:
+    """vllm_max_model_length, else the longest prompt (`longest_prompt`, or measured on the dataset) +
+    max_completion_length, else the context."""
     if getattr(args, "vllm_max_model_length", None):
         return int(args.vllm_max_model_length)
     context = getattr(hf_config.get_text_config(), "max_position_embeddings", None) or 4096
-    if train_dataset is not None and tokenizer is not None and "prompt" in train_dataset.column_names:
+    if longest_prompt is None and train_dataset is not None and tokenizer is not None \
+            and "prompt" in train_dataset.column_names:
         from .data import prompt_lengths
 
-        longest = max(prompt_lengths(tokenizer, train_dataset["prompt"]))
-        # At least MIN_MODEL_LEN: the start-up self-check scores a fixed ~30-token sequence.
-        return min(context, max(longest + args.max_completion_length, MIN_MODEL_LEN))
-    return context
+        longest_prompt = max(prompt_lengths(tokenizer, train_dataset["prompt"]))
+    if longest_prompt is None:
+        return context
+    # At least MIN_MODEL_LEN: the start-up self-check scores a fixed ~30-token sequence.
+    return min(context, max(longest_prompt + args.max_completion_length, MIN_MODEL_LEN))
 
 
 def generations_per_rank(args) -> int:
@@ -127,10 +130,11 @@ def _training_dtype(model, args, hf_config) -> torch.dtype:
 
 
 def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None, tokenizer=None,
-                           dtype: torch.dtype | None = None, log=console_log):
+                           longest_prompt: int | None = None, dtype: torch.dtype | None = None, log=console_log):
     """(engine, training model) for `use_vllm=True, vllm_mode="colocate"`; see the module docstring.
 
     `model` is a path / hub id (preferred with LoRA: no second copy even at start-up) or a loaded model.
+    `longest_prompt` (tokens), when the caller has measured it, spares tokenizing the dataset again.
     Raises VLLMSetupError (a clear message with the fix) when the engine cannot serve this run.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -148,14 +152,14 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     hf_config = AutoConfig.from_pretrained(model_dir)
     if dtype is None:
         dtype = _training_dtype(model, args, hf_config)
-    if tokenizer is None and train_dataset is not None:
+    if longest_prompt is None and tokenizer is None and train_dataset is not None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     lora_r = int(peft_config.r) if peft_config is not None else 0
     quantized = is_4bit(model)
     share = lora_r > 0 and not quantized and getattr(args, "vllm_share_weights", True)
-    model_len = max_model_len(args, hf_config, train_dataset, tokenizer)
+    model_len = max_model_len(args, hf_config, train_dataset, tokenizer, longest_prompt)
     cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, shared=share, quantized=quantized,
                                 model_len=model_len)
     engine = vc.SharedVLLM(model_dir, cfg)

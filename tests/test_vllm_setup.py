@@ -35,6 +35,8 @@ def test_max_model_len_is_longest_prompt_plus_completion(tmp_path, hf_config):
                   for p in train["prompt"])
     assert vs.max_model_len(_args(tmp_path), hf_config, train, tok) == max(longest + 40, vs.MIN_MODEL_LEN)
     assert vs.max_model_len(_args(tmp_path, vllm_max_model_length=300), hf_config, train, tok) == 300
+    # The runner's already measured longest prompt is used as is (no second tokenization of the dataset).
+    assert vs.max_model_len(_args(tmp_path), hf_config, longest_prompt=longest) == max(longest + 40, vs.MIN_MODEL_LEN)
     # No dataset: the model's context.
     assert vs.max_model_len(_args(tmp_path), hf_config) == hf_config.max_position_embeddings
 
