@@ -101,6 +101,9 @@ def main(argv=None):
         # Several CPU processes (the cpu_zero* presets): without gloo forced, accelerate sees 1 process and
         # DeepSpeed 2, and the batch-size check fails.
         defaults["ddp_backend"] = "gloo"
+        from grpo_accel.cpu_distributed import prepare_cpu_processes
+
+        prepare_cpu_processes()
     parsed = main_guarded(lambda: build_parser(defaults).parse_args_and_config(args=argv))
     if isinstance(parsed, int):
         return parsed
@@ -112,6 +115,11 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    # A run that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to stderr and the run goes on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         sys.exit(main())
     except KeyboardInterrupt:

@@ -1,8 +1,12 @@
 """Run launch/train.py the way a user does, in a subprocess, with the tests' environment."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_ARGS = ["--model", "tiny-llama", "--train_size", "32", "--eval_size", "4", "--eval_max_new_tokens", "8",
@@ -18,10 +22,37 @@ def child_env(**extra):
 
 
 
-def run_train(args, launcher=None, timeout=900, **env):
+def run_train(args, launcher=None, timeout=600, **env):
     """`python launch/train.py ARGS`, or `<launcher...> launch/train.py ARGS` (e.g. accelerate launch)."""
     cmd = [*(launcher or [sys.executable]), os.path.join(ROOT, "launch", "train.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    return run_process_group(cmd, timeout, cwd=ROOT, env=child_env(**env))
+
+
+def free_port() -> int:
+    """A port nothing listens on now (a fixed one collides with a run left over from an earlier test)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_process_group(cmd, timeout, **popen_kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True), but a run past `timeout` fails the test with every
+    process's Python stacks (launch/train.py dumps them on SIGUSR1) and takes its whole process group down: a
+    launcher killed alone leaves its ranks running, holding CPU and locks that stall the tests after it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **popen_kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGUSR1)  # ranks print their stacks; the launcher (no handler) exits
+        time.sleep(5)
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:4])} ... ran past {timeout} s. Its stdout (end):\n{stdout[-3000:]}\n"
+                    f"stderr with the stacks (end):\n{stderr[-12000:]}", pytrace=False)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def error_line(stderr: str) -> str:

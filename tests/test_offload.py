@@ -323,7 +323,9 @@ ZERO3_SCRIPT = r"""
 import os, torch, transformers, deepspeed
 from deepspeed.utils import safe_get_full_grad
 from peft import LoraConfig, get_peft_model
+from grpo_accel.cpu_distributed import skip_deepspeed_shm_op
 from grpo_accel.offload import OffloadConfig, install_activation_offload
+assert skip_deepspeed_shm_op()  # as launch/train.py does on CPU: no JIT build, no lock to wait on
 torch.distributed.init_process_group("gloo")
 FORCED = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0)
 DS = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
@@ -359,19 +361,17 @@ print("ZERO3_OK")
 def test_zero3_param_hooks_fire_in_the_recompute(tmp_path):
     """ZeRO-3 gathers each parameter in a forward pre-hook and frees it after: the recompute in our
     backward must re-gather (it calls the submodules again), or shapes break. One process over gloo,
-    in a subprocess so the process group stays out of this one. First run JIT-builds DeepSpeed's shm
-    op (~2 min on 2 busy cores; later runs ~10 s with a stable TORCH_EXTENSIONS_DIR)."""
+    in a subprocess so the process group stays out of this one."""
     import os
-    import subprocess
     import sys
 
+    from launch_utils import free_port, run_process_group
+
     pytest.importorskip("deepspeed")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", RANK="0", LOCAL_RANK="0",
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                WORLD_SIZE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
-    proc = subprocess.run([sys.executable, "-c", ZERO3_SCRIPT], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=900)
+    proc = run_process_group([sys.executable, "-c", ZERO3_SCRIPT], 600, env=env, cwd=tmp_path)
     assert proc.returncode == 0 and "ZERO3_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

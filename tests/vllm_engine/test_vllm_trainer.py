@@ -8,7 +8,6 @@ fine-tuning pushes every weight; host memory with the engine vs the same run wit
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,7 +16,7 @@ pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
 from conftest import report  # noqa: E402
-from launch_utils import ROOT, child_env, error_line, run_train  # noqa: E402
+from launch_utils import ROOT, child_env, error_line, run_process_group, run_train  # noqa: E402
 
 RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "grpo_run.py")
 THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
@@ -28,9 +27,8 @@ def grpo_run(mode: str, tmp_path_factory, *extra: str) -> dict:
     key = " ".join((mode, *extra))
     if key not in _RESULTS:
         out_dir = tmp_path_factory.mktemp(f"grpo_{mode}")
-        proc = subprocess.run([sys.executable, RUN_SCRIPT, mode, "--threads", THREADS, *extra], cwd=ROOT, text=True,
-                              capture_output=True, timeout=900,
-                              env=child_env(OMP_NUM_THREADS=THREADS, GRPO_RUN_OUT=str(out_dir)))
+        proc = run_process_group([sys.executable, RUN_SCRIPT, mode, "--threads", THREADS, *extra], 840, cwd=ROOT,
+                                 env=child_env(OMP_NUM_THREADS=THREADS, GRPO_RUN_OUT=str(out_dir)))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         line = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_RUN ")][-1]
         _RESULTS[key] = json.loads(line[len("GRPO_RUN "):]) | {"stdout": proc.stdout}
