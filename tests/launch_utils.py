@@ -46,13 +46,23 @@ def run_process_group(cmd, timeout, **popen_kwargs) -> subprocess.CompletedProce
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGUSR1)  # ranks print their stacks; the launcher (no handler) exits
+        _signal_group(proc, signal.SIGUSR1)  # ranks print their stacks; the launcher (no handler) exits
         time.sleep(5)
-        os.killpg(proc.pid, signal.SIGKILL)
+        _signal_group(proc, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         pytest.fail(f"{' '.join(cmd[:4])} ... ran past {timeout} s. Its stdout (end):\n{stdout[-3000:]}\n"
                     f"stderr with the stacks (end):\n{stderr[-12000:]}", pytrace=False)
+    except BaseException:  # pytest-timeout's alarm, Ctrl-C: never leave the ranks running
+        _signal_group(proc, signal.SIGKILL)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _signal_group(proc, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # every process of the group already gone
+        pass
 
 
 def error_line(stderr: str) -> str:
