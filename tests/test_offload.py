@@ -323,9 +323,9 @@ ZERO3_SCRIPT = r"""
 import os, torch, transformers, deepspeed
 from deepspeed.utils import safe_get_full_grad
 from peft import LoraConfig, get_peft_model
-from grpo_accel.cpu_distributed import skip_deepspeed_shm_op
+from grpo_accel.cpu_distributed import prepare_cpu_processes
 from grpo_accel.offload import OffloadConfig, install_activation_offload
-assert skip_deepspeed_shm_op()  # as launch/train.py does on CPU: no JIT build, no lock to wait on
+prepare_cpu_processes()  # as launch/train.py does on CPU: gloo on loopback, no shm op (no JIT build, no lock)
 torch.distributed.init_process_group("gloo")
 FORCED = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0)
 DS = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
@@ -373,6 +373,7 @@ def test_zero3_param_hooks_fire_in_the_recompute(tmp_path):
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
     proc = run_process_group([sys.executable, "-c", ZERO3_SCRIPT], 600, env=env, cwd=tmp_path)
     assert proc.returncode == 0 and "ZERO3_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "shared-memory all-reduce op skipped" in proc.stdout
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
