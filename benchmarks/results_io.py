@@ -39,9 +39,13 @@ def run_meta(device: str, packages=("torch", "trl")) -> tuple[str, str, str]:
             versions.append(f"{name}={importlib.import_module(name).__version__}")
         except ImportError:
             pass
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    # GRPO_ACCEL_GIT_SHA: for copies of the tree without .git (a GPU machine that receives the files only)
+    sha = os.environ.get("GRPO_ACCEL_GIT_SHA")
+    if not sha:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()
     if device == "cuda":
         dev = torch.cuda.get_device_name()
     else:
         dev = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-    return " ".join(versions), sha.stdout.strip() or "unknown", dev
+    return " ".join(versions), sha or "unknown", dev
