@@ -48,9 +48,10 @@ def worker(impl, n, h, v, dtype_name, device):
 
     sys.path.insert(0, str(ROOT))
     from grpo_accel.ops.logprobs import chunked_logprobs
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
+    if impl == "trl":  # imported only where used: TRL's import alone takes seconds per worker
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
     if impl == "triton":
         from grpo_accel.ops.logprobs_triton import triton_logprobs
     dtype = getattr(torch, dtype_name)

@@ -83,7 +83,7 @@ def auto_logprob_block(n_tokens: int, vocab: int, device: str, act_bytes: int, c
     chunk = chunk or max(16, budget // (tile * bpe) // 16 * 16)
     if chunk >= n_tokens:
         chunk = max(n_tokens, 1)
-        tile = min(vocab, max(tile, budget // (chunk * bpe)))
+        tile = min(vocab, max(tile, budget // (chunk * bpe) // 128 * 128))
     return chunk, tile, chunk * tile * bpe
 
 
@@ -99,7 +99,9 @@ def _logprob_workspace(impl, shape, n_c, a, device, chunk_tokens, head_trainable
         # TRL's ChunkedLogProbFunction: one [4096, 32768] GEMM tile in the compute dtype, fp32 d(hidden) [N_c, H],
         # 7 fp32 per-token statistics
         return min(n_c, TRL_TOKEN_CHUNK) * min(V, TRL_VOCAB_CHUNK) * a + n_c * H * 4 + 7 * n_c * 4 + grad_w
-    _, _, blocks = auto_logprob_block(n_c, V, device, a, chunk_tokens)
+    chunk, _, blocks = auto_logprob_block(n_c, V, device, a, chunk_tokens)
+    if a == 2 and device == "cuda" and chunk >= n_c:
+        grad_w = 0  # one token chunk: the d(weight) GEMMs write the half-precision gradient directly
     # ours: the live blocks, d(hidden) [N_c, H] in the hidden dtype, lse / logp / entropy fp32 per token
     return blocks + n_c * H * a + 3 * n_c * 4 + grad_w
 

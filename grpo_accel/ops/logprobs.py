@@ -33,6 +33,11 @@ _CPU_BUDGET_BYTES = 32 * _MIB
 _CUDA_BUDGET_MAX_BYTES = 1024 * _MIB
 _DEFAULT_VOCAB_TILE = {"cpu": 4096, "cuda": 16384}
 _HALF = (torch.float16, torch.bfloat16)
+# A widened tile is a multiple of 128 columns: the tile width is the leading dimension of the block and of its
+# transpose in the d(weight) GEMM, and cuBLAS leaves its tensor-core kernels for leading dimensions that are not
+# 16-byte multiples. H100, bf16, N=4096, H=4096, V=128256: a 43690-wide tile ran fwd+bwd in 71 ms, TRL's
+# 32768-wide one in 26 ms (benchmarks/results/logprobs.csv).
+_TILE_ALIGN = 128
 
 
 def logprobs_reference(hidden, weight, targets, temperature=1.0, softcap=None, ignore_index=-100):
@@ -59,7 +64,8 @@ def plan_blocks(n_rows, vocab, device, bytes_per_elem, chunk_size=None, vocab_ti
     budget = min(free CUDA memory / 16, 1 GiB) on CUDA, 32 MiB (last-level cache) on CPU
     tile   = vocab_tile or min(V, 4096 on CPU / 16384 on CUDA)
     chunk  = chunk_size or budget // (tile * bytes_per_elem), rounded down to a multiple of 16, in [16, N];
-             when every row fits (chunk = N) and vocab_tile is not given, the tile widens to the budget instead.
+             when every row fits (chunk = N) and vocab_tile is not given, the tile widens to the budget instead
+             (rounded down to a multiple of 128 columns, see _TILE_ALIGN).
     bytes_per_elem counts every live block: 4 per fp32 block plus 2 for a bf16/fp16 copy fed to the GEMMs.
     """
     device = torch.device(device)
@@ -74,7 +80,7 @@ def plan_blocks(n_rows, vocab, device, bytes_per_elem, chunk_size=None, vocab_ti
     if chunk >= n_rows:
         chunk = n_rows
         if vocab_tile is None:
-            tile = min(vocab, max(tile, budget // (n_rows * bytes_per_elem)))
+            tile = min(vocab, max(tile, budget // (n_rows * bytes_per_elem) // _TILE_ALIGN * _TILE_ALIGN))
     return int(chunk), int(tile)
 
 
@@ -112,6 +118,10 @@ class TorchFolds:
     """Block folds in torch, in place on the fp32 block `a` (raw logits y = h @ w.T), fewest passes we found."""
 
     live_blocks = staticmethod(live_blocks)
+
+    @staticmethod
+    def forward_blocks(compute_entropy):
+        return 1 + bool(compute_entropy)  # the logits block, and exp(z - m) for the entropy sum
 
     @staticmethod
     def forward(a, e, m, s, u, inv_t, softcap):
@@ -188,7 +198,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         lse = torch.zeros(n, dtype=acc, device=hidden.device)
         logp = torch.zeros(n, dtype=acc, device=hidden.device)
         ent = torch.zeros(n, dtype=acc, device=hidden.device) if compute_entropy else None
-        buf = torch.empty(chunk * tile * (1 + bool(compute_entropy)), dtype=acc, device=hidden.device)
+        buf = torch.empty(chunk * tile * folds.forward_blocks(compute_entropy), dtype=acc, device=hidden.device)
         for r0 in range(0, n_rows, chunk):
             r1 = min(r0 + chunk, n_rows)
             rows = slice(r0, r1) if idx is None else idx[r0:r1]
@@ -200,7 +210,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             for c0 in range(0, v, tile):
                 c1 = min(c0 + tile, v)
                 a = buf[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-                e = buf[chunk * tile:][: a.numel()].view_as(a) if compute_entropy else None
+                e = buf[chunk * tile:][: a.numel()].view_as(a) if buf.numel() > chunk * tile else None
                 _logits_block(a, h, _gemm_operand(weight[c0:c1], acc, cdt), acc)
                 folds.forward(a, e, m, s, u, inv_t, softcap)
             # target logit as a row-wise dot: [chunk, H] work, no per-tile gather
@@ -248,8 +258,15 @@ class ChunkedLogprobs(torch.autograd.Function):
         g_lp = None if grad_logp is None else grad_logp.to(acc) * inv_t
         g_ent = None if grad_ent is None else grad_ent.to(acc) * inv_t
         grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        # fp32 accumulator across token chunks (the output itself when weight is fp32: no extra memory)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        # d(weight): an fp32 accumulator across token chunks (the output itself when weight is fp32). With one token
+        # chunk each tile is written once, so a bf16/fp16 GEMM (fp32 accumulation inside cuBLAS, one rounding, as
+        # the accumulator's final cast) writes it straight into the weight's dtype: no [V, H] fp32 buffer
+        # (2 GB for Llama-3's head, which TRL 1.16 allocates at every size).
+        direct_w = need_w and half_copy and weight.dtype == cdt and 0 < n_rows <= chunk
+        grad_w = None
+        if need_w:
+            grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if direct_w else \
+                torch.zeros(weight.shape, dtype=acc, device=weight.device)
         n_bufs = folds.live_blocks(softcap, grad_ent is not None)
         bufs = torch.empty(n_bufs * chunk * tile, dtype=acc, device=hidden.device)
         for r0 in range(0, n_rows, chunk):
@@ -271,12 +288,14 @@ class ChunkedLogprobs(torch.autograd.Function):
                     d = d.to(cdt)  # bf16 tensor-core GEMMs, fp32 accumulate
                 if need_h:
                     _mm(d, w, acc, out=gh)
-                if need_w:
+                if direct_w:
+                    torch.mm(d.T, h, out=grad_w[c0:c1])
+                elif need_w:
                     _mm(d.T, h, acc, out=grad_w[c0:c1])
             if need_h:
                 grad_h[rows] = gh.to(hidden.dtype)
         if need_w:
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = grad_w.to(weight.dtype)  # no copy when direct_w
         return grad_h, grad_w, None, None, None, None, None, None, None, None, None, None
 
 

@@ -106,6 +106,10 @@ class TritonFolds:
         return 1  # in place; the bf16 copy for the backward GEMMs is counted by the caller
 
     @staticmethod
+    def forward_blocks(compute_entropy):
+        return 1  # the fold kernel reads the logits block once and writes nothing back
+
+    @staticmethod
     def forward(a, e, m, s, u, inv_t, softcap):
         n, w = a.shape
         _fold_forward_kernel[(n,)](a, a.stride(0), m, s, u if u is not None else s, w, inv_t,
