@@ -152,14 +152,21 @@ def make_trainer(impl, model, G, T, device, outdir):
 
 
 def enable_checkpointing_like_train(trainer):
-    """What transformers' Trainer.train() does before the first step (5.23, trainer.py), so compute_loss sees the
-    model as training sees it. With offload installed, our sticky hook keeps its checkpoint function."""
+    """What transformers' Trainer.train() does before the first step, so compute_loss sees the model as training
+    sees it: `activation_checkpointing*` and `activation_checkpointing_enable` from 5.2x (trainer.py), the
+    `gradient_checkpointing*` names before (5.17). With offload installed, our sticky hook keeps its checkpoint
+    function either way."""
     args, model = trainer.args, trainer.model
-    if args.activation_checkpointing:
-        gc_kwargs = dict(args.activation_checkpointing_kwargs or {})
+    on = getattr(args, "activation_checkpointing", None)
+    on = args.gradient_checkpointing if on is None else on
+    gc_kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
+                     or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    if on and hasattr(model, "activation_checkpointing_enable"):
         every_n_layers, offload = gc_kwargs.pop("every_n_layers", 1), gc_kwargs.pop("offload", False)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs or None,
                                               every_n_layers=every_n_layers, offload=offload)
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None)
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
