@@ -36,6 +36,7 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 FRAGMENTATION = 0.05
 # vLLM's own working memory besides weights and KV cache (CUDA graphs, sampler, prefill activations): assumed.
 VLLM_RUNTIME_BYTES = 1 * GIB
+RECOMPUTE_TOKENS = 16384  # grpo_accel.offload.OffloadConfig.recompute_tokens (test_memory checks they agree)
 # Mirrors grpo_accel.ops.logprobs.plan_blocks (test_memory checks they agree): block budget and vocab tile.
 LOGPROB_BLOCK_BUDGET = {"cuda": 1024 * MIB, "cpu": 32 * MIB}
 LOGPROB_VOCAB_TILE = {"cuda": 16384, "cpu": 4096}
@@ -166,7 +167,12 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
         ckpt = (L + 1) * n_tok * H * a
         on_device = min(2, L + 1) * n_tok * H * a if offload_activations else ckpt
         dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
-        dev["recompute_working_set"] = n_tok * (saved + transient)  # one layer re-run and back-propagated
+        # one layer re-run and back-propagated; with offload on one process without ZeRO-3, in row groups of
+        # <= OffloadConfig.recompute_tokens tokens (grpo_accel.offload._row_groups)
+        rerun_tok = n_tok
+        if offload_activations and world == 1 and num_processes <= 1 and deepspeed_stage < 3:
+            rerun_tok = min(B, max(1, RECOMPUTE_TOKENS // T)) * T
+        dev["recompute_working_set"] = rerun_tok * (saved + transient)
     else:
         dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
         dev["recompute_working_set"] = n_tok * transient

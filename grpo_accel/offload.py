@@ -55,6 +55,11 @@ class OffloadConfig:
     pin_memory: bool | None = None
     min_bytes: int = 1 << 20  # smaller tensors stay on the device: a copy costs more than it saves
     prefetch: bool = True
+    # Backward re-runs a layer on row groups of at most this many tokens (>= 1 row), one group at a time, so the
+    # re-run's saved tensors exist for one group only: rows are independent sequences through a decoder layer
+    # (attention is per row), so the FLOPs are the same. Llama-3.1-8B, G=8, T=8192: one layer's re-run saves
+    # ~15 GB for the whole batch. None = the whole batch at once. See `_row_groups` for when it stays whole.
+    recompute_tokens: int | None = 16384
 
 
 def resolve_offload(setting: bool | str, device: torch.device | str, gradient_checkpointing: bool = True) -> bool:
@@ -320,6 +325,7 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, stash, preserve_rng, spec, out_box, dummy, *flat):
         ctx.set_materialize_grads(False)
+        ctx.recompute_tokens = stash.config.recompute_tokens
         ctx.run, ctx.stash, ctx.spec = run, stash, spec
         ctx.idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         tensors = [flat[i] for i in ctx.idx]
@@ -333,6 +339,8 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
         out_box.append((out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]))
         outs = tuple(x for x in leaves if isinstance(x, torch.Tensor))
         ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
+        ctx.groups = _row_groups(run, tensors, outs, ctx.recompute_tokens)
+        ctx.rows = tensors[0].shape[0] if ctx.groups else None
         return outs
 
     @staticmethod
@@ -341,31 +349,85 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
             raise RuntimeError("offloaded checkpoint is reentrant-style: use loss.backward(), "
                                "not torch.autograd.grad() or backward(inputs=...)")
         inputs = [t.detach().requires_grad_(r) for t, r in zip(ctx.stash.load(ctx.entry), ctx.requires)]
-        flat = list(ctx.flat)
-        for i, t in zip(ctx.idx, inputs):
-            flat[i] = t
-        args, kwargs = tree_unflatten(flat, ctx.spec)
-        with _replay(ctx):
-            out = ctx.run(*args, **kwargs)
-        outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        if pairs:  # parameter grads (LoRA, full fine-tune, ZeRO's hooks) accumulate here
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if ctx.groups:
+            in_grads = _grouped_rerun(ctx, inputs, grads)
+        else:
+            _rerun(ctx, inputs, grads)
+            in_grads = [t.grad if r else None for t, r in zip(inputs, ctx.requires)]
         ctx.stash.release(ctx.entry)
-        in_grads = [None] * len(ctx.flat)
-        for i, t, r in zip(ctx.idx, inputs, ctx.requires):
-            in_grads[i] = t.grad if r else None
-        return (None,) * 6 + tuple(in_grads)
+        flat_grads = [None] * len(ctx.flat)
+        for i, g in zip(ctx.idx, in_grads):
+            flat_grads[i] = g
+        return (None,) * 6 + tuple(flat_grads)
 
 
-def _trainable_params(function) -> bool | None:
-    """Whether the module behind `function` (HF passes `partial(forward, layer, **kwargs)`) has
-    parameters that require grad; None when no module can be found."""
+def _rerun(ctx, inputs, grads) -> None:
+    """Re-run the checkpointed function on `inputs` with grad, and back-propagate `grads` through it."""
+    flat = list(ctx.flat)
+    for i, t in zip(ctx.idx, inputs):
+        flat[i] = t
+    args, kwargs = tree_unflatten(flat, ctx.spec)
+    with _replay(ctx):
+        out = ctx.run(*args, **kwargs)
+    outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    if pairs:  # parameter grads (LoRA, full fine-tune, ZeRO's hooks) accumulate here
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _grouped_rerun(ctx, inputs, grads) -> list:
+    """`_rerun` one row group at a time: inputs and output grads with `ctx.rows` rows are sliced, the others (RoPE
+    tables, [1, T] position ids) pass whole; parameter grads accumulate across groups, input grads are assembled."""
+    batched = [t.ndim > 0 and t.shape[0] == ctx.rows for t in inputs]
+    in_grads = [torch.zeros_like(t) if r and b else None for t, r, b in zip(inputs, ctx.requires, batched)]
+    for rows in ctx.groups:
+        part = [t.detach()[rows].requires_grad_(r) if b else t for t, r, b in zip(inputs, ctx.requires, batched)]
+        _rerun(ctx, part, [g[rows] if g is not None else None for g in grads])
+        for k, (t, b) in enumerate(zip(part, batched)):
+            if in_grads[k] is not None and t.grad is not None:
+                in_grads[k][rows] = t.grad
+    return [g if b else (t.grad if r else None) for g, t, r, b in zip(in_grads, inputs, ctx.requires, batched)]
+
+
+def _module_of(function) -> torch.nn.Module | None:
+    """The module behind `function` (HF passes `partial(forward, layer, **kwargs)`), or None."""
     candidates, f = [], function
     while isinstance(f, functools.partial):
         candidates, f = candidates + list(f.args), f.func
-    module = next((c for c in candidates + [getattr(f, "__self__", None), f] if isinstance(c, torch.nn.Module)), None)
+    return next((c for c in candidates + [getattr(f, "__self__", None), f] if isinstance(c, torch.nn.Module)), None)
+
+
+def _trainable_params(function) -> bool | None:
+    """Whether the module behind `function` has parameters that require grad; None when no module can be found."""
+    module = _module_of(function)
     return None if module is None else any(p.requires_grad for p in module.parameters())
+
+
+def _row_groups(function, tensors, outs, recompute_tokens) -> list[slice] | None:
+    """Row slices for a grouped backward re-run (see OffloadConfig.recompute_tokens), or None for one whole re-run.
+
+    Whole when: the first input is not [B, T, ...] with B > 1 rows of more than one group; an output is not
+    batched along dim 0; the module is unknown or has live dropout (a grouped re-run draws other random masks
+    than the forward did); its parameters are ZeRO-3 partitions (each re-run would gather them again); or more
+    than one process trains (DDP / DeepSpeed fire a parameter's gradient hook once per backward, not per group).
+    """
+    if not recompute_tokens or not tensors or tensors[0].ndim < 3 or not tensors[0].is_floating_point():
+        return None
+    rows, seq = tensors[0].shape[:2]
+    per_group = max(1, recompute_tokens // max(seq, 1))
+    if per_group >= rows or any(o.ndim == 0 or o.shape[0] != rows for o in outs):
+        return None
+    module = _module_of(function)
+    if module is None or any(hasattr(p, "ds_tensor") for p in module.parameters()):
+        return None
+    for m in module.modules():
+        if m.training and (isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+                           or float(getattr(m, "attention_dropout", 0) or 0) > 0):
+            return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        return None
+    return [slice(r, min(r + per_group, rows)) for r in range(0, rows, per_group)]
 
 
 class OffloadedCheckpoint:

@@ -103,7 +103,10 @@ def test_offload_moves_checkpointed_inputs_to_host():
     assert off.device["activations_checkpointed"] / 1e9 == pytest.approx(43, rel=0.05)  # DESIGN.md's 43 GB
     moved = off.device["activations_checkpointed"] - on.device["activations_checkpointed"]
     assert moved == on.host["activations_offloaded"] == (L + 1 - 2) * G * T * H * 2  # 2 stay for prefetch
-    assert off.peak_bytes - on.peak_bytes == pytest.approx(moved * 1.05)  # minus its share of fragmentation
+    # the grouped re-run (one 20480-token row at a time instead of 8) saves the rest
+    rerun_saved = off.device["recompute_working_set"] - on.device["recompute_working_set"]
+    assert rerun_saved == off.device["recompute_working_set"] * 7 / 8
+    assert off.peak_bytes - on.peak_bytes == pytest.approx((moved + rerun_saved) * 1.05)  # with fragmentation
 
 
 @pytest.mark.parametrize("preset", ["t4_qlora", "h100_110k", "8xh100_zero3_offload", "cpu"])
@@ -168,6 +171,19 @@ def test_vllm_fraction_leaves_training_its_memory():
         vllm_memory_fraction(plan, int(40 * GIB))
     shared, own = plan, p.plan(vllm_shares_weights=False)
     assert own.device["vllm_weights"] == shared.device["weights"] and shared.device["vllm_weights"] == 0
+
+
+def test_planner_mirrors_grouped_recompute():
+    from grpo_accel.memory import RECOMPUTE_TOKENS
+    from grpo_accel.offload import OffloadConfig
+
+    assert RECOMPUTE_TOKENS == OffloadConfig().recompute_tokens
+    kw = dict(num_generations=8, per_device_batch=8, max_prompt_length=64, max_completion_length=8192)
+    whole, grouped = (plan_memory("llama-3.1-8b", offload_activations=o, **kw).device["recompute_working_set"]
+                      for o in (False, True))
+    assert grouped * 8 == whole  # 8256-token rows: one row per group
+    ds = plan_memory("llama-3.1-8b", offload_activations=True, deepspeed_stage=2, num_processes=8, **kw)
+    assert ds.device["recompute_working_set"] == whole  # several processes: whole batch (gradient hooks)
 
 
 def test_logprob_blocks_mirror_the_kernel_planner():

@@ -197,6 +197,61 @@ def test_hidden_state_offload_grads_identical_and_params_stay():
         assert tracker.peak["host"] == x.numel() * 4
 
 
+GROUPED = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, recompute_tokens=T)
+
+
+def spy_grouped(monkeypatch):
+    import grpo_accel.offload as offload
+
+    calls, real = [], offload._grouped_rerun
+    monkeypatch.setattr(offload, "_grouped_rerun", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def backward_peak(model, ids, cfg):
+    """Grads and the peak of autograd's saved bytes during backward (the layer re-runs)."""
+    install_activation_offload(model, cfg)
+    torch.manual_seed(1234)  # run_step's dropout masks
+    with SavedActivationTracker(observe_autograd=True, ignore=model.parameters()) as tracker:
+        loss = model(input_ids=ids, labels=ids).loss
+        tracker.reset_peak()
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, tracker.peak["device"]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_grouped_recompute_same_grads_fewer_saved_bytes(peft, monkeypatch):
+    """recompute_tokens=T: 4 rows re-run one at a time. Grads equal plain training's (to fp32 rounding: the sums
+    run in another order); the backward's peak of saved bytes, mostly the re-run's, shrinks."""
+    rows = 4
+    calls = spy_grouped(monkeypatch)
+    ids = torch.randint(0, V, (rows, T), generator=torch.Generator().manual_seed(5))
+    wrap = lora if peft else (lambda m: m)
+    _, ref, _ = run_step(wrap(tiny_llama()), "plain", ids)
+    whole, whole_peak = backward_peak(wrap(tiny_llama()), ids, FORCED)
+    grouped, grouped_peak = backward_peak(wrap(tiny_llama()), ids, GROUPED)
+    assert ref.keys() == whole.keys() == grouped.keys() and ref
+    assert len(calls) == 4  # once per layer, only in the grouped run
+    for name in ref:
+        torch.testing.assert_close(grouped[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    # whole: 4 rows' re-run + the stash's double buffer + the head's; grouped: 1 row's re-run + the same (2.4x)
+    assert grouped_peak * 2 < whole_peak, (grouped_peak, whole_peak)
+
+
+def test_grouped_recompute_stays_whole_where_it_would_be_wrong(monkeypatch):
+    """Live dropout (other masks than the forward's) and fitting rows keep the whole-batch re-run: bit-identical."""
+    calls = spy_grouped(monkeypatch)
+    ids = torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(6))
+    _, ref, _ = run_step(tiny_llama(dropout=0.2), "plain", ids)
+    grads, _ = backward_peak(tiny_llama(dropout=0.2), ids, GROUPED)
+    assert_same_grads(ref, grads)
+    big = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, recompute_tokens=4 * T)
+    _, ref, _ = run_step(tiny_llama(), "plain", ids)
+    assert_same_grads(ref, backward_peak(tiny_llama(), ids, big)[0])
+    assert not calls
+
+
 def test_kwargs_nested_tensors_and_tuple_outputs():
     def fn(x, scale, *, pair, mode, bias=None):
         y = torch.tanh(x * scale) @ pair[0] + pair[1].sin()
