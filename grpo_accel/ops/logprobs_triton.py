@@ -13,8 +13,9 @@ Why not one fully fused matmul + logsumexp Triton kernel (Liger / ml-cross-entro
 the FLOPs at H >= 576, and cuBLAS on H100 is faster than a hand-tuned tl.dot kernel we could not tune without a
 GPU; what fusion saves is the block's round trip to HBM (8 bytes/element forward, 10 backward), a few % of the
 GEMM time at H = 4096. The torch folds (`TorchFolds`) need 4-5 block passes forward and 3-4 backward, which is
-what these kernels remove. (Speed on H100 is still to be measured; on CPU this file only runs under
-TRITON_INTERPRET=1, for correctness.)
+what these kernels remove: H100, bf16, N=16384, H=4096, V=128256, fwd+bwd 114 ms vs 161 ms for the torch folds
+and 109 ms for TRL 1.16's head, which rounds the logits to bf16 before folding (benchmarks/results/logprobs.csv).
+On CPU this file only runs under TRITON_INTERPRET=1, for correctness.
 
 The autograd function, block planning and masked-token skipping are shared with the torch path
 (`logprobs.ChunkedLogprobs`); only the folds differ.
