@@ -367,14 +367,23 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
         return (None,) * 6 + tuple(flat_grads)
 
 
-def _rerun(ctx, inputs, grads) -> None:
-    """Re-run the checkpointed function on `inputs` with grad, and back-propagate `grads` through it."""
+def _has_rows(x, rows: int) -> bool:
+    """Whether `x` is batched along dim 0 with `rows` rows. 1-D tensors never are (cache_position is [T])."""
+    return isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[0] == rows
+
+
+def _rows_of(x, rows: slice, n: int):
+    return x[rows] if _has_rows(x, n) else x
+
+
+def _rerun(ctx, inputs, grads, run=None) -> None:
+    """Re-run the checkpointed function (or `run`) on `inputs` with grad, and back-propagate `grads` through it."""
     flat = list(ctx.flat)
     for i, t in zip(ctx.idx, inputs):
         flat[i] = t
     args, kwargs = tree_unflatten(flat, ctx.spec)
     with _replay(ctx):
-        out = ctx.run(*args, **kwargs)
+        out = (run or ctx.run)(*args, **kwargs)
     outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
     if pairs:  # parameter grads (LoRA, full fine-tune, ZeRO's hooks) accumulate here
@@ -382,13 +391,20 @@ def _rerun(ctx, inputs, grads) -> None:
 
 
 def _grouped_rerun(ctx, inputs, grads) -> list:
-    """`_rerun` one row group at a time: inputs and output grads with `ctx.rows` rows are sliced, the others (RoPE
-    tables, [1, T] position ids) pass whole; parameter grads accumulate across groups, input grads are assembled."""
-    batched = [t.ndim > 0 and t.shape[0] == ctx.rows for t in inputs]
+    """`_rerun` one row group at a time: inputs, output grads and the tensors bound in the layer's partial (4-D masks,
+    [B, T] position ids, RoPE tables) with `ctx.rows` rows are sliced, the others ([1, T] position ids, [T] cache
+    positions) pass whole; parameter grads accumulate across groups, input grads are assembled."""
+    n = ctx.rows
+    batched = [_has_rows(t, n) for t in inputs]
     in_grads = [torch.zeros_like(t) if r and b else None for t, r, b in zip(inputs, ctx.requires, batched)]
+    run = ctx.run
     for rows in ctx.groups:
+        if isinstance(ctx.run, functools.partial):
+            leaves, spec = tree_flatten(ctx.run.keywords)
+            run = functools.partial(ctx.run.func, *ctx.run.args,
+                                    **tree_unflatten([_rows_of(x, rows, n) for x in leaves], spec))
         part = [t.detach()[rows].requires_grad_(r) if b else t for t, r, b in zip(inputs, ctx.requires, batched)]
-        _rerun(ctx, part, [g[rows] if g is not None else None for g in grads])
+        _rerun(ctx, part, [g[rows] if g is not None else None for g in grads], run)
         for k, (t, b) in enumerate(zip(part, batched)):
             if in_grads[k] is not None and t.grad is not None:
                 in_grads[k][rows] = t.grad
@@ -423,11 +439,17 @@ def _row_groups(function, tensors, outs, recompute_tokens) -> list[slice] | None
     per_group = max(1, recompute_tokens // max(seq, 1))
     if per_group >= rows or any(o.ndim == 0 or o.shape[0] != rows for o in outs):
         return None
+    if isinstance(function, functools.partial):  # HF binds the layer's kwargs (masks, RoPE tables) in a partial
+        if any(_has_rows(x, rows) for x in function.args):
+            return None  # a bound positional tensor with rows: not sliced below
+        if not all(x is None or isinstance(x, (torch.Tensor, bool, int, float, str, torch.dtype))
+                   for x in tree_flatten(function.keywords)[0]):
+            return None  # e.g. a flex-attention BlockMask or a cache: may hold rows we cannot slice
     module = _module_of(function)
     if module is None or any(hasattr(p, "ds_tensor") for p in module.parameters()):
         return None
     for m in module.modules():
-        if m.training and (isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+        if m.training and ((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
                            or float(getattr(m, "attention_dropout", 0) or 0) > 0):
             return None
     if torch.distributed.is_available() and torch.distributed.is_initialized() \

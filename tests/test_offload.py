@@ -208,29 +208,40 @@ def spy_grouped(monkeypatch):
     return calls
 
 
-def backward_peak(model, ids, cfg):
-    """Grads and the peak of autograd's saved bytes during backward (the layer re-runs)."""
-    install_activation_offload(model, cfg)
+def backward_peak(model, ids, cfg=None, padded=False):
+    """Grads and the peak of autograd's saved bytes during backward (the layer re-runs). cfg None: no checkpointing.
+    padded: row r left-padded by r tokens, with [B, T] position ids, as TRL feeds prompts + completions: the
+    layers then get a [B, 1, T, T] mask and [B, T, D] RoPE tables, which a grouped re-run must slice too."""
+    kw = dict(input_ids=ids, labels=ids)
+    if padded:
+        mask = torch.ones_like(ids)
+        for r in range(ids.shape[0]):
+            mask[r, :r] = 0
+        kw.update(attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                  labels=ids.masked_fill(mask == 0, -100))
+    if cfg is not None:
+        install_activation_offload(model, cfg)
     torch.manual_seed(1234)  # run_step's dropout masks
     with SavedActivationTracker(observe_autograd=True, ignore=model.parameters()) as tracker:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**kw).loss
         tracker.reset_peak()
         loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, tracker.peak["device"]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_grouped_recompute_same_grads_fewer_saved_bytes(peft, monkeypatch):
+@pytest.mark.parametrize("peft,padded", [(False, False), (True, False), (True, True)],
+                         ids=["full", "lora", "lora-padded"])
+def test_grouped_recompute_same_grads_fewer_saved_bytes(peft, padded, monkeypatch):
     """recompute_tokens=T: 4 rows re-run one at a time. Grads equal plain training's (to fp32 rounding: the sums
     run in another order); the backward's peak of saved bytes, mostly the re-run's, shrinks."""
     rows = 4
     calls = spy_grouped(monkeypatch)
     ids = torch.randint(0, V, (rows, T), generator=torch.Generator().manual_seed(5))
     wrap = lora if peft else (lambda m: m)
-    _, ref, _ = run_step(wrap(tiny_llama()), "plain", ids)
-    whole, whole_peak = backward_peak(wrap(tiny_llama()), ids, FORCED)
-    grouped, grouped_peak = backward_peak(wrap(tiny_llama()), ids, GROUPED)
+    ref, _ = backward_peak(wrap(tiny_llama()), ids, None, padded)
+    whole, whole_peak = backward_peak(wrap(tiny_llama()), ids, FORCED, padded)
+    grouped, grouped_peak = backward_peak(wrap(tiny_llama()), ids, GROUPED, padded)
     assert ref.keys() == whole.keys() == grouped.keys() and ref
     assert len(calls) == 4  # once per layer, only in the grouped run
     for name in ref:
@@ -243,11 +254,11 @@ def test_grouped_recompute_stays_whole_where_it_would_be_wrong(monkeypatch):
     """Live dropout (other masks than the forward's) and fitting rows keep the whole-batch re-run: bit-identical."""
     calls = spy_grouped(monkeypatch)
     ids = torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(6))
-    _, ref, _ = run_step(tiny_llama(dropout=0.2), "plain", ids)
+    ref, _ = backward_peak(tiny_llama(dropout=0.2), ids)
     grads, _ = backward_peak(tiny_llama(dropout=0.2), ids, GROUPED)
     assert_same_grads(ref, grads)
     big = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, recompute_tokens=4 * T)
-    _, ref, _ = run_step(tiny_llama(), "plain", ids)
+    ref, _ = backward_peak(tiny_llama(), ids)
     assert_same_grads(ref, backward_peak(tiny_llama(), ids, big)[0])
     assert not calls
 

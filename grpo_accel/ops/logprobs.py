@@ -35,8 +35,8 @@ _DEFAULT_VOCAB_TILE = {"cpu": 4096, "cuda": 16384}
 _HALF = (torch.float16, torch.bfloat16)
 # A widened tile is a multiple of 128 columns: the tile width is the leading dimension of the block and of its
 # transpose in the d(weight) GEMM, and cuBLAS leaves its tensor-core kernels for leading dimensions that are not
-# 16-byte multiples. H100, bf16, N=4096, H=4096, V=128256: a 43690-wide tile ran fwd+bwd in 71 ms, TRL's
-# 32768-wide one in 26 ms (benchmarks/results/logprobs.csv).
+# 16-byte multiples. H100, bf16, N=H=4096: 250-290 TFLOP/s at width 43690, 690-780 at 43648
+# (benchmarks/gemm_alignment.py); the head's fwd+bwd at V=128256 went from 71 ms to 27 ms (TRL 1.16: 26 ms).
 _TILE_ALIGN = 128
 
 
@@ -296,7 +296,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_h[rows] = gh.to(hidden.dtype)
         if need_w and grad_w.dtype != weight.dtype:
             # the blocks go before the cast, which holds the fp32 accumulator and its bf16 copy at once (H100,
-            # N=16384, H=4096, V=128256: peak 4043 MiB with them alive, TRL 1.16 3646)
+            # N=16384, H=4096, V=128256: peak 4043 MiB with them alive, 3669 without; TRL 1.16 3646)
             bufs = a = extra = d = w = h = gh = None  # (rebinding, not del: with every token masked none exist)
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None, None, None, None, None, None
