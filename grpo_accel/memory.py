@@ -40,6 +40,7 @@ RECOMPUTE_TOKENS = 16384  # grpo_accel.offload.OffloadConfig.recompute_tokens (t
 # Mirrors grpo_accel.ops.logprobs.plan_blocks (test_memory checks they agree): block budget and vocab tile.
 LOGPROB_BLOCK_BUDGET = {"cuda": 1024 * MIB, "cpu": 32 * MIB}
 LOGPROB_VOCAB_TILE = {"cuda": 16384, "cpu": 4096}
+LOGPROB_TILE_ALIGN = 128  # a widened tile is a multiple of this many columns
 TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py, trl/trainer/utils.py (TRL 1.16)
 LOGPROB_IMPLS = ("naive", "trl", "chunked", "triton", "auto")
 
@@ -84,7 +85,7 @@ def auto_logprob_block(n_tokens: int, vocab: int, device: str, act_bytes: int, c
     chunk = chunk or max(16, budget // (tile * bpe) // 16 * 16)
     if chunk >= n_tokens:
         chunk = max(n_tokens, 1)
-        tile = min(vocab, max(tile, budget // (chunk * bpe) // 128 * 128))
+        tile = min(vocab, max(tile, budget // (chunk * bpe) // LOGPROB_TILE_ALIGN * LOGPROB_TILE_ALIGN))
     return chunk, tile, chunk * tile * bpe
 
 
@@ -170,7 +171,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
         # one layer re-run and back-propagated; with offload on one process without ZeRO-3, in row groups of
         # <= OffloadConfig.recompute_tokens tokens (grpo_accel.offload._row_groups)
         rerun_tok = n_tok
-        if offload_activations and world == 1 and num_processes <= 1 and deepspeed_stage < 3:
+        if offload_activations and num_processes <= 1 and deepspeed_stage < 3:
             rerun_tok = min(B, max(1, RECOMPUTE_TOKENS // T)) * T
         dev["recompute_working_set"] = rerun_tok * (saved + transient)
     else:

@@ -187,7 +187,10 @@ def test_planner_mirrors_grouped_recompute():
 
 
 def test_logprob_blocks_mirror_the_kernel_planner():
-    from grpo_accel.ops.logprobs import live_blocks, plan_blocks
+    from grpo_accel.memory import LOGPROB_TILE_ALIGN
+    from grpo_accel.ops.logprobs import _TILE_ALIGN, live_blocks, plan_blocks
+
+    assert LOGPROB_TILE_ALIGN == _TILE_ALIGN
 
     for n in (8, 300, 5000, 100_000):
         for dtype_bytes in (4, 2):
