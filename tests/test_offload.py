@@ -201,10 +201,10 @@ GROUPED = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False,
 
 
 def spy_grouped(monkeypatch):
-    import grpo_accel.offload as offload
+    from grpo_accel.offload import rerun
 
-    calls, real = [], offload._grouped_rerun
-    monkeypatch.setattr(offload, "_grouped_rerun", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], rerun._grouped_rerun
+    monkeypatch.setattr(rerun, "_grouped_rerun", lambda *a: calls.append(1) or real(*a))
     return calls
 
 

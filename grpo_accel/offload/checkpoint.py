@@ -1,0 +1,93 @@
+"""The checkpoint function: reentrant-style, its saved inputs live in an `ActivationStash`; backward reloads them
+and re-runs the layer (whole, in row groups, or in sequence tiles: `rerun.py`, `tiled.py`)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import rerun
+from .config import OffloadConfig
+from .replay import _forward_state
+from .stash import ActivationStash
+
+_TENSOR = object()  # marks where the tensor outputs go back into the output pytree
+
+
+class _OffloadedCheckpointFn(torch.autograd.Function):
+    """Reentrant-style checkpoint whose saved inputs live in an `ActivationStash`.
+    Args after `dummy` are the pytree leaves of (args, kwargs); `dummy` requires grad so the output
+    does too when no input does (LoRA on a frozen embedding), without enable_input_require_grads."""
+
+    @staticmethod
+    def forward(ctx, run, stash, preserve_rng, spec, out_box, dummy, *flat):
+        ctx.set_materialize_grads(False)
+        ctx.recompute_tokens = stash.config.recompute_tokens
+        ctx.run, ctx.stash, ctx.spec = run, stash, spec
+        ctx.idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        tensors = [flat[i] for i in ctx.idx]
+        ctx.flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
+        ctx.requires = [t.requires_grad for t in tensors]
+        _forward_state(ctx, tensors, preserve_rng)
+        ctx.entry = stash.save(tensors)  # before running: the previous layer's D2H overlaps this compute
+        args, kwargs = tree_unflatten(list(flat), spec)
+        with torch.no_grad():
+            leaves, out_spec = tree_flatten(run(*args, **kwargs))
+        out_box.append((out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]))
+        outs = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
+        ctx.groups = rerun._row_groups(run, tensors, outs, ctx.recompute_tokens)
+        ctx.rows = tensors[0].shape[0] if ctx.groups else None
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("offloaded checkpoint is reentrant-style: use loss.backward(), "
+                               "not torch.autograd.grad() or backward(inputs=...)")
+        inputs = [t.detach().requires_grad_(r) for t, r in zip(ctx.stash.load(ctx.entry), ctx.requires)]
+        if ctx.groups:
+            in_grads = rerun._grouped_rerun(ctx, inputs, grads)
+        else:
+            rerun._rerun(ctx, inputs, grads)
+            in_grads = [t.grad if r else None for t, r in zip(inputs, ctx.requires)]
+        ctx.stash.release(ctx.entry)
+        flat_grads = [None] * len(ctx.flat)
+        for i, g in zip(ctx.idx, in_grads):
+            flat_grads[i] = g
+        return (None,) * 6 + tuple(flat_grads)
+
+
+class OffloadedCheckpoint:
+    """`checkpoint(function, *args, use_reentrant=None, preserve_rng_state=True, **kwargs)`, the call
+    shape of `torch.utils.checkpoint.checkpoint` and `deepspeed.checkpointing.checkpoint`. Tensors in
+    args and kwargs (nested in tuples/dicts too) are stashed; outputs may be any pytree of tensors.
+    `use_reentrant` is accepted and ignored: this is always reentrant-style (needs `.backward()`)."""
+
+    def __init__(self, config: OffloadConfig | None = None):
+        self.stash = ActivationStash(config)
+
+    def __call__(self, function, *args, use_reentrant=None, preserve_rng_state: bool = True, **kwargs):
+        if not torch.is_grad_enabled():  # no_grad passes (TRL's old/ref log-probs) save nothing
+            return function(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
+            if rerun._trainable_params(function) is False:
+                return function(*args, **kwargs)  # nothing to differentiate: autograd saves nothing
+        box: list = []
+        outs = _OffloadedCheckpointFn.apply(function, self.stash, preserve_rng_state, spec, box,
+                                            torch.empty(0, requires_grad=True), *flat)
+        out_spec, leaves = box[0]
+        it = iter(outs)
+        return tree_unflatten([next(it) if x is _TENSOR else x for x in leaves], out_spec)
+
+
+_DEFAULT: list[OffloadedCheckpoint] = []
+
+
+def offloaded_checkpoint(function, *args, use_reentrant=None, **kwargs):
+    """Drop-in for `torch.utils.checkpoint.checkpoint` with a process-wide default stash."""
+    if not _DEFAULT:
+        _DEFAULT.append(OffloadedCheckpoint())
+    return _DEFAULT[0](function, *args, **kwargs)
+

@@ -1,0 +1,38 @@
+"""What to offload and how: `OffloadConfig`, and `resolve_offload` for the user-facing on/off/"auto" setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where saved tensors go. `None` fields mean "decide per tensor": copy, pin and use a side
+    stream only for tensors on CUDA. `device_copies=True` copies CPU tensors too (into a distinct
+    host storage), which is how the CPU tests run the real stash/copy/restore path."""
+
+    device_copies: bool | None = None
+    use_streams: bool | None = None
+    pin_memory: bool | None = None
+    min_bytes: int = 1 << 20  # smaller tensors stay on the device: a copy costs more than it saves
+    prefetch: bool = True
+    # Backward re-runs a layer on row groups of at most this many tokens (>= 1 row), one group at a time, so the
+    # re-run's saved tensors exist for one group only: rows are independent sequences through a decoder layer
+    # (attention is per row), so the FLOPs are the same. Llama-3.1-8B, G=8, T=8192: one layer's re-run saves
+    # ~15 GB for the whole batch. None = the whole batch at once. See `_row_groups` for when it stays whole.
+    recompute_tokens: int | None = 16384
+
+
+def resolve_offload(setting: bool | str, device: torch.device | str, gradient_checkpointing: bool = True) -> bool:
+    """`True`/`False` as given (also as strings); `"auto"`: on when `device` is CUDA and gradient
+    checkpointing is on (offload only moves what checkpointing saves)."""
+    if isinstance(setting, bool):
+        return setting
+    key = setting.strip().lower() if isinstance(setting, str) else None
+    if key not in ("auto", "true", "false"):
+        raise ValueError(f"activation offload must be True, False or 'auto', got {setting!r}")
+    if key == "auto":
+        return torch.device(device).type == "cuda" and bool(gradient_checkpointing)
+    return key == "true"
+

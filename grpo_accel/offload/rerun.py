@@ -1,0 +1,103 @@
+"""The backward re-run of a checkpointed layer: whole, or one row group at a time (`OffloadConfig.recompute_tokens`).
+Rows are independent sequences through a decoder layer, so the FLOPs stay the same and the re-run's saved tensors
+exist for one group only."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .replay import _replay
+
+def _has_rows(x, rows: int) -> bool:
+    """Whether `x` is batched along dim 0 with `rows` rows. 1-D tensors never are (cache_position is [T])."""
+    return isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[0] == rows
+
+
+def _rows_of(x, rows: slice, n: int):
+    return x[rows] if _has_rows(x, n) else x
+
+
+def _rerun(ctx, inputs, grads, run=None) -> None:
+    """Re-run the checkpointed function (or `run`) on `inputs` with grad, and back-propagate `grads` through it."""
+    flat = list(ctx.flat)
+    for i, t in zip(ctx.idx, inputs):
+        flat[i] = t
+    args, kwargs = tree_unflatten(flat, ctx.spec)
+    with _replay(ctx):
+        out = (run or ctx.run)(*args, **kwargs)
+    outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    if pairs:  # parameter grads (LoRA, full fine-tune, ZeRO's hooks) accumulate here
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _grouped_rerun(ctx, inputs, grads) -> list:
+    """`_rerun` one row group at a time: inputs, output grads and the tensors bound in the layer's partial (4-D masks,
+    [B, T] position ids, RoPE tables) with `ctx.rows` rows are sliced, the others ([1, T] position ids, [T] cache
+    positions) pass whole; parameter grads accumulate across groups, input grads are assembled."""
+    n = ctx.rows
+    batched = [_has_rows(t, n) for t in inputs]
+    in_grads = [torch.zeros_like(t) if r and b else None for t, r, b in zip(inputs, ctx.requires, batched)]
+    run = ctx.run
+    for rows in ctx.groups:
+        if isinstance(ctx.run, functools.partial):
+            leaves, spec = tree_flatten(ctx.run.keywords)
+            run = functools.partial(ctx.run.func, *ctx.run.args,
+                                    **tree_unflatten([_rows_of(x, rows, n) for x in leaves], spec))
+        part = [t.detach()[rows].requires_grad_(r) if b else t for t, r, b in zip(inputs, ctx.requires, batched)]
+        _rerun(ctx, part, [g[rows] if g is not None else None for g in grads], run)
+        for k, (t, b) in enumerate(zip(part, batched)):
+            if in_grads[k] is not None and t.grad is not None:
+                in_grads[k][rows] = t.grad
+    return [g if b else (t.grad if r else None) for g, t, r, b in zip(in_grads, inputs, ctx.requires, batched)]
+
+
+def _module_of(function) -> torch.nn.Module | None:
+    """The module behind `function` (HF passes `partial(forward, layer, **kwargs)`), or None."""
+    candidates, f = [], function
+    while isinstance(f, functools.partial):
+        candidates, f = candidates + list(f.args), f.func
+    return next((c for c in candidates + [getattr(f, "__self__", None), f] if isinstance(c, torch.nn.Module)), None)
+
+
+def _trainable_params(function) -> bool | None:
+    """Whether the module behind `function` has parameters that require grad; None when no module can be found."""
+    module = _module_of(function)
+    return None if module is None else any(p.requires_grad for p in module.parameters())
+
+
+def _row_groups(function, tensors, outs, recompute_tokens) -> list[slice] | None:
+    """Row slices for a grouped backward re-run (see OffloadConfig.recompute_tokens), or None for one whole re-run.
+
+    Whole when: the first input is not [B, T, ...] with B > 1 rows of more than one group; an output is not
+    batched along dim 0; the module is unknown or has live dropout (a grouped re-run draws other random masks
+    than the forward did); its parameters are ZeRO-3 partitions (each re-run would gather them again); or more
+    than one process trains (DDP / DeepSpeed fire a parameter's gradient hook once per backward, not per group).
+    """
+    if not recompute_tokens or not tensors or tensors[0].ndim < 3 or not tensors[0].is_floating_point():
+        return None
+    rows, seq = tensors[0].shape[:2]
+    per_group = max(1, recompute_tokens // max(seq, 1))
+    if per_group >= rows or any(o.ndim == 0 or o.shape[0] != rows for o in outs):
+        return None
+    if isinstance(function, functools.partial):  # HF binds the layer's kwargs (masks, RoPE tables) in a partial
+        if any(_has_rows(x, rows) for x in function.args):
+            return None  # a bound positional tensor with rows: not sliced below
+        if not all(x is None or isinstance(x, (torch.Tensor, bool, int, float, str, torch.dtype))
+                   for x in tree_flatten(function.keywords)[0]):
+            return None  # e.g. a flex-attention BlockMask or a cache: may hold rows we cannot slice
+    module = _module_of(function)
+    if module is None or any(hasattr(p, "ds_tensor") for p in module.parameters()):
+        return None
+    for m in module.modules():
+        if m.training and ((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
+                           or float(getattr(m, "attention_dropout", 0) or 0) > 0):
+            return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        return None
+    return [slice(r, min(r + per_group, rows)) for r in range(0, rows, per_group)]
+
