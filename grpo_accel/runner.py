@@ -246,6 +246,10 @@ def run(script_args, config) -> int:
             f"stopped at step {guard.stopped_at}: {guard.max_in_a_row} steps in a row had non-finite gradients "
             f"(skipped, never applied). The newest checkpoint in {config.output_dir} is the last good one. Fix: "
             f"lower --learning_rate, check the reward functions and data, then --resume_from_checkpoint latest.")
+    if trainer.preemption.preempted:  # SIGTERM: checkpoint written; no evaluation or final save in the grace period
+        from .preemption import finish_preempted
+
+        return finish_preempted(trainer, config.output_dir)
     rows = step_rows(trainer.state.log_history)
     step_times = [r["step_time"] for r in rows if "step_time" in r]
     summary.update(steps=trainer.state.global_step, train_seconds=round(train_s, 1),

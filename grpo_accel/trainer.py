@@ -28,6 +28,7 @@ from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
 from .ops.logprobs import triton_usable
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .guards import NonFiniteGuard
+from .preemption import Preemption
 from .rewards import guarded
 from .telemetry import PhaseTelemetry
 from .vllm_colocate import attach_shared_vllm
@@ -57,6 +58,9 @@ class GRPOAccelTrainer(GRPOTrainer):
         self.telemetry = PhaseTelemetry()
         self.telemetry.wrap_backward(self.accelerator)
         self.add_callback(self.telemetry.callback())
+        # SIGTERM: finish the step in flight, save, stop (added before the guard, whose no-save on a stop wins).
+        self.preemption = Preemption()
+        self.add_callback(self.preemption)
         # Under DeepSpeed the engine owns the optimizer step (and its loss scaler skips overflow steps).
         self.nonfinite_guard = None
         if not self.is_deepspeed_enabled:
