@@ -21,6 +21,19 @@ class GRPOAccelConfig(GRPOConfig):
         metadata={"help": "Rows (sequences) per model forward when computing log-probs; None = all at once. "
                           "Smaller bounds the hidden-state memory of the policy forward."},
     )
+    padding_free: bool = field(
+        default=True,
+        metadata={"help": "Log-prob passes (policy, old, reference) run on packed rows of real tokens only, with "
+                          "per-sequence position ids, unpacked to TRL's layout (same numbers, no padding compute). "
+                          "Falls back to padded rows with one log line where the model cannot (eager attention, "
+                          "sliding windows, no RoPE) or with logprob_impl='trl'."},
+    )
+    logprob_token_budget: int | None = field(
+        default=None,
+        metadata={"help": "padding_free: most real tokens per log-prob forward, rows grouped longest first; "
+                          "None = what one padded forward held (logprob_mini_batch or TRL's rows x sequence "
+                          "length), capped at the offload's re-run group when offload is on."},
+    )
     logprob_chunk_size: int | None = field(
         default=None,
         metadata={"help": "Tokens per chunk in the fused log-prob head; None = chosen from free memory."},
@@ -48,7 +61,7 @@ class GRPOAccelConfig(GRPOConfig):
     def __post_init__(self):
         if self.logprob_impl not in LOGPROB_IMPLS:
             raise ValueError(f"logprob_impl={self.logprob_impl!r} is not one of {LOGPROB_IMPLS}. Fix: pick one of them.")
-        for name in ("logprob_mini_batch", "logprob_chunk_size", "logprob_vocab_tile"):
+        for name in ("logprob_mini_batch", "logprob_chunk_size", "logprob_vocab_tile", "logprob_token_budget"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be a positive integer or None (automatic).")

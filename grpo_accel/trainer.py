@@ -26,6 +26,9 @@ from .config import GRPOAccelConfig
 from .console import log
 from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
 from .ops.logprobs import triton_usable
+from .packing import (ATTN_NAME, SEGMENTS_KWARG, default_token_budget, enable_packed_attention, pack_rows,
+                      packable_lengths, packed_forward_context, packing_unsupported_reason, plan_micro_batches,
+                      unpack)
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .guards import NonFiniteGuard
 from .preemption import Preemption
@@ -71,6 +74,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         if self.offload_enabled:
             install_activation_offload(self.model, self.offload_config)
         self.logprob_impl = self._install_logprob_head()
+        self.padding_free = self._install_padding_free()
 
     @staticmethod
     def _start_engine(model, args, kwargs):
@@ -100,6 +104,21 @@ class GRPOAccelTrainer(GRPOTrainer):
                                      chunk_size=self.args.logprob_chunk_size, vocab_tile=self.args.logprob_vocab_tile,
                                      offload=self.offload_config if m is self.model else None)
         return impl
+
+    def _install_padding_free(self) -> bool:
+        """Whether the log-prob passes pack rows (packing.py); one line saying why not when asked for and impossible."""
+        if not getattr(self.args, "padding_free", False):
+            return False
+        models = [m for m in (self.model, self.ref_model) if m is not None]
+        reason = ("logprob_impl='trl' (TRL's head is fed padded rows by TRL's hook)" if self.logprob_impl == "trl"
+                  else next(filter(None, (packing_unsupported_reason(causal_lm_of(m)) for m in models)), None))
+        if reason:
+            log(f"padding_free falls back to padded rows: {reason}.")
+            return False
+        for m in models:
+            enable_packed_attention(causal_lm_of(m))
+        log("padding_free: log-prob passes run on packed rows of real tokens (no padding).")
+        return True
 
     def _offload_config(self) -> OffloadConfig | None:
         """None when offload is off; else how to offload (the layer inputs and the head's hidden states)."""
@@ -137,6 +156,11 @@ class GRPOAccelTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
+        if self.padding_free:
+            packed = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                      compute_entropy)
+            if packed is not None:
+                return packed
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
@@ -150,3 +174,30 @@ class GRPOAccelTrainer(GRPOTrainer):
                 all_entropies.append(out.entropy[:, -logits_to_keep:])
         entropies = torch.cat(all_entropies) if compute_entropy else None
         return torch.cat(all_logps), entropies, None
+
+    def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, rows_per_forward,
+                                    compute_entropy):
+        """As the padded loop, one packed row of real tokens per forward, <= logprob_token_budget tokens each;
+        None (padded) when a row's tokens are not one block."""
+        lengths, ok = packable_lengths(attention_mask)
+        if not ok:
+            if not getattr(self, "_padding_free_warned", False):
+                log("padding_free: a batch has a row whose attention mask has holes or no tokens; it runs padded.")
+                self._padding_free_warned = True
+            return None
+        recompute_tokens = self.offload_config.recompute_tokens if self.offload_enabled else None
+        budget = (getattr(self.args, "logprob_token_budget", None)
+                  or default_token_budget(rows_per_forward, input_ids.size(1), recompute_tokens))
+        segment_kwarg = causal_lm_of(model).config._attn_implementation == ATTN_NAME
+        outs = []
+        for rows in plan_micro_batches(lengths, budget):
+            p = pack_rows(input_ids, attention_mask, logits_to_keep, rows)
+            extra = {SEGMENTS_KWARG: p.segments} if segment_kwarg else {}
+            with self.accelerator.autocast(), packed_forward_context():
+                out = model(input_ids=p.input_ids, position_ids=p.position_ids, accel_labels=p.labels,
+                            accel_entropy=compute_entropy, **extra)
+            outs.append((p, out.log_probs, out.entropy))
+        rows = input_ids.size(0)
+        logps = unpack([(p, lp) for p, lp, _ in outs], rows, logits_to_keep)
+        entropies = unpack([(p, e) for p, _, e in outs], rows, logits_to_keep) if compute_entropy else None
+        return logps, entropies, None

@@ -1,0 +1,192 @@
+"""Padding-free micro-batches (grpo_accel/packing.py) give the padded path's numbers.
+
+Batches of very unequal lengths (completions of 1 token to the full length, left-padded prompts of unequal
+length): log-probs, entropies, TRL's loss and every gradient of the packed path equal the padded path's
+(fp32, <= 1e-5 relative), per loss_type, with several forwards under a small token budget, with offload's
+real copy path and checkpoint re-run, with LoRA and full fine-tuning; unsupported models fall back with one
+line; a 2-step launch/train.py run logs the same loss and gradient norm either way.
+"""
+
+import csv
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from grpo_accel.config import GRPOAccelConfig
+from grpo_accel.data import arithmetic_dataset
+from grpo_accel.models import load_model
+from grpo_accel.packing import pack_rows, plan_micro_batches, unpack
+from grpo_accel.trainer import GRPOAccelTrainer
+from launch_utils import TINY_ARGS, run_train
+from rewards_for_tests import length_reward
+
+ROWS, K = 8, 10  # rows of the batch, max completion tokens
+
+
+def make_trainer(tmp_path, model_name="tiny-llama", peft=True, attn=None, **overrides):
+    torch.manual_seed(0)
+    model, tokenizer = load_model(model_name)
+    if attn:
+        model.set_attn_implementation(attn)
+    overrides.setdefault("logprob_impl", "chunked")
+    args = GRPOAccelConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=ROWS, num_generations=4,
+                           max_completion_length=K, report_to="none", seed=0, beta=0.04 if peft else 0.0,
+                           logging_steps=1, max_steps=1, **overrides)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]) if peft else None
+    return GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
+                            train_dataset=arithmetic_dataset("train", 8), peft_config=lora)
+
+
+def unequal_batch(trainer):
+    """A real generated batch, re-masked: completion lengths from 1 token to K, prompts left-padded unequally
+    (the one with the longest prompt keeps it whole)."""
+    torch.manual_seed(1)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(ROWS)])
+    completion_lengths = torch.tensor([1, K, 2, 7, K, 1, 5, 3])
+    cols = torch.arange(inputs["completion_ids"].size(1))
+    assert inputs["completion_ids"].size(1) == K, "pad completions to K: the test needs a full-length one"
+    inputs["completion_mask"] = (cols[None] < completion_lengths[:, None]).long()
+    prompt_mask = inputs["prompt_mask"].clone()
+    P = prompt_mask.size(1)
+    for row, drop in enumerate([0, 3, 1, 5, 0, 2, 4, 6]):  # extra left padding per row
+        first = int(prompt_mask[row].argmax())
+        prompt_mask[row, : min(first + drop, P - 1)] = 0
+    inputs["prompt_mask"] = prompt_mask
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    return inputs
+
+
+def run_hook(trainer, inputs, padding_free):
+    trainer.padding_free = padding_free
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, K, compute_entropy=True)
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return lp, ent, loss.detach(), grads
+
+
+def count_packed_forwards(trainer, monkeypatch):
+    """Counts the model forwards that receive one packed row ([1, N], position ids, no attention mask)."""
+    calls = []
+    real = type(trainer.model).__call__
+
+    def spy(self, *a, **kw):
+        if kw.get("position_ids") is not None and kw.get("attention_mask") is None and "accel_labels" in kw:
+            calls.append(kw["input_ids"].shape)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(type(trainer.model), "__call__", spy)
+    return calls
+
+
+def assert_same(packed, padded, valid):
+    (lp, ent, loss, grads), (lp0, ent0, loss0, grads0) = packed, padded
+    torch.testing.assert_close(lp[valid], lp0[valid], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent[valid], ent0[valid], rtol=1e-5, atol=1e-6)
+    assert (lp[~valid] == 0).all() and (ent[~valid] == 0).all()
+    torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-7)
+    assert grads.keys() == grads0.keys() and grads
+    for name, g in grads.items():
+        rel = ((g - grads0[name]).norm() / grads0[name].norm().clamp(min=1e-30)).item()
+        assert rel <= 1e-5, f"{name}: relative gradient error {rel:.2e}"
+
+
+@pytest.mark.parametrize("model_name,peft,loss_type", [
+    ("tiny-llama", True, "dapo"), ("tiny-llama", True, "grpo"), ("tiny-llama", True, "dr_grpo"),
+    ("tiny-llama", False, "bnpo"), ("tiny-qwen2", True, "dapo"),
+])
+def test_packed_equals_padded(tmp_path, monkeypatch, model_name, peft, loss_type):
+    trainer = make_trainer(tmp_path, model_name, peft, loss_type=loss_type)
+    assert trainer.padding_free
+    inputs = unequal_batch(trainer)
+    padded = run_hook(trainer, inputs, padding_free=False)
+    calls = count_packed_forwards(trainer, monkeypatch)
+    packed = run_hook(trainer, inputs, padding_free=True)
+    real_tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+    assert calls and all(s[0] == 1 for s in calls) and calls[0][1] == real_tokens, calls
+    assert_same(packed, padded, inputs["completion_mask"].bool())
+
+
+def test_token_budget_splits_forwards_and_keeps_gradients(tmp_path, monkeypatch):
+    """A budget of about two rows: several packed forwards per pass, each within the budget."""
+    trainer = make_trainer(tmp_path)
+    inputs = unequal_batch(trainer)
+    lengths = (inputs["prompt_mask"].sum(1) + inputs["completion_mask"].sum(1)).tolist()
+    budget = trainer.args.logprob_token_budget = 2 * max(lengths)
+    padded = run_hook(trainer, inputs, padding_free=False)
+    calls = count_packed_forwards(trainer, monkeypatch)
+    packed = run_hook(trainer, inputs, padding_free=True)
+    per_pass = len(calls) // 2  # the no-grad hook call, then the loss's
+    assert per_pass >= 3 and all(s[1] <= budget for s in calls), calls
+    assert sum(s[1] for s in calls[:per_pass]) == sum(lengths)
+    assert_same(packed, padded, inputs["completion_mask"].bool())
+
+
+def test_offload_copies_and_rerun(tmp_path, monkeypatch):
+    """Offload's real copy path, checkpointed layers re-run in backward with the packed kwargs."""
+    monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")
+    trainer = make_trainer(tmp_path, offload_activations="true", gradient_checkpointing=True)
+    assert trainer.offload_enabled and trainer.padding_free
+    inputs = unequal_batch(trainer)
+    padded = run_hook(trainer, inputs, padding_free=False)
+    packed = run_hook(trainer, inputs, padding_free=True)
+    assert_same(packed, padded, inputs["completion_mask"].bool())
+
+
+def test_cross_sequence_attention_would_be_caught(tmp_path):
+    """The parity above can fail: one causal mask over the packed row (what transformers does when a cache is
+    made, use_cache=True) changes every later sequence's log-probs."""
+    trainer = make_trainer(tmp_path)
+    inputs = unequal_batch(trainer)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    p = pack_rows(ids, mask, K, list(range(ROWS)))
+    model = trainer.model
+    with torch.no_grad():
+        good = model(input_ids=p.input_ids, position_ids=p.position_ids, accel_labels=p.labels,
+                     accel_segments=p.segments).log_probs
+        leaky = model(input_ids=p.input_ids, position_ids=p.position_ids, accel_labels=p.labels,
+                      accel_segments=(0, p.input_ids.size(1))).log_probs
+    valid = inputs["completion_mask"].bool()
+    a, b = unpack([(p, good)], ROWS, K)[valid], unpack([(p, leaky)], ROWS, K)[valid]
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_plan_micro_batches_longest_first_under_budget():
+    lengths = [5, 40, 12, 33, 1, 20, 8]
+    groups = plan_micro_batches(lengths, token_budget=40)
+    assert sorted(r for g in groups for r in g) == list(range(len(lengths)))
+    assert all(sum(lengths[r] for r in g) <= 40 for g in groups)
+    assert groups[0] == [1] and len(groups) == 3  # 40 alone; 33+5+1; 20+12+8
+    assert plan_micro_batches([50, 3], token_budget=10) == [[0], [1]]  # too long for the budget: alone
+
+
+@pytest.mark.parametrize("attn,impl,reason", [("eager", "chunked", "attention implementation 'eager'"),
+                                              (None, "trl", "logprob_impl='trl'")])
+def test_unsupported_falls_back_with_one_line(tmp_path, capsys, attn, impl, reason):
+    trainer = make_trainer(tmp_path, attn=attn, logprob_impl=impl)
+    assert not trainer.padding_free
+    lines = [line for line in capsys.readouterr().out.splitlines() if "padding_free" in line]
+    assert len(lines) == 1 and "falls back to padded rows" in lines[0] and reason in lines[0], lines
+
+
+def test_launch_padding_free_true_and_false_log_the_same_loss(tmp_path):
+    runs = {}
+    for flag in ("true", "false"):
+        out = tmp_path / flag
+        result = run_train([*TINY_ARGS, "--output_dir", str(out), "--eval_size", "0", "--seed", "3",
+                            "--padding_free", flag, "--rewards", "rewards_for_tests:length_reward"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ("padding_free: log-prob passes run on packed rows" in result.stdout) == (flag == "true")
+        runs[flag] = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [r["step"] for r in runs["true"]] == [r["step"] for r in runs["false"]] and len(runs["true"]) == 2
+    for packed, padded in zip(runs["true"], runs["false"]):
+        for key in ("loss", "grad_norm", "reward"):
+            assert float(packed[key]) == pytest.approx(float(padded[key]), rel=1e-4, abs=1e-7), key
