@@ -3,13 +3,20 @@
 One bad batch (an overflow, a degenerate group) should cost one step, not the run: the optimizer
 would otherwise write NaN into every weight it touches, and every later checkpoint would be poison.
 Cost: one norm per gradient tensor per optimizer step (an [n_params] reduction, negligible).
-Not active under DeepSpeed, whose engine owns the step (its fp16 loss scaler skips overflow steps itself).
+Under DeepSpeed the engine owns the step and skips it itself (ZeRO's optimizer finds a non-finite gradient norm:
+fp16 loss-scale overflow, NaN/inf in fp32, bf16 with `check_grad_overflow`); `DeepSpeedSkipGuard` counts those
+skips into the same metric and stops the run the same way. Cost there: none (reads a flag DeepSpeed sets).
 """
 
 from __future__ import annotations
 
+import os
+import re
+
 import torch
 from transformers import TrainerCallback
+
+from .console import log
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -21,24 +28,23 @@ def grads_finite(params) -> bool:
     return not norms or bool(torch.stack(norms).isfinite().all())
 
 
-class NonFiniteGuard(TrainerCallback):
+class _SkipCounter(TrainerCallback):
+    """Counts skipped steps, stops after `max_in_a_row` in a row without saving, builds the error."""
+
     def __init__(self, max_in_a_row: int):
         self.max_in_a_row = max_in_a_row
         self.in_a_row = 0
         self.skipped = 0
         self.stopped_at: int | None = None
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        params = [p for p in model.parameters() if p.requires_grad]
-        if grads_finite(params):
+    def _count(self, skipped: bool, state, control, why: str, towards_stop: bool = True) -> None:
+        if not skipped:
             self.in_a_row = 0
             return
-        for p in params:  # AdamW skips parameters without a gradient: the step becomes a no-op
-            p.grad = None
-        self.in_a_row += 1
         self.skipped += 1
-        print(f"[grpo_accel] step {state.global_step + 1}: non-finite gradients, update skipped "
-              f"({self.in_a_row} in a row, stop at {self.max_in_a_row})", flush=True)
+        self.in_a_row += int(towards_stop)
+        log(f"step {state.global_step + 1}: {why}, update skipped ({self.in_a_row} in a row, "
+            f"stop at {self.max_in_a_row})")
         if self.in_a_row >= self.max_in_a_row:
             self.stopped_at = state.global_step + 1
             control.should_training_stop = True
@@ -50,3 +56,52 @@ class NonFiniteGuard(TrainerCallback):
 
     def metrics(self) -> dict[str, float]:
         return {"nonfinite/skipped_steps": float(self.skipped)}
+
+    def error(self, output_dir: str) -> NonFiniteStepsError:
+        good = last_checkpoint(output_dir)
+        where = (f"The last good checkpoint is {good}" if good else
+                 f"No checkpoint was saved before it (none in {output_dir})")
+        then = "--resume_from_checkpoint latest" if good else "start again"
+        return NonFiniteStepsError(
+            f"stopped at step {self.stopped_at}: {self.max_in_a_row} steps in a row had non-finite gradients "
+            f"(skipped, never applied). {where}. Fix: lower --learning_rate, check the reward functions and data, "
+            f"then {then}.")
+
+
+def last_checkpoint(output_dir: str) -> str | None:
+    """The newest checkpoint-N with a trainer_state.json (the Trainer writes it last), or None."""
+    steps = [int(m.group(1)) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+             if (m := re.fullmatch(r"checkpoint-(\d+)", name))
+             and os.path.isfile(os.path.join(output_dir, name, "trainer_state.json"))]
+    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+
+
+class NonFiniteGuard(_SkipCounter):
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        params = [p for p in model.parameters() if p.requires_grad]
+        finite = grads_finite(params)
+        if not finite:
+            for p in params:  # AdamW skips parameters without a gradient: the step becomes a no-op
+                p.grad = None
+        self._count(not finite, state, control, "non-finite gradients")
+
+
+class DeepSpeedSkipGuard(_SkipCounter):
+    """The DeepSpeed engine has already stepped (inside accelerator.backward) when the Trainer's optimizer step
+    runs; accelerate exposes whether it skipped. fp16's dynamic loss scaler skips its first steps while it halves
+    the scale down from 2^16: those count in the metric but not towards the stop until the scale reaches 1."""
+
+    def __init__(self, max_in_a_row: int, accelerator):
+        super().__init__(max_in_a_row)
+        self.accelerator = accelerator
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        skipped = bool(self.accelerator.optimizer_step_was_skipped)
+        scale = None
+        if skipped:
+            ds_optimizer = getattr(self.accelerator._optimizers[0], "optimizer", None) if \
+                self.accelerator._optimizers else None
+            scale = getattr(ds_optimizer, "loss_scale", None)
+        calibrating = bool(args.fp16) and scale is not None and scale > 1
+        why = f"DeepSpeed skipped the step (non-finite gradients{f', loss scale {scale:g}' if scale else ''})"
+        self._count(skipped, state, control, why, towards_stop=not calibrating)

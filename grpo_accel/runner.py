@@ -242,10 +242,7 @@ def run(script_args, config) -> int:
     train_s = time.time() - t0
     guard = trainer.nonfinite_guard
     if guard is not None and guard.stopped_at is not None:
-        raise NonFiniteStepsError(
-            f"stopped at step {guard.stopped_at}: {guard.max_in_a_row} steps in a row had non-finite gradients "
-            f"(skipped, never applied). The newest checkpoint in {config.output_dir} is the last good one. Fix: "
-            f"lower --learning_rate, check the reward functions and data, then --resume_from_checkpoint latest.")
+        raise guard.error(config.output_dir)  # NonFiniteStepsError naming the last good checkpoint
     if trainer.preemption.preempted:  # SIGTERM: checkpoint written; no evaluation or final save in the grace period
         from .preemption import finish_preempted
 

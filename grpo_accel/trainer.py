@@ -30,7 +30,7 @@ from .packing import (ATTN_NAME, SEGMENTS_KWARG, default_token_budget, enable_pa
                       packable_lengths, packed_forward_context, packing_unsupported_reason, plan_micro_batches,
                       unpack)
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
-from .guards import NonFiniteGuard
+from .guards import DeepSpeedSkipGuard, NonFiniteGuard
 from .preemption import Preemption
 from .rewards import guarded
 from .telemetry import PhaseTelemetry
@@ -64,11 +64,11 @@ class GRPOAccelTrainer(GRPOTrainer):
         # SIGTERM: finish the step in flight, save, stop (added before the guard, whose no-save on a stop wins).
         self.preemption = Preemption()
         self.add_callback(self.preemption)
-        # Under DeepSpeed the engine owns the optimizer step (and its loss scaler skips overflow steps).
-        self.nonfinite_guard = None
-        if not self.is_deepspeed_enabled:
-            self.nonfinite_guard = NonFiniteGuard(getattr(self.args, "max_nonfinite_steps", 3))
-            self.add_callback(self.nonfinite_guard)
+        # Under DeepSpeed the engine owns the optimizer step and skips non-finite ones itself: count its skips.
+        max_bad = getattr(self.args, "max_nonfinite_steps", 3)
+        self.nonfinite_guard = (DeepSpeedSkipGuard(max_bad, self.accelerator) if self.is_deepspeed_enabled
+                                else NonFiniteGuard(max_bad))
+        self.add_callback(self.nonfinite_guard)
         self.offload_config = self._offload_config()
         self.offload_enabled = self.offload_config is not None
         if self.offload_enabled:

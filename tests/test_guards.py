@@ -1,5 +1,9 @@
 """Non-finite steps are skipped, never applied; N in a row stop training without saving the bad state."""
 
+import ast
+import os
+
+import pytest
 import torch
 from peft import LoraConfig
 
@@ -7,7 +11,10 @@ from grpo_accel.config import GRPOAccelConfig
 from grpo_accel.data import arithmetic_dataset
 from grpo_accel.models import load_model
 from grpo_accel.trainer import GRPOAccelTrainer
+from launch_utils import ROOT, run_train
 from rewards_for_tests import length_reward
+
+ACCELERATE = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
 
 
 def test_nan_steps_are_skipped_then_stop(tmp_path):
@@ -32,3 +39,26 @@ def test_nan_steps_are_skipped_then_stop(tmp_path):
     logged = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     assert [h["nonfinite/skipped_steps"] for h in logged] == [1.0, 2.0]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert f"last good checkpoint is {tmp_path / 'checkpoint-1'}" in str(guard.error(str(tmp_path)))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepspeed_skips_count_and_stop_naming_last_good_checkpoint(tmp_path):
+    """2-process ZeRO-2 over gloo: steps 3 and 4 are NaN. DeepSpeed's optimizer skips them itself; the skips show in
+    the logged metrics and 2 in a row stop the run with NonFiniteStepsError naming checkpoint-2 (never a later one)."""
+    out = tmp_path / "zero2-nan"
+    config = os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml")
+    result = run_train(["--eval_size", "0", "--max_steps", "6", "--save_steps", "2", "--logging_steps", "1",
+                        "--max_nonfinite_steps", "2", "--rewards", "nonfinite_for_tests:length_then_nan",
+                        "--output_dir", str(out)],
+                       launcher=[ACCELERATE, "launch", "--config_file", config], timeout=400, NAN_FROM_STEP="3")
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 2, result.stderr[-3000:]  # one per rank: each stopped at the same step
+    for line in lines:
+        assert "stopped at step 4" in line and f"last good checkpoint is {out / 'checkpoint-2'}" in line, line
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    logged = [ast.literal_eval(s) for s in result.stdout.splitlines() if s.startswith("{'loss'")]
+    assert [float(h["nonfinite/skipped_steps"]) for h in logged] == [0.0, 0.0, 1.0, 2.0], result.stdout[-3000:]
+    assert "DeepSpeed skipped the step" in result.stdout
