@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import rerun
+from . import rerun, tiled
 from .config import OffloadConfig
-from .replay import _forward_state
+from .replay import _forward_state, _restore_rng
 from .stash import ActivationStash
 
 _TENSOR = object()  # marks where the tensor outputs go back into the output pytree
@@ -32,7 +32,7 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
         ctx.entry = stash.save(tensors)  # before running: the previous layer's D2H overlaps this compute
         args, kwargs = tree_unflatten(list(flat), spec)
         with torch.no_grad():
-            leaves, out_spec = tree_flatten(run(*args, **kwargs))
+            leaves, out_spec = tree_flatten(_run_forward(ctx, run, args, kwargs, preserve_rng))
         out_box.append((out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]))
         outs = tuple(x for x in leaves if isinstance(x, torch.Tensor))
         ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
@@ -56,6 +56,22 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
         for i, g in zip(ctx.idx, in_grads):
             flat_grads[i] = g
         return (None,) * 6 + tuple(flat_grads)
+
+
+def _run_forward(ctx, run, args, kwargs, preserve_rng: bool):
+    """The layer under no_grad: in sequence tiles when one row is longer than recompute_tokens (tiled.py), else whole."""
+    module = rerun._module_of(run)
+    ctx.tiles, ctx.tile_rng = None, None
+    if rerun._shared_params(module) is False:
+        ctx.tiles = tiled.seq_tiles(run, args, kwargs, ctx.recompute_tokens, module)
+    if ctx.tiles:
+        try:
+            out, ctx.tile_rng = tiled.forward(run, args[0], ctx.tiles, preserve_rng and rerun._live_dropout(module))
+            return out
+        except tiled.Untileable:
+            ctx.tiles = None
+            _restore_rng(ctx)  # the first tile may have drawn dropout masks
+    return run(*args, **kwargs)
 
 
 class OffloadedCheckpoint:

@@ -21,7 +21,13 @@ class OffloadConfig:
     # re-run's saved tensors exist for one group only: rows are independent sequences through a decoder layer
     # (attention is per row), so the FLOPs are the same. Llama-3.1-8B, G=8, T=8192: one layer's re-run saves
     # ~15 GB for the whole batch. None = the whole batch at once. See `_row_groups` for when it stays whole.
+    # A row longer than this runs in sequence tiles of this many tokens (tiled.py), forward and re-run.
     recompute_tokens: int | None = 16384
+    # Residency (residency.py): layer inputs stay on the device while those kept there total <= this many bytes,
+    # the rest go to host memory; 0 = all but the newest go. The planner sizes it from what the step leaves free.
+    device_budget_bytes: int = 0
+    # Host bytes the stash may hold (None = unchecked); past it the stash raises HostMemoryError naming the fix.
+    host_budget_bytes: int | None = None
 
 
 def resolve_offload(setting: bool | str, device: torch.device | str, gradient_checkpointing: bool = True) -> bool:

@@ -34,3 +34,10 @@ def _forward_state(ctx, tensors, preserve_rng: bool) -> None:
         mod = torch.get_device_module(ctx.device_type) if ctx.device_type not in (None, "meta") else None
         states = get_device_states(*tensors) if getattr(mod, "_initialized", False) else ([], [])
         ctx.rng = (torch.get_rng_state(), *states)
+
+
+def _restore_rng(ctx) -> None:
+    """Back to the RNG state recorded at the forward's start (after an abandoned attempt that may have drawn)."""
+    if ctx.rng:
+        torch.set_rng_state(ctx.rng[0])
+        set_device_states(ctx.rng[1], ctx.rng[2], device_type=ctx.device_type or "cuda")

@@ -9,6 +9,7 @@ import functools
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import tiled
 from .replay import _replay
 
 def _has_rows(x, rows: int) -> bool:
@@ -21,7 +22,13 @@ def _rows_of(x, rows: slice, n: int):
 
 
 def _rerun(ctx, inputs, grads, run=None) -> None:
-    """Re-run the checkpointed function (or `run`) on `inputs` with grad, and back-propagate `grads` through it."""
+    """Re-run the checkpointed function (or `run`) on `inputs` with grad, and back-propagate `grads` through it;
+    in sequence tiles when the forward ran in tiles (tiled.py)."""
+    if getattr(ctx, "tiles", None):
+        if grads[0] is not None:
+            with _replay(ctx):
+                tiled.backward(run or ctx.run, inputs[0], grads[0], ctx.tiles, ctx.tile_rng)
+        return
     flat = list(ctx.flat)
     for i, t in zip(ctx.idx, inputs):
         flat[i] = t
@@ -90,14 +97,25 @@ def _row_groups(function, tensors, outs, recompute_tokens) -> list[slice] | None
                    for x in tree_flatten(function.keywords)[0]):
             return None  # e.g. a flex-attention BlockMask or a cache: may hold rows we cannot slice
     module = _module_of(function)
-    if module is None or any(hasattr(p, "ds_tensor") for p in module.parameters()):
-        return None
-    for m in module.modules():
-        if m.training and ((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
-                           or float(getattr(m, "attention_dropout", 0) or 0) > 0):
-            return None
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
+    if module is None or _shared_params(module) is not False or _live_dropout(module):
         return None
     return [slice(r, min(r + per_group, rows)) for r in range(0, rows, per_group)]
 
+
+
+def _live_dropout(module: torch.nn.Module) -> bool:
+    """Whether a re-run of `module` draws random numbers (dropout modules, attention dropout) in training."""
+    return any(m.training and ((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
+                               or float(getattr(m, "attention_dropout", 0) or 0) > 0) for m in module.modules())
+
+
+def _shared_params(module: torch.nn.Module | None) -> bool | None:
+    """Whether a re-run in pieces would upset parameter hooks: ZeRO-3 partitions (each piece gathers them again),
+    or several processes (DDP / DeepSpeed fire a parameter's gradient hook once per backward, not per piece).
+    None when the module is unknown."""
+    if module is None:
+        return None
+    if any(hasattr(p, "ds_tensor") for p in module.parameters()):
+        return True
+    return bool(torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1)

@@ -10,6 +10,7 @@ import torch
 
 from . import tracker as _tracker
 from .config import OffloadConfig
+from .residency import BufferPool, host_error
 from .tracker import _nbytes
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -36,8 +37,11 @@ class _Entry:
     """The saved inputs of one checkpointed call; owned by its autograd ctx, indexed weakly by the
     stash. Per tensor: `dev[i]` (original or reloaded copy), `host[i]` (host copy), `policy[i]`."""
 
-    def __init__(self, tensors, cfg: OffloadConfig, min_bytes: int | None = None):
+    def __init__(self, tensors, cfg: OffloadConfig, min_bytes: int | None = None, stash=None):
+        self.stash = stash  # host budget and buffer pool (None for the head's saved tensors: unchecked, unpooled)
         self.dev = [t.detach() for t in tensors]
+        self.pooled = [False] * len(tensors)
+        self.resident = False  # kept on the device under the stash's device budget
         self.host = [None] * len(tensors)
         self.versions = [t._version for t in tensors]
         self.policy = [_policy(t, cfg, cfg.min_bytes if min_bytes is None else min_bytes) for t in tensors]
@@ -50,6 +54,11 @@ class _Entry:
             self.events["ready"] = torch.cuda.Event()
             self.events["ready"].record(torch.cuda.current_stream(cuda[0]))
         self._report(sum(map(_nbytes, tensors)), "device")
+
+    def device_bytes(self) -> int:
+        """Bytes of this entry's copyable inputs that are on the device now."""
+        return sum(_nbytes(t) for t, p, h in zip(self.dev, self.policy, self.host) if p[0] and t is not None
+                   and h is None)
 
     def _report(self, nbytes: int, where: str) -> None:
         if self.tracker is not None and nbytes:
@@ -66,6 +75,8 @@ class _Entry:
             if copy and self.host[i] is None:
                 self._check_version(i)
                 t, side = self.dev[i], _side_stream(self.device[i]) if streams else None
+                if self.stash is not None:
+                    self.stash.reserve_host(_nbytes(t))
                 if side is not None:
                     side.wait_event(self.events["ready"])
                 self.host[i] = _copy(t, "cpu", pin, side)
@@ -81,7 +92,15 @@ class _Entry:
         for i, (_, pin, streams) in enumerate(self.policy):
             if self.dev[i] is None:
                 side = _side_stream(self.device[i]) if streams else None
-                self.dev[i] = _copy(self.host[i], self.device[i], pin, side)
+                if self.stash is None:
+                    self.dev[i] = _copy(self.host[i], self.device[i], pin, side)
+                else:  # a pool buffer allocated on the compute stream, written on the side stream
+                    buf, freed = self.stash.pool.take(self.host[i], self.device[i])
+                    if side is not None and freed is not None:
+                        side.wait_event(freed)  # its last reader (an earlier layer's re-run) has run
+                    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                        self.dev[i] = buf.copy_(self.host[i], non_blocking=pin)
+                    self.pooled[i] = True
                 self._report(_nbytes(self.host[i]), "device")
         if side is not None:
             self.events["h2d"] = torch.cuda.Event()
@@ -95,13 +114,19 @@ class _Entry:
             if ev is not None and streams and self.host[i] is not None:
                 cur = torch.cuda.current_stream(self.device[i])
                 cur.wait_event(ev)
-                self.dev[i].record_stream(cur)  # allocated on the side stream, used on this one
+                if not self.pooled[i]:
+                    self.dev[i].record_stream(cur)  # allocated on the side stream, used on this one
         return list(self.dev)
 
     def release(self) -> None:
         if getattr(self, "dev", None) is not None:
             self._report(-sum(_nbytes(t) for t in self.dev if t is not None), "device")
             self._report(-sum(_nbytes(t) for t in self.host if t is not None), "host")
+            if self.stash is not None:
+                self.stash.host_bytes -= sum(_nbytes(t) for t in self.host if t is not None)
+                for t, pooled in zip(self.dev, self.pooled):
+                    if pooled and t is not None:
+                        self.stash.pool.give(t)
             self.dev = self.host = None
             self.events.clear()
 
@@ -118,12 +143,19 @@ class ActivationStash:
     def __init__(self, config: OffloadConfig | None = None):
         self.config = config or OffloadConfig()
         self._entries: list[weakref.ref] = []  # forward order
+        self.pool, self.host_bytes = BufferPool(), 0
 
     def save(self, tensors) -> _Entry:
-        self._entries = [r for r in self._entries if r() is not None]
-        if self._entries and not self._entries[-1]().loaded:
-            self._entries[-1]().offload()
-        entry = _Entry(tensors, self.config)
+        live = [e for e in (r() for r in self._entries) if e is not None]
+        self._entries = [weakref.ref(e) for e in live]
+        if live and not live[-1].loaded:  # the previous input: kept under the device budget, else offloaded
+            prev, budget = live[-1], self.config.device_budget_bytes
+            kept = sum(e.device_bytes() for e in live[:-1] if e.resident and not e.loaded)
+            if budget and kept + prev.device_bytes() <= budget:
+                prev.resident = True
+            else:
+                prev.offload()
+        entry = _Entry(tensors, self.config, stash=self)
         self._entries.append(weakref.ref(entry))
         return entry
 
@@ -145,6 +177,13 @@ class ActivationStash:
     def release(self, entry: _Entry) -> None:
         entry.release()
         self._entries = [r for r in self._entries if r() is not None and r() is not entry]
+
+    def reserve_host(self, nbytes: int) -> None:
+        """Count `nbytes` more host bytes, or raise HostMemoryError past the config's host budget."""
+        limit = self.config.host_budget_bytes
+        if limit is not None and self.host_bytes + nbytes > limit:
+            raise host_error(self.host_bytes + nbytes, limit)
+        self.host_bytes += nbytes
 
     def __deepcopy__(self, memo):  # streams/events do not copy; a model copy gets its own stash
         return ActivationStash(self.config)

@@ -1,0 +1,212 @@
+"""Sequence-tiled layer: a decoder layer over one long row, `OffloadConfig.recompute_tokens` tokens at a time.
+
+Naive equivalent: `layer(x)` on [B, T, H] and, in backward, one re-run of the whole layer, whose saved tensors
+(~53 KB per token for SmolLM2-135M in fp32, ~230 KB for Llama-3.1-8B in bf16) all exist at once: 33 GiB for one
+110K-token Qwen3-8B row. A row cannot be split into row groups, so this splits it along the sequence.
+
+Everything in a decoder layer but attention is token-local (norms, q/k/v/o projections, RoPE, MLP, LoRA, their
+dropout), so it runs on a tile of tokens; attention runs per *query* tile against the keys and values up to that
+tile's end (causal, lower-right aligned), so nothing holds a T x T score matrix. The cut is HF's attention
+interface (`ALL_ATTENTION_FUNCTIONS.get_interface`), routed through `_Tiling.hook` while a tiled call runs.
+
+Forward (no grad, one pass): tile by tile, the hook stores the tile's keys and values into full-length K, V
+[B, kv_heads, T, d] and attends the tile's queries to K[:e], V[:e].
+Backward (re-run, two passes): 1) no grad, tile by tile up to the attention: K, V again (the rest of the layer is
+skipped by raising `_Stop` in the hook); 2) last tile first, with grad: the tile's layer, backward of its output
+(post-attention part, parameter grads accumulate), backward of its attention (dq of the tile, dK / dV of every
+key up to the tile's end, accumulated in fp32), then backward of its q/k/v (pre-attention part). Going last tile
+first, a tile's dK / dV are complete when its own q/k/v backward runs.
+
+Cost: one more forward of the pre-attention part (norm + q/k/v projections, ~11% of an 8B layer's linear FLOPs
+forward, ~4% of its forward + backward); full-length tensors left in the re-run: x, d(out), d(x) [H each], K, V and
+fp32 dK, dV [kv_dim each] per token, instead of the whole layer's saved tensors. Dropout: each tile's RNG state is
+recorded in the forward and replayed, so the re-run draws the forward's masks (the masks differ from an untiled
+layer's: a tiled layer is its own, exactly differentiated, function). Not tiled (whole re-run instead): layers whose
+attention call this hook does not understand (sliding windows, soft-capping, sinks, caches, BlockMasks), several
+processes or ZeRO-3 partitions (a parameter's gradient hook would fire once per tile), rows of <= the tile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+# attention-interface kwargs a tiled call may ignore; any other kwarg with a value makes the layer untileable
+_IGNORED_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values"}
+_MUST_BE_NONE = {"sliding_window", "softcap", "s_aux", "sinks"}
+
+
+class Untileable(Exception):
+    """The layer's attention call is not one the tiled path reproduces; the caller runs the layer whole."""
+
+
+class _Stop(Exception):
+    """Raised by the hook in the key/value pass: the rest of the layer is not needed."""
+
+
+@contextlib.contextmanager
+def _attention_hook(hook):
+    """Every HF attention-interface lookup returns `partial(hook, original)` (instance attribute over the method)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
+
+    get = type(registry).get_interface
+    registry.get_interface = lambda impl, default: functools.partial(hook, get(registry, impl, default))
+    try:
+        yield
+    finally:
+        registry.__dict__.pop("get_interface", None)
+
+
+class _Tiling:
+    """One tiled call: full-length K, V, the current tile `sl`, and what the hook does ("forward", "kv", "grad")."""
+
+    def __init__(self, T: int, mode: str):
+        self.T, self.mode, self.sl, self.calls = T, mode, None, 0
+        self.K = self.V = self.dK = self.dV = None
+        self.saved = None  # "grad" mode: (q, k, v with their graphs, q leaf, K/V leaves, attention output, o leaf)
+
+    def hook(self, original, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        self.calls += 1
+        bad = [k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS
+               and not (k == "is_causal" and v)] + [k for k in _MUST_BE_NONE if kwargs.get(k) is not None]
+        if bad or not getattr(module, "is_causal", True) or self.calls > 1 or query.shape[2] != self.sl.stop - \
+                self.sl.start or key.shape[2] != query.shape[2]:
+            raise Untileable(f"attention call with {bad or 'an unexpected shape'}")
+        s, e = self.sl.start, self.sl.stop
+        if self.mode != "grad":  # the forward and the key/value pass fill K, V
+            if self.K is None:
+                self.K = key.new_empty(*key.shape[:2], self.T, key.shape[3])
+                self.V = value.new_empty(*value.shape[:2], self.T, value.shape[3])
+            self.K[:, :, s:e], self.V[:, :, s:e] = key, value
+            if self.mode == "kv":
+                raise _Stop
+            out = _attend(query, self.K[:, :, :e], self.V[:, :, :e], attention_mask, s, dropout, scaling)
+            return out.transpose(1, 2), None
+        q_leaf = query.detach().requires_grad_()
+        k_leaf = self.K[:, :, :e].detach().requires_grad_()
+        v_leaf = self.V[:, :, :e].detach().requires_grad_()
+        out = _attend(q_leaf, k_leaf, v_leaf, attention_mask, s, dropout, scaling)
+        o_leaf = out.detach().transpose(1, 2).requires_grad_()
+        self.saved = (query, key, value, q_leaf, k_leaf, v_leaf, out, o_leaf)
+        return o_leaf, None
+
+
+def _attend(q, k, v, mask, start: int, dropout: float, scale):
+    """softmax(q k^T * scale + causal / `mask` rows start:start+Tq) v for a query tile at `start`; memory-linear:
+    no mask is built on CUDA (lower-right causal bias), a [Tq, e] bool mask on CPU (its flash kernel takes one)."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is not None:
+        mask = mask[..., start:start + q.shape[2], :k.shape[2]]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    if start == 0:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                          dropout_p=dropout, scale=scale, enable_gqa=gqa)
+
+
+def seq_tiles(function, args, kwargs, recompute_tokens: int | None, module) -> list[slice] | None:
+    """Tiles of <= recompute_tokens tokens along dim 1 when `function` is a HF decoder layer called on one long
+    [B, T, H] input (`layer(x, **bound)` as GradientCheckpointingLayer calls it); None = run it whole."""
+    if (not recompute_tokens or not isinstance(function, functools.partial) or len(args) != 1 or kwargs
+            or not isinstance(args[0], torch.Tensor) or module is None or not hasattr(module, "self_attn")):
+        return None
+    x, bound = args[0], function.keywords
+    if x.ndim != 3 or not x.is_floating_point() or x.shape[1] <= recompute_tokens:
+        return None
+    T = x.shape[1]
+    rope, mask = bound.get("position_embeddings"), bound.get("attention_mask")
+    if not (isinstance(rope, tuple) and all(isinstance(t, torch.Tensor) and t.ndim == 3 and t.shape[1] == T
+                                            for t in rope)):
+        return None  # RoPE computed inside the layer from position ids: not sliced here
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.ndim == 4 and mask.shape[-2:] == (T, T)):
+        return None
+    if bound.get("past_key_values") is not None:
+        return None
+    return [slice(s, min(s + recompute_tokens, T)) for s in range(0, T, recompute_tokens)]
+
+
+def _call(run, x_tile, sl: slice):
+    """The layer on one tile: RoPE tables sliced to the tile; the mask stays whole (the hook slices it)."""
+    bound = dict(run.keywords)
+    bound["position_embeddings"] = tuple(t[:, sl] for t in bound["position_embeddings"])
+    return run.func(*run.args, x_tile, **bound)
+
+
+def _rng_state(x: torch.Tensor):
+    return (torch.get_rng_state(), *get_device_states(x)) if x.is_cuda else (torch.get_rng_state(), [], [])
+
+
+def _set_rng(states, i: int) -> None:
+    if states:
+        cpu, devices, device_states = states[i]
+        torch.set_rng_state(cpu)
+        if devices:
+            set_device_states(devices, device_states, device_type="cuda")
+
+
+def forward(run, x: torch.Tensor, tiles: list[slice], record_rng: bool):
+    """(output, per-tile RNG states or None) of the layer run tile by tile under no_grad. Raises Untileable before
+    anything is written when the first tile's attention call is not one this path reproduces."""
+    state, rng = _Tiling(x.shape[1], "forward"), [] if record_rng else None
+    y = None
+    with _attention_hook(state.hook):
+        for i, sl in enumerate(tiles):
+            if rng is not None:
+                rng.append(_rng_state(x))
+            state.sl, state.calls = sl, 0
+            out = _call(run, x[:, sl], sl)
+            if state.calls != 1 or not isinstance(out, torch.Tensor) or out.shape != x[:, sl].shape:
+                raise Untileable("the layer did not call attention once and return one [B, T, H] tensor")
+            y = x.new_empty(x.shape) if y is None else y
+            y[:, sl] = out
+    return y, rng
+
+
+def backward(run, x: torch.Tensor, g: torch.Tensor, tiles: list[slice], rng) -> None:
+    """Re-run the layer tile by tile with grad and back-propagate `g` (see the module docstring); parameter grads
+    accumulate, `x.grad` gets d(x) when x requires grad. Call under the forward's autocast / RNG replay."""
+    T = x.shape[1]
+    state = _Tiling(T, "kv")
+    dx = torch.zeros_like(x) if x.requires_grad else None
+    with _attention_hook(state.hook):
+        with torch.no_grad():  # pass 1: keys and values of every tile
+            for i, sl in enumerate(tiles):
+                _set_rng(rng, i)
+                state.sl, state.calls = sl, 0
+                with contextlib.suppress(_Stop):
+                    _call(run, x.detach()[:, sl], sl)
+        # fp32 accumulators: dK[:e] collects one term per query tile at or after the key tile (2 * T * kv_dim * 4 B)
+        state.dK, state.dV = (torch.zeros_like(t, dtype=torch.float32) for t in (state.K, state.V))
+        state.mode = "grad"
+        for i, sl in reversed(list(enumerate(tiles))):  # pass 2: last tile first
+            _set_rng(rng, i)
+            state.sl, state.calls = sl, 0
+            x_tile = x.detach()[:, sl].requires_grad_(x.requires_grad)
+            y = _call(run, x_tile, sl)
+            q, k, v, q_leaf, k_leaf, v_leaf, out, o_leaf = state.saved
+            state.saved = None
+            _backward([(y, g[:, sl])])  # post-attention part: o_proj, MLP, norms, residuals
+            if o_leaf.grad is None:
+                continue
+            dq, dk, dv = torch.autograd.grad(out, (q_leaf, k_leaf, v_leaf), o_leaf.grad.transpose(1, 2))
+            e = sl.stop
+            state.dK[:, :, :e] += dk
+            state.dV[:, :, :e] += dv
+            del out, dk, dv, o_leaf
+            _backward([(q, dq), (k, state.dK[:, :, sl].to(k.dtype)), (v, state.dV[:, :, sl].to(v.dtype))])
+            if dx is not None and x_tile.grad is not None:
+                dx[:, sl] = x_tile.grad
+    if dx is not None:
+        x.grad = dx if x.grad is None else x.grad + dx
+
+
+def _backward(pairs) -> None:
+    pairs = [(t, g) for t, g in pairs if t.requires_grad]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
