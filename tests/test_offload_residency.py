@@ -1,0 +1,72 @@
+"""Residency of offloaded layer inputs (grpo_accel/offload/residency.py): a device budget keeps the first inputs on
+the device, a host budget stops the stash with an error naming the fix, reloads reuse two pooled buffers. CPU tier:
+the real copy path forced as GRPO_ACCEL_OFFLOAD_FORCE_COPIES does in the trainer.
+
+    OMP_NUM_THREADS=1 pytest tests/test_offload_residency.py -q
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from grpo_accel.offload import SavedActivationTracker, install_activation_offload
+from grpo_accel.offload.residency import HostMemoryError, check_host_memory, host_available_bytes
+from test_offload import FORCED, LAYER_BYTES, B, T, V, tiny_llama
+
+L = 6
+
+
+def run(cfg, steps=1):
+    model = tiny_llama(layers=L)
+    ckpt = install_activation_offload(model, cfg)
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+    peaks = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        with SavedActivationTracker() as tracker:
+            loss = model(input_ids=ids, labels=ids).loss
+            fwd = dict(tracker.bytes)
+            tracker.reset_peak()
+            loss.backward()
+        assert tracker.bytes == {"device": 0, "host": 0}
+        peaks.append((fwd, dict(tracker.peak)))
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, peaks, ckpt.stash
+
+
+def test_device_budget_keeps_the_first_inputs_and_grads_are_identical():
+    ref, [(fwd, _)], _ = run(FORCED)
+    assert fwd == {"device": LAYER_BYTES, "host": (L - 1) * LAYER_BYTES}  # the newest only
+    kept = dataclasses.replace(FORCED, device_budget_bytes=2 * LAYER_BYTES)
+    grads, [(fwd, bwd)], stash = run(kept)
+    assert fwd == {"device": 3 * LAYER_BYTES, "host": (L - 3) * LAYER_BYTES}  # 2 kept + the newest
+    assert bwd["host"] == (L - 3) * LAYER_BYTES and stash.host_bytes == 0
+    for n in ref:
+        assert torch.equal(ref[n], grads[n]), n
+
+
+def test_host_budget_raises_naming_the_fix_and_the_device_budget_relieves_it():
+    tight = dataclasses.replace(FORCED, host_budget_bytes=2 * LAYER_BYTES)
+    with pytest.raises(HostMemoryError, match="lower max_completion_length.*keep more layer inputs on the GPU"):
+        run(tight)
+    assert issubclass(HostMemoryError, ValueError)
+    # 3 inputs kept on the device + the newest leave L - 4 = 2 for the host: fits exactly
+    run(dataclasses.replace(tight, device_budget_bytes=3 * LAYER_BYTES))
+
+
+def test_reloads_reuse_two_pooled_buffers_across_layers_and_steps():
+    ref, _, _ = run(FORCED)
+    grads, peaks, stash = run(FORCED, steps=3)
+    assert stash.pool.allocated == 2  # double buffer: 5 reloads per step, 3 steps, 2 allocations
+    assert stash.pool.free_bytes == 2 * LAYER_BYTES
+    assert all(bwd["device"] == 2 * LAYER_BYTES for _, bwd in peaks)
+    for n in ref:
+        assert torch.equal(ref[n], grads[n]), n
+
+
+def test_check_host_memory():
+    gib = 1 << 30
+    check_host_memory(80 * gib, have_bytes=100 * gib)
+    with pytest.raises(HostMemoryError, match=r"need 147\.0 GiB of host memory, this host has 115\.2 GiB"):
+        check_host_memory(147 * gib, have_bytes=128 * gib)
+    assert host_available_bytes() > 0
