@@ -101,3 +101,40 @@ def test_sigterm_then_resume_matches_uninterrupted(tmp_path):
     for step in range(1, 7):
         for key in KEYS:
             assert float(b[step][key]) == pytest.approx(float(a[step][key]), rel=1e-5, abs=1e-8), (step, key)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_deepspeed_launch(tmp_path):
+    """`accelerate launch` (2 processes, ZeRO-2 over gloo) gets SIGTERM as a scheduler sends it: torch's agent forwards
+    it to both ranks, which agree on the step, save every rank's files into one checkpoint and leave before the
+    agent's SIGKILL; the launch resumed from it logs what an uninterrupted launch logs."""
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    launcher = [accelerate, "launch", "--config_file", os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml")]
+    args = ["--eval_size", "0", "--max_steps", "6", "--save_steps", "2", "--rewards", "rewards_for_tests:length_reward"]
+    full = tmp_path / "full"
+    done = run_train([*args, "--output_dir", str(full)], launcher=launcher, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    cut = tmp_path / "cut"
+    cmd = [*launcher, os.path.join(ROOT, "launch", "train.py"), *args, "--output_dir", str(cut)]
+    rc, stdout, stderr = sigterm_after(cmd, cut / "checkpoint-2" / "trainer_state.json", child_env())
+    # The ranks exit 0; torch's agent re-raises the signal as SignalException whatever they did, so the launcher
+    # exits non-zero. Neither rank raised or had to be SIGKILLed after the agent's grace period.
+    assert stderr.count("SIGTERM received") == 2, stderr[-3000:]
+    assert "[rank0]: Traceback" not in stderr and "[rank1]: Traceback" not in stderr
+    assert "Unable to shutdown process" not in stderr
+    stopped = max(int(p.name.split("-")[1]) for p in cut.glob("checkpoint-*"))
+    assert 2 < stopped < 6, rc
+    saved = cut / f"checkpoint-{stopped}"
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= {p.name for p in saved.iterdir()}
+    assert sum("--resume_from_checkpoint latest" in line for line in stdout.splitlines()) == 1  # rank 0 says it
+
+    resumed = run_train([*args, "--output_dir", str(cut), "--resume_from_checkpoint", "latest"], launcher=launcher,
+                        timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = rows(full), rows(cut)
+    assert sorted(b) == list(range(1, 7))
+    for step in range(1, 7):
+        for key in KEYS:
+            assert float(b[step][key]) == pytest.approx(float(a[step][key]), rel=1e-5, abs=1e-8), (step, key)
