@@ -138,3 +138,18 @@ def test_sigterm_to_a_two_process_deepspeed_launch(tmp_path):
     for step in range(1, 7):
         for key in KEYS:
             assert float(b[step][key]) == pytest.approx(float(a[step][key]), rel=1e-5, abs=1e-8), (step, key)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_one_process_accelerate_launch_reaches_the_trainer(tmp_path):
+    """accelerate's one-process launcher has no SIGTERM handler: it dies at once. The trainer asked the kernel for
+    SIGTERM on its parent's death (PR_SET_PDEATHSIG), so it still finishes its step, saves and says how to resume."""
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    out = tmp_path / "one"
+    cmd = [accelerate, "launch", "--config_file", os.path.join(ROOT, "accelerate_configs", "cpu.yaml"),
+           os.path.join(ROOT, "launch", "train.py"), *ARGS, "--output_dir", str(out)]
+    rc, stdout, stderr = sigterm_after(cmd, out / "checkpoint-2" / "trainer_state.json", child_env())
+    assert rc == -signal.SIGTERM  # the launcher; communicate() returned once the trainer closed its pipes too
+    assert "SIGTERM received" in stderr and "--resume_from_checkpoint latest" in stdout, (stdout[-2000:], stderr[-2000:])
+    stopped = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert 2 < stopped < 6 and (out / f"checkpoint-{stopped}" / "trainer_state.json").exists()
