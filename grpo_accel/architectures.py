@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError
 from .models import TINY_CONFIGS
 
 __all__ = ["ALIASES", "ARCHITECTURES", "ModelShape", "get_architecture", "list_architectures", "model_shape"]
@@ -76,6 +77,17 @@ _SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
         ),
         "Qwen/Qwen2.5-7B",
     ),
+    # Qwen2.5-7B's shapes with a 1,010,000-token context (rope_theta 1e7); its config.json
+    "qwen2.5-7b-1m": (
+        "Qwen2Config",
+        dict(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=1010000, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, use_sliding_window=False, sliding_window=32768, max_window_layers=28,
+            bos_token_id=151643, eos_token_id=151645, rope_parameters=dict(rope_type="default", rope_theta=10000000.0),
+        ),
+        "Qwen/Qwen2.5-7B-Instruct-1M",
+    ),
     "smollm2-135m": (
         "LlamaConfig",
         dict(
@@ -92,20 +104,20 @@ _SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
 _SMOLLM2_TOKENS = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 for _name, _spec in TINY_CONFIGS.items():
     _kwargs = {k: v for k, v in _spec.items() if k != "model_type"}
-    _SPECS[_name] = ({"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[_spec["model_type"]],
+    _SPECS[_name] = ({"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[_spec["model_type"]],
                      {**_kwargs, **_SMOLLM2_TOKENS}, "(random init, grpo_accel.models.TINY_CONFIGS)")
 
 ARCHITECTURES: dict[str, str] = {name: spec[2] for name, spec in _SPECS.items()}  # name -> source checkpoint
 
 # Names that resolve offline to a named shape: hub checkpoints (base and Instruct share shapes) and the embedded
-# default's name in grpo_accel.models. Qwen2.5-7B-Instruct-1M has Qwen2.5-7B's shapes (rope_theta 1e7, 1M context).
+# default's name in grpo_accel.models.
 ALIASES: dict[str, str] = {
     "meta-llama/llama-3.1-8b": "llama-3.1-8b", "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
     "meta-llama/llama-3.2-1b": "llama-3.2-1b", "meta-llama/llama-3.2-1b-instruct": "llama-3.2-1b",
     "qwen/qwen3-8b": "qwen3-8b", "qwen/qwen3-8b-base": "qwen3-8b",
     "qwen/qwen2.5-1.5b": "qwen2.5-1.5b", "qwen/qwen2.5-1.5b-instruct": "qwen2.5-1.5b",
     "qwen/qwen2.5-7b": "qwen2.5-7b", "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
-    "qwen/qwen2.5-7b-instruct-1m": "qwen2.5-7b",
+    "qwen/qwen2.5-7b-instruct-1m": "qwen2.5-7b-1m",
     "huggingfacetb/smollm2-135m": "smollm2-135m", "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
 }
@@ -225,13 +237,13 @@ def model_shape(model) -> ModelShape:
     if path.is_file():
         return _shape_from_config(json.loads(path.read_text()), name=name)
     if path.exists() or name.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"{name!r} has no config.json: pass a model directory with config.json")
+        raise ConfigError(f"{name!r} has no config.json. Fix: pass a model directory with config.json")
     try:
         from transformers import AutoConfig
 
         return _shape_from_config(AutoConfig.from_pretrained(name), name=name)
     except Exception as exc:  # offline, gated, typo: all end here
-        raise ValueError(
+        raise ConfigError(
             f"could not read the config of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). "
             f"Fix: pass a named architecture ({', '.join(_SPECS)}), a local directory with config.json, "
             "or a hub name with hub access (unset HF_HUB_OFFLINE, `huggingface-cli login` for gated models)."

@@ -1,9 +1,10 @@
 """`grpo-accel` command: presets, plan, report.
 
     grpo-accel presets                                        # the preset table with predicted peaks
-    grpo-accel plan --preset h100_110k                        # breakdown + verdict; exit 1 when it does not fit
-    grpo-accel plan --preset l4_24gb_qlora --max-completion-length 32768 --gpu-mem-gib 22
+    grpo-accel plan --preset h100_110k                        # breakdown, checks, verdict; exit 1 when it cannot run
+    grpo-accel plan --preset l4_24gb_qlora --max_completion_length 32768 --gpu-mem-gib 22
     grpo-accel plan --preset a100_80gb_bf16 --model ./my_model_dir   # any config.json / named architecture
+    (plan takes launch/train.py's flags, so it plans exactly what train.py with the same flags would run)
     grpo-accel report runs/demo                               # PNGs of a finished or crashed run
 """
 
@@ -40,63 +41,50 @@ def cmd_presets(args) -> int:
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None, help="start from this preset (default: the detected GPU's)")
-    p.add_argument("--model", default=None, help="named architecture, local dir with config.json, or hub name")
-    p.add_argument("--max-completion-length", type=int)
-    p.add_argument("--max-prompt-length", type=int)
-    p.add_argument("--num-generations", type=int)
-    p.add_argument("--per-device-batch", type=int, help="sequences per forward/backward")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--quantization", choices=["none", "4bit"])
-    p.add_argument("--lora-r", type=int, help="0 = full fine-tune")
-    p.add_argument("--logprob-impl", choices=["naive", "trl", "chunked", "triton", "auto"])
-    p.add_argument("--logprob-chunk-tokens", type=int)
-    p.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--use-vllm", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--vllm-shares-weights", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--vllm-sleep", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--gpu-mem-gib", type=float, help="GPU memory to plan for (default: this GPU, else the preset's "
                    "minimum)")
+    p.epilog = ("Every other flag is launch/train.py's (--preset, --model, --max_completion_length, --quantization, "
+                "--offload_activations, ...): plan prints what train.py with the same flags would run.")
 
 
-_PLAN_KEYS = ("max_completion_length", "max_prompt_length", "num_generations", "per_device_batch", "dtype",
-              "quantization", "lora_r", "logprob_impl", "logprob_chunk_tokens", "offload_activations",
-              "gradient_checkpointing", "use_vllm", "vllm_shares_weights", "vllm_sleep")
+def cmd_plan(args, train_flags: list[str]) -> int:
+    from .presets import current_gpu_props
+    from .run_spec import resolve_run_spec
+    from .startup_checks import model_config, run_checks
 
-
-def cmd_plan(args) -> int:
-    from .architectures import model_shape
-    from .presets import current_gpu_props, detect_preset, get_preset
-
-    gpu = current_gpu_props()
-    preset = get_preset(args.preset) if args.preset else detect_preset(gpu)
-    overrides = {k: getattr(args, k) for k in _PLAN_KEYS if getattr(args, k) is not None}
-    shape = model_shape(args.model or preset.architecture)
-    plan = preset.plan(shape=shape, **overrides)
+    spec = resolve_run_spec(train_flags, for_plan=True)
+    preset, gpu = spec.preset, current_gpu_props()
+    plan = spec.plan()
     if args.gpu_mem_gib is not None:
         gpu_bytes, where = int(args.gpu_mem_gib * GIB), "--gpu-mem-gib"
     elif gpu is not None and preset.is_gpu:
         gpu_bytes, where = gpu.total_memory, gpu.name
     else:
         gpu_bytes, where = int(preset.min_gpu_mem_gib * GIB), f"{preset.name}'s minimum"
-    inp = plan.inputs
-    print(f"preset {preset.name}, model {shape.name} ({shape.n_params / 1e9:.2f}B params, L={shape.layers} "
-          f"H={shape.hidden} V={shape.vocab}), {inp['dtype']}{'+nf4' if inp['quantization'] == '4bit' else ''}, "
-          f"LoRA r={inp['lora_r'] or 'full'}, {inp['per_device_batch']} x ({inp['max_prompt_length']} + "
-          f"{inp['max_completion_length']}) tokens, G={inp['num_generations']}")
+    inp, shape = plan.inputs, plan.shape
+    print(f"preset {preset.name} ({spec.preset_why}), model {shape.name} ({shape.n_params / 1e9:.2f}B params, "
+          f"L={shape.layers} H={shape.hidden} V={shape.vocab}), {inp['dtype']}"
+          f"{'+nf4' if inp['quantization'] == '4bit' else ''}, LoRA r={inp['lora_r'] or 'full'}, "
+          f"{inp['per_device_train_batch_size']} x ({inp['max_prompt_length']} + {inp['max_completion_length']}) "
+          f"tokens, G={inp['num_generations']}")
     print(plan.format())
-    if not preset.is_gpu and args.gpu_mem_gib is None:
+    planned_gpu = preset.is_gpu or args.gpu_mem_gib is not None
+    failures = run_checks(spec, model_config(spec, prefer_named=True), preset.max_prompt_length,
+                          gpu_bytes if planned_gpu else None)
+    if not planned_gpu:
         print("CPU preset: the peak is host RAM beyond the Python interpreter; no GPU verdict.")
-        return 0
-    verdict = plan.verdict(gpu_bytes)
-    print(f"GPU memory: {gpu_bytes / GIB:.1f} GiB ({where})")
-    print(verdict)
-    if verdict.fits and inp["use_vllm"]:
-        frac = vllm_memory_fraction(plan, gpu_bytes)
-        print(f"vLLM gpu_memory_utilization {frac:.3f}: KV cache for {kv_cache_sequences(plan, gpu_bytes)} "
-              f"full-length sequences at once (of {inp['num_generations']} per prompt)")
-    return 0 if verdict.fits else 1
+    else:
+        verdict = plan.verdict(gpu_bytes)
+        print(f"GPU memory: {gpu_bytes / GIB:.1f} GiB ({where})")
+        print(verdict)
+        if verdict.fits and inp["use_vllm"]:
+            frac = vllm_memory_fraction(plan, gpu_bytes)
+            print(f"vLLM gpu_memory_utilization {frac:.3f}: KV cache for {kv_cache_sequences(plan, gpu_bytes)} "
+                  f"full-length sequences at once (of {inp['num_generations']} per prompt)")
+    for failure in failures:
+        if not failure.startswith("memory:"):
+            print(f"check failed: {failure}")
+    return 1 if failures else 0
 
 
 # subcommand -> (help, add_arguments, handler); train / report register here
@@ -114,7 +102,8 @@ def cmd_report(args) -> int:
 
 COMMANDS: dict[str, tuple[str, Callable | None, Callable]] = {
     "presets": ("list the GPU presets with the planner's predicted peak", None, cmd_presets),
-    "plan": ("predict the memory of a preset (and overrides); exit 1 when it does not fit", add_plan_args, cmd_plan),
+    "plan": ("plan a run (launch/train.py's flags): memory and start-up checks; exit 1 when it cannot run",
+             add_plan_args, cmd_plan),
     "report": ("render a run's PNGs (reward, rewards, completion length, memory per phase)", add_report_args,
                cmd_report),
 }
@@ -132,11 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from .errors import UserError
+
+    args, rest = build_parser().parse_known_args(argv)
     try:
+        if args.command == "plan":
+            return cmd_plan(args, rest)
+        if rest:
+            build_parser().parse_args(argv)  # argparse's own message for unknown arguments, exit 2
         return args.handler(args)
-    except (ValueError, KeyError, FileNotFoundError) as exc:  # named-fix errors from presets / architectures
-        print(f"grpo-accel {args.command}: {exc}", file=sys.stderr)
+    except UserError as exc:  # named-fix errors; anything else is a bug and keeps its traceback
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
 

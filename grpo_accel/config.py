@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-LOGPROB_IMPLS = ("trl", "chunked", "triton", "auto")
+from .errors import ConfigError
+from .memory import LOGPROB_IMPLS
 
 
 @dataclass
@@ -59,15 +60,16 @@ class GRPOAccelConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._check_numbers()  # before TRL's own checks, which name its internals rather than the flag
         if self.logprob_impl not in LOGPROB_IMPLS:
-            raise ValueError(f"logprob_impl={self.logprob_impl!r} is not one of {LOGPROB_IMPLS}. Fix: pick one of them.")
+            raise ConfigError(f"--logprob_impl {self.logprob_impl} is not one of {', '.join(LOGPROB_IMPLS)}.")
         for name in ("logprob_mini_batch", "logprob_chunk_size", "logprob_vocab_tile", "logprob_token_budget"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be a positive integer or None (automatic).")
+                raise ConfigError(f"--{name} {value} must be a positive integer (or unset: automatic).")
         normalized = str(self.offload_activations).lower()
         if normalized not in ("true", "false", "auto"):
-            raise ValueError(f"offload_activations={self.offload_activations!r}: use true, false or auto.")
+            raise ConfigError(f"--offload_activations {self.offload_activations}: use true, false or auto.")
         self.offload_activations = normalized
         if self.bf16 is None and not self.fp16:
             # TRL defaults to bf16 mixed precision, which HF refuses without a bf16 GPU unless use_cpu is set:
@@ -76,3 +78,31 @@ class GRPOAccelConfig(GRPOConfig):
 
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         super().__post_init__()
+
+    def _check_numbers(self) -> None:
+        """Each numeric flag that cannot work, named as the user typed it, with the fix."""
+        for name, low in (("max_completion_length", 1), ("per_device_train_batch_size", 1),
+                          ("gradient_accumulation_steps", 1), ("num_generations", 2), ("logging_steps", 1),
+                          ("save_steps", 1), ("max_nonfinite_steps", 1)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                why = " (GRPO compares each completion with the others of its prompt)" if name == "num_generations" else ""
+                raise ConfigError(f"--{name} {value} must be ≥ {low}{why}. Fix: --{name} {max(low, 2 if name == 'num_generations' else 1)} or more.")
+        if self.temperature is not None and self.temperature <= 0:
+            raise ConfigError(f"--temperature {self.temperature} must be > 0 (GRPO samples). Fix: --temperature 0.7 to 1.0.")
+        if self.learning_rate < 0:
+            raise ConfigError(f"--learning_rate {self.learning_rate} must be ≥ 0. Fix: e.g. --learning_rate 1e-5.")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"--max_steps {self.max_steps}: give the number of steps (or -1 for num_train_epochs).")
+        import os
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.generation_batch_size is None and self.steps_per_generation is None:
+            batch = self.per_device_train_batch_size * world * self.gradient_accumulation_steps
+            if batch % self.num_generations:
+                ok = [g for g in range(2, batch + 1) if batch % g == 0]
+                raise ConfigError(
+                    f"--num_generations {self.num_generations} must divide the {batch} completions of one generation "
+                    f"batch (--per_device_train_batch_size {self.per_device_train_batch_size} x {world} process(es) x "
+                    f"--gradient_accumulation_steps {self.gradient_accumulation_steps}). Fix: --num_generations "
+                    f"{' or '.join(map(str, ok[-3:])) or 2}, or a batch that is a multiple of {self.num_generations}.")

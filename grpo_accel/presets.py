@@ -18,12 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .architectures import model_shape
-from .memory import GIB, MemoryPlan, plan_memory, vllm_memory_fraction
+from .errors import UserError
+from .memory import GIB, MemoryPlan, engine_shares_weights, plan_memory
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
 
 
-class PresetError(ValueError):
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+class PresetError(UserError, ValueError):
     """A preset that cannot run here; the message names the preset to use instead."""
 
 
@@ -51,12 +55,13 @@ class Preset:
     logprob_chunk_size: int | None  # None = chosen from free memory
     offload_activations: bool
     use_vllm: bool
-    vllm_shares_weights: bool
-    vllm_gpu_memory_utilization: float | None  # None = vllm_memory_fraction(planner, this GPU)
+    vllm_share_weights: bool
     deepspeed_stage: int  # 0 = no DeepSpeed
     offload_optimizer: bool
     offload_params: bool
     yaml: str  # accelerate config file name in accelerate_configs/
+    recipe: dict  # the training recipe: GRPOConfig fields (learning rate, steps, sampling, saving)
+    model_init_kwargs: dict  # passed to from_pretrained: rope scaling past the native context, attention kernel
 
     @property
     def yaml_path(self) -> Path:
@@ -70,30 +75,38 @@ class Preset:
     def precision(self) -> str:
         return self.dtype + ("+nf4" if self.quantization == "4bit" else "")
 
-    def plan(self, **overrides) -> MemoryPlan:
-        """The planner's prediction for one process of this preset (overrides: any plan_memory argument)."""
-        kw = dict(
-            dtype=self.dtype, quantization=self.quantization, lora_r=self.lora_r,
-            num_generations=self.num_generations, max_prompt_length=self.max_prompt_length,
-            max_completion_length=self.max_completion_length, per_device_batch=self.per_device_train_batch_size,
-            gradient_checkpointing=self.gradient_checkpointing, offload_activations=self.offload_activations,
-            logprob_impl=self.logprob_impl, logprob_chunk_tokens=self.logprob_chunk_size, use_vllm=self.use_vllm,
-            vllm_shares_weights=self.vllm_shares_weights, deepspeed_stage=self.deepspeed_stage,
-            num_processes=self.num_processes, offload_optimizer=self.offload_optimizer,
-            offload_params=self.offload_params, device="cuda" if self.is_gpu else "cpu",
-        )
-        shape = overrides.pop("shape", None) or model_shape(self.architecture)
-        return plan_memory(shape, **{**kw, **overrides})
+    def plan(self, fields: dict | None = None, **overrides) -> MemoryPlan:
+        """The planner's prediction for one process of this preset run with `fields` (flag names, e.g. a resolved
+        run's) over the preset's own values; `overrides`: plan_memory arguments (shape=, vllm_kv_seqs=, ...)."""
+        f = {**self.training_overrides(), **(fields or {})}
+        shape = overrides.pop("shape", None) or model_shape(self.architecture if f["model"] == self.model else f["model"])
+        return plan_memory(shape, **{**self.plan_inputs(f), **overrides})
 
-    def vllm_fraction(self, gpu_bytes: int) -> float | None:
-        """vLLM's gpu_memory_utilization on a GPU of gpu_bytes: the preset's value, else the planner's."""
-        if not self.use_vllm:
-            return None
-        return self.vllm_gpu_memory_utilization or vllm_memory_fraction(self.plan(), gpu_bytes)
+    def plan_inputs(self, f: dict) -> dict:
+        """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names): the one mapping."""
+        cuda = self.is_gpu
+        offload = str(f["offload_activations"]).lower()
+        return dict(
+            dtype=DTYPE_SHORT[f["model_dtype"]], quantization=f["quantization"], lora_r=f["lora_r"],
+            num_generations=f["num_generations"], max_prompt_length=self.max_prompt_length,
+            max_completion_length=f["max_completion_length"],
+            per_device_train_batch_size=f["per_device_train_batch_size"],
+            gradient_checkpointing=bool(f["gradient_checkpointing"]),
+            offload_activations=offload == "true" or (offload == "auto" and cuda and bool(f["gradient_checkpointing"])),
+            logprob_impl=f["logprob_impl"], logprob_chunk_size=f["logprob_chunk_size"], use_vllm=bool(f["use_vllm"]),
+            vllm_share_weights=engine_shares_weights(f["use_vllm"], f["lora_r"], f["quantization"],
+                                                     f.get("vllm_share_weights", True)),
+            # vLLM needs one full-length sequence of KV cache to start; what is left over goes to more of them
+            vllm_kv_seqs=1, vllm_sleep=bool(f["use_vllm"] and f["lora_r"] == 0 and cuda),
+            deepspeed_stage=self.deepspeed_stage, num_processes=int(os.environ.get("WORLD_SIZE", self.num_processes)),
+            offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
+            device="cuda" if cuda else "cpu")
 
     def training_overrides(self) -> dict:
-        """Values for launch/train.py: GRPOAccelConfig / ScriptArguments field names (plus `quantization`)."""
+        """Every value this preset sets, in GRPOAccelConfig / ScriptArguments field names: a complete override
+        (the recipe, the model and how to load it, LoRA, lengths, memory savers)."""
         return dict(
+            **self.recipe, model_init_kwargs=dict(self.model_init_kwargs) or None,
             model=self.model, model_dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.dtype],
             quantization=self.quantization, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
             bf16=self.dtype == "bf16", fp16=self.dtype == "fp16", max_completion_length=self.max_completion_length,
@@ -101,15 +114,30 @@ class Preset:
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             gradient_checkpointing=self.gradient_checkpointing, logprob_impl=self.logprob_impl,
             logprob_chunk_size=self.logprob_chunk_size, offload_activations=str(self.offload_activations).lower(),
-            use_vllm=self.use_vllm, vllm_mode="colocate",
+            use_vllm=self.use_vllm, vllm_mode="colocate", vllm_share_weights=self.vllm_share_weights,
         )
 
 
 _CPU, _BF16, _FP16 = (0, 0), (8, 0), (7, 5)
+# The CPU demo's recipe (DESIGN.md: measured with plain TRL on 2 cores); the cpu presets alone use it.
+DEMO_RECIPE = dict(
+    learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, temperature=0.7, max_steps=60,
+    logging_steps=1, save_steps=20, save_total_limit=2, report_to="none", seed=42, disable_tqdm=False,
+)
+# GPU presets: a GRPO LoRA recipe in the range Unsloth's and TRL's GRPO examples use (lr 5e-6 to 1e-5, cosine,
+# short warm-up, temperature 1.0 for diverse samples); a starting point, every field a flag.
+GPU_RECIPE = dict(
+    learning_rate=1e-5, lr_scheduler_type="cosine", warmup_steps=0.05, beta=0.0, temperature=1.0, max_steps=500,
+    logging_steps=1, save_steps=50, save_total_limit=3, report_to="none", seed=42, disable_tqdm=False,
+)
+# Qwen3 past its native 32K: YaRN, factor 4 over 32,768 positions = 131,072 tokens (the model card's setting).
+QWEN3_YARN = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                                  "rope_theta": 1000000.0}}
 _COMMON = dict(quantization="none", lora_r=16, lora_alpha=32, max_prompt_length=512, gradient_checkpointing=True,
                logprob_impl="auto", logprob_chunk_size=None, offload_activations=False, use_vllm=True,
-               vllm_shares_weights=True, vllm_gpu_memory_utilization=None, deepspeed_stage=0,
-               offload_optimizer=False, offload_params=False, num_processes=1, gradient_accumulation_steps=1)
+               vllm_share_weights=True, deepspeed_stage=0,
+               offload_optimizer=False, offload_params=False, num_processes=1, gradient_accumulation_steps=1,
+               recipe=GPU_RECIPE, model_init_kwargs={})
 
 
 def _p(**kw) -> Preset:
@@ -119,16 +147,20 @@ def _p(**kw) -> Preset:
 _TINY = dict(target_gpu="none (CPU, 2 processes over gloo)", min_gpu_mem_gib=0, min_compute_capability=_CPU,
              num_processes=2, model="tiny-llama", architecture="tiny-llama", dtype="fp32", lora_r=0, lora_alpha=0,
              max_prompt_length=64, max_completion_length=16, num_generations=4, per_device_train_batch_size=4,
-             gradient_checkpointing=False, use_vllm=False, vllm_shares_weights=False)
+             gradient_checkpointing=False, use_vllm=False, vllm_share_weights=False, recipe=DEMO_RECIPE)
 _8B_FULL = dict(min_gpu_mem_gib=75, min_compute_capability=_BF16, num_processes=8, dtype="bf16", lora_r=0,
-                lora_alpha=0, vllm_shares_weights=False, num_generations=8, per_device_train_batch_size=1,
+                lora_alpha=0, vllm_share_weights=False, num_generations=8, per_device_train_batch_size=1,
                 gradient_accumulation_steps=8, offload_activations=True)
+# Colocated vLLM under ZeRO-3 would gather the whole model on every rank to push it (vllm_setup refuses it):
+# those presets generate with transformers' generate() (or a vLLM server, vllm_mode="server").
+_ZERO3 = dict(deepspeed_stage=3, use_vllm=False)
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p(name="cpu", description="The demo: SmolLM2-135M-Instruct LoRA in fp32 on CPU, short completions",
        target_gpu="none (CPU)", min_gpu_mem_gib=0, min_compute_capability=_CPU, model="smollm2-135m-instruct",
        architecture="smollm2-135m", dtype="fp32", max_prompt_length=64, max_completion_length=40,
-       num_generations=8, per_device_train_batch_size=16, gradient_checkpointing=False, use_vllm=False),
+       num_generations=8, per_device_train_batch_size=16, gradient_checkpointing=False, use_vllm=False,
+       recipe=DEMO_RECIPE),
     _p(name="cpu_zero2", description="Tiny random model, full fine-tune, DeepSpeed ZeRO-2 over gloo (tests)",
        deepspeed_stage=2, **_TINY),
     _p(name="cpu_zero3", description="Tiny random model, full fine-tune, DeepSpeed ZeRO-3 over gloo (tests)",
@@ -157,15 +189,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        "scaling, factor 4, past 32K)", target_gpu="NVIDIA H100 80GB", min_gpu_mem_gib=75,
        min_compute_capability=_BF16, model="Qwen/Qwen3-8B", architecture="qwen3-8b", dtype="bf16",
        quantization="4bit", max_completion_length=110_000, num_generations=8, per_device_train_batch_size=1,
-       gradient_accumulation_steps=8, offload_activations=True),
+       gradient_accumulation_steps=8, offload_activations=True, vllm_share_weights=False,
+       model_init_kwargs=QWEN3_YARN),
     _p(name="h200_200k", description="7B bf16 LoRA, 200K-token completions (Qwen2.5-7B-Instruct-1M: 1M context)",
        target_gpu="NVIDIA H200 141GB", min_gpu_mem_gib=130, min_compute_capability=_BF16,
-       model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b", dtype="bf16",
+       model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b-1m", dtype="bf16",
        max_completion_length=200_000, num_generations=8, per_device_train_batch_size=1,
        gradient_accumulation_steps=8, offload_activations=True),
     _p(name="b200_380k", description="7B long-context bf16 LoRA, 380K-token completions (Qwen2.5-7B-Instruct-1M)",
        target_gpu="NVIDIA B200 192GB", min_gpu_mem_gib=175, min_compute_capability=_BF16,
-       model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b", dtype="bf16",
+       model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b-1m", dtype="bf16",
        max_completion_length=380_000, num_generations=8, per_device_train_batch_size=1,
        gradient_accumulation_steps=8, offload_activations=True),
     _p(name="8xh100_zero2", description="7B full fine-tune, bf16, ZeRO-2 on 8 GPUs, 16K-token completions",
@@ -173,15 +206,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        max_completion_length=16384, deepspeed_stage=2, **_8B_FULL),
     _p(name="8xh100_zero3", description="8B full fine-tune, bf16, ZeRO-3 on 8 GPUs, 32K-token completions",
        target_gpu="8x NVIDIA H100 80GB", model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b",
-       max_completion_length=32768, deepspeed_stage=3, **_8B_FULL),
+       max_completion_length=32768, **_ZERO3, **_8B_FULL),
     _p(name="8xh100_zero3_offload", description="8B full fine-tune, ZeRO-3 with optimizer + parameter offload "
        "to CPU, 64K-token completions (YaRN past 32K)", target_gpu="8x NVIDIA H100 80GB", model="Qwen/Qwen3-8B",
-       architecture="qwen3-8b", max_completion_length=65536, deepspeed_stage=3, offload_optimizer=True,
-       offload_params=True, **_8B_FULL),
+       architecture="qwen3-8b", max_completion_length=65536, offload_optimizer=True, offload_params=True,
+       model_init_kwargs=QWEN3_YARN, **_ZERO3, **_8B_FULL),
     _p(name="multinode_zero3", description="Template: 2 nodes x 8 GPUs, 8B full fine-tune, ZeRO-3 (set the "
        "address and machine_rank in the YAML)", target_gpu="2 nodes x 8 NVIDIA H100 80GB",
        model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b", max_completion_length=32768,
-       deepspeed_stage=3, **{**_8B_FULL, "num_processes": 16}),
+       **_ZERO3, **{**_8B_FULL, "num_processes": 16}),
 ]}
 
 

@@ -17,6 +17,8 @@ import math
 import re
 from fractions import Fraction
 
+from .errors import UserError
+
 _NUM = r"-?\$?\s?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?"
 _STRICT_PATTERNS = [
     re.compile(r"\\boxed\{\s*(" + _NUM + r")[^}]*\}"),
@@ -96,12 +98,16 @@ def resolve_rewards(spec: str) -> list:
             continue
         module, _, attr = name.partition(":")
         try:
-            funcs.append(getattr(importlib.import_module(module), attr))
+            func = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError, ValueError) as exc:
             raise RewardFunctionError(
                 f"reward {name!r} is neither built in ({', '.join(REWARDS)}) nor an importable "
                 f"'module:function' ({type(exc).__name__}: {exc}). Fix: check the name and PYTHONPATH."
             ) from exc
+        if not callable(func):
+            raise RewardFunctionError(f"reward {name!r} is a {type(func).__name__}, not a function. Fix: point "
+                                      f"--rewards at a function (prompts, completions, **columns) -> list of floats.")
+        funcs.append(func)
     if not funcs:
         raise RewardFunctionError(f"no reward functions in {spec!r}. Fix: e.g. --rewards correctness,format")
     return funcs
@@ -116,17 +122,25 @@ def accuracy(texts: list[str], answers: list[str]) -> dict[str, float]:
     }
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(UserError, RuntimeError):
     pass
 
 
-def guarded(func):
+# A reward that returns None for a whole batch this many times in a row is broken, not "not applicable"
+# (with several rewards a batch may legitimately hold no row for one of them); the only reward: at once.
+ALL_NONE_BATCHES = 3
+
+
+def guarded(func, sole: bool = False):
     """Wrap a reward function so its failures are loud and named, never a silent 0.
 
     Raises RewardFunctionError naming the function when it raises, returns the wrong number of
-    rewards, or returns NaN/inf. None entries are allowed (TRL treats them as "not applicable").
+    rewards, or returns NaN/inf. None entries are allowed (TRL treats them as "not applicable"), but None for
+    every completion of a batch (`sole`: the run's only reward; else ALL_NONE_BATCHES batches in a row) would
+    train on a blank column and raises.
     """
     name = getattr(func, "__name__", type(func).__name__)
+    all_none = [0]
 
     @functools.wraps(func)
     def wrapper(prompts, completions, **kwargs):
@@ -143,6 +157,12 @@ def guarded(func):
                 f"reward function {name!r} returned {got} rewards for {len(completions)} completions. "
                 f"Fix: return one float (or None) per completion."
             )
+        all_none[0] = all_none[0] + 1 if all(r is None for r in rewards) else 0
+        if all_none[0] >= (1 if sole else ALL_NONE_BATCHES):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned None for every completion ({all_none[0]} batch(es) in a row): "
+                f"the run would train on a blank reward. Fix: return a float per completion (None only for rows "
+                f"the reward does not apply to).")
         bad = [r for r in rewards if r is not None and not math.isfinite(float(r))]
         if bad:
             raise RewardFunctionError(

@@ -10,52 +10,16 @@ import errno
 import os
 import sys
 import time
-from dataclasses import asdict
 
 import torch
-import yaml
 
 from .console import log
-from .data import DatasetError, prompt_lengths, train_eval_datasets
+from .data import prompt_lengths, train_eval_datasets
+from .errors import ConfigError, UserError
 from .guards import NonFiniteStepsError
-from .models import ModelLoadError, load_model, load_tokenizer, resolve_model_path
+from .models import ModelLoadError, load_model, load_tokenizer
 from .report import plot_reward_curve, step_rows, write_json, write_metrics_csv
-from .rewards import RewardFunctionError, resolve_rewards
-
-from .presets import PresetError
-
-USER_ERRORS = (PresetError, ModelLoadError, NonFiniteStepsError, DatasetError, RewardFunctionError, FileNotFoundError, PermissionError)
-
-
-def choose_preset(cli_preset: str | None):
-    """The preset (--preset, else the launching YAML's, else the detected GPU's), checked against this GPU
-    before any weights load."""
-    from .presets import check_preset_fits_gpu, select_preset
-
-    preset, why = select_preset(cli_preset)
-    log(f"preset {preset.name}: {why}")
-    check_preset_fits_gpu(preset)
-    return preset
-
-
-def check_plan_fits(script_args, config) -> None:
-    """Refuse, before loading weights, a run the planner says cannot fit this GPU; names the fix."""
-    import torch
-
-    from .architectures import model_shape
-    from .presets import get_preset
-
-    if not torch.cuda.is_available():
-        return
-    preset = get_preset(script_args.preset)
-    shape = model_shape(preset.architecture if script_args.model == preset.model else script_args.model)
-    plan = preset.plan(shape=shape, max_completion_length=config.max_completion_length,
-                       num_generations=config.num_generations,
-                       per_device_batch=config.per_device_train_batch_size, lora_r=script_args.lora_r)
-    verdict = plan.verdict(torch.cuda.get_device_properties(0).total_memory)
-    log(f"memory plan: {plan.peak_gib:.1f} GiB predicted peak per GPU — {verdict}")
-    if not verdict.fits:
-        raise PresetError(f"this run does not fit: {verdict}")
+from .rewards import resolve_rewards
 
 
 def configure_tracking(config) -> None:
@@ -98,8 +62,8 @@ def latest_complete_checkpoint(output_dir: str) -> str:
             return path
         except (OSError, ValueError):
             log(f"skipping incomplete checkpoint {path} (interrupted save)")
-    raise FileNotFoundError(f"no complete checkpoint in {output_dir}. Fix: start without "
-                            f"--resume_from_checkpoint, or point --output_dir at the run to continue.")
+    raise ConfigError(f"no complete checkpoint in {output_dir}. Fix: start without "
+                      f"--resume_from_checkpoint, or point --output_dir at the run to continue.")
 
 
 def check_output_dir(path: str) -> None:
@@ -107,8 +71,38 @@ def check_output_dir(path: str) -> None:
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise PermissionError(f"output directory {path!r} is not writable (checked {parent}). Fix: pass a "
-                              f"writable --output_dir.")
+        raise ConfigError(f"output directory {path!r} is not writable (checked {parent}). Fix: pass a "
+                          f"writable --output_dir.")
+
+
+RUN_MARKERS = ("resolved_config.json", "metrics.csv", "summary.json", "final")
+
+
+def holds_a_run(path: str) -> bool:
+    """A directory an earlier run wrote into: its resolved config, artifacts or checkpoints."""
+    if not os.path.isdir(path):
+        return False
+    return any(n in RUN_MARKERS or n.startswith("checkpoint-") for n in os.listdir(path))
+
+
+def check_run_dir(path: str, resume, overwrite: bool) -> None:
+    """A new run into a directory that holds one would mix its checkpoints with the old run's, and a later
+    `--resume_from_checkpoint latest` would resume the wrong one: refuse, naming the three ways out."""
+    if resume or overwrite or not holds_a_run(path):
+        return
+    raise ConfigError(f"{path} already holds a run. Fix: --resume_from_checkpoint latest to continue it, a new "
+                      f"--run_name (or --output_dir), or --overwrite_output_dir true to replace it.")
+
+
+def clear_run_dir(path: str) -> None:
+    """--overwrite_output_dir: remove the earlier run's files (only what a run writes, never other files)."""
+    import shutil
+
+    for name in os.listdir(path):
+        if name in RUN_MARKERS or name.startswith(("checkpoint-", "heldout_", "reward_curve", "wandb")):
+            target = os.path.join(path, name)
+            shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+    log(f"--overwrite_output_dir: removed the earlier run in {path}")
 
 
 def settle_lora_alpha(script_args) -> None:
@@ -143,17 +137,6 @@ def check_lora_targets(model, script_args) -> None:
                              f"with some of {sorted(linear - {'lm_head'})}, or all-linear.")
 
 
-def check_context(model_config, tokenizer, dataset, max_completion_length: int) -> int:
-    """A prompt + completion longer than the model's context fails deep inside generation; say so up front.
-    Returns the longest prompt's tokens (the colocated engine's max_model_len is sized from it)."""
-    longest, index = max((n, i) for i, n in enumerate(prompt_lengths(tokenizer, dataset["prompt"])))
-    limit = getattr(model_config.get_text_config(), "max_position_embeddings", None)
-    if limit and longest + max_completion_length > limit:
-        raise DatasetError(f"prompt {index + 1} has {longest} tokens; with --max_completion_length "
-                           f"{max_completion_length} that exceeds the model's context of {limit} tokens. Fix: lower "
-                           f"--max_completion_length to {max(limit - longest, 0)} or drop the long prompts.")
-
-
 def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
     from .evaluate import evaluate
     from .head import zero3_gather_ctx
@@ -170,44 +153,61 @@ def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
     return acc, records
 
 
-def load_training_model(script_args, config, tokenizer, train_ds):
-    """(model, colocated engine or None), the prompts checked against the model's context. With colocated vLLM and
-    a bf16/fp32 model the engine loads the checkpoint and the training model is built around its weights, so no
-    second copy exists even while loading."""
+def load_training_model(spec, tokenizer, longest_prompt: int):
+    """(model, colocated engine or None). With colocated vLLM and a bf16/fp32 model the engine loads the checkpoint
+    and the training model is built around its weights, so no second copy exists even while loading."""
     from .models import TINY_CONFIGS
     from .vllm_setup import fallback_reason, start_colocated_engine
 
+    script, config = spec.script, spec.config
+    init_kwargs = {k: v for k, v in (config.model_init_kwargs or {}).items() if k not in ("dtype", "device_map")}
     colocate = config.use_vllm and config.vllm_mode == "colocate"
-    if colocate and script_args.quantization == "none" and script_args.model not in TINY_CONFIGS:
-        if fallback_reason(script_args.model, config) is None:
-            from transformers import AutoConfig
-
-            # Before the engine loads anything: a too-long prompt should fail in a second, not after start-up.
-            longest = check_context(AutoConfig.from_pretrained(resolve_model_path(script_args.model)), tokenizer,
-                                    train_ds, config.max_completion_length)
-            engine, model = start_colocated_engine(script_args.model, config, peft_config=lora_config(script_args),
-                                                   longest_prompt=longest,
-                                                   dtype=getattr(torch, script_args.model_dtype))
-            return model, engine
+    if colocate and script.quantization == "none" and script.model not in TINY_CONFIGS:
+        if fallback_reason(script.model, config) is None:
+            return start_colocated_engine(script.model, config, peft_config=lora_config(script),
+                                          longest_prompt=longest_prompt, dtype=getattr(torch, script.model_dtype))
     # Otherwise (no vLLM, a 4-bit or tiny model) the trainer starts an unshared engine or says why it cannot.
-    model, _ = load_model(script_args.model, dtype=script_args.model_dtype, quantization=script_args.quantization)
-    check_context(model.config, tokenizer, train_ds, config.max_completion_length)
+    model, _ = load_model(script.model, dtype=script.model_dtype, quantization=script.quantization, **init_kwargs)
     return model, None
 
 
-def run(script_args, config) -> int:
-    from .trainer import GRPOAccelTrainer
+def train_from_argv(argv: list[str]) -> int:
+    """launch/train.py: resolve the run spec from the flags, then run it."""
+    from .run_spec import resolve_run_spec
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        from .cpu_distributed import prepare_cpu_processes
+
+        prepare_cpu_processes()
+    spec = resolve_run_spec(argv)
+    log(f"preset {spec.preset.name}: {spec.preset_why}")
+    return run(spec)
+
+
+def startup(spec, tokenizer, train_ds) -> int:
+    """Every check that needs no weights, before any load; returns the longest prompt (it sizes the engine)."""
+    from .startup_checks import model_config, raise_on_failure, run_checks
+
+    longest = max(prompt_lengths(tokenizer, train_ds["prompt"]))
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes))
+    if gpu_bytes is not None:
+        log(f"memory plan: {spec.plan().peak_gib:.1f} GiB predicted peak per GPU of {gpu_bytes / 2**30:.0f} GiB")
+    return longest
+
+
+def run(spec) -> int:
+    script_args, config = spec.script, spec.config
     check_output_dir(config.output_dir)
-    settle_lora_alpha(script_args)
-    check_plan_fits(script_args, config)
     resume = config.resume_from_checkpoint
+    check_run_dir(config.output_dir, resume, script_args.overwrite_output_dir)
+    settle_lora_alpha(script_args)
     if resume == "latest":
         resume = latest_complete_checkpoint(config.output_dir)
         log(f"resuming from {resume}")
     elif resume and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
-        raise FileNotFoundError(f"{resume} is not a complete checkpoint (no trainer_state.json). Fix: pass "
-                                f"--resume_from_checkpoint latest, or another checkpoint-N directory.")
+        raise ConfigError(f"{resume} is not a complete checkpoint (no trainer_state.json). Fix: pass "
+                          f"--resume_from_checkpoint latest, or another checkpoint-N directory.")
     reward_funcs = resolve_rewards(script_args.rewards)
     tokenizer = load_tokenizer(script_args.model)
     if not tokenizer.chat_template:
@@ -215,11 +215,30 @@ def run(script_args, config) -> int:
                              f"instruct/chat model, or set tokenizer.chat_template in a local copy.")
     train_ds, eval_ds = train_eval_datasets(script_args.dataset, script_args.train_size, script_args.eval_size,
                                             level=script_args.dataset_level, seed=config.seed)
+    longest_prompt = startup(spec, tokenizer, train_ds)
     log(f"model {script_args.model} ({script_args.model_dtype}), dataset {script_args.dataset}: "
         f"{len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} held-out prompts")
+    if script_args.overwrite_output_dir and not resume and holds_a_run(config.output_dir):
+        clear_run_dir(config.output_dir)
     configure_tracking(config)
+    created = not os.path.isdir(config.output_dir)
+    try:
+        return _train(spec, tokenizer, train_ds, eval_ds, reward_funcs, resume, longest_prompt)
+    except UserError:
+        # A run that fails on the user's input before its first checkpoint leaves nothing behind.
+        if created and os.path.isdir(config.output_dir) and not any(
+                n.startswith("checkpoint-") for n in os.listdir(config.output_dir)):
+            import shutil
 
-    model, engine = load_training_model(script_args, config, tokenizer, train_ds)
+            shutil.rmtree(config.output_dir, ignore_errors=True)
+        raise
+
+
+def _train(spec, tokenizer, train_ds, eval_ds, reward_funcs, resume, longest_prompt) -> int:
+    from .trainer import GRPOAccelTrainer
+
+    script_args, config = spec.script, spec.config
+    model, engine = load_training_model(spec, tokenizer, longest_prompt)
     check_lora_targets(model, script_args)
     trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config, vllm_engine=engine,
                                train_dataset=train_ds, processing_class=tokenizer,
@@ -229,8 +248,7 @@ def run(script_args, config) -> int:
     os.makedirs(config.output_dir, exist_ok=True)
     summary = {"model": script_args.model, "dataset": script_args.dataset, "run_name": config.run_name}
     if is_main:
-        write_json({"script": asdict(script_args), "config": config.to_dict()},
-                   os.path.join(config.output_dir, "resolved_config.json"))
+        write_json(spec.resolved(), os.path.join(config.output_dir, "resolved_config.json"))
 
     if eval_ds is not None and not resume:
         summary["before"], records = _evaluate(trainer.model, tokenizer, eval_ds, script_args, "before")
@@ -273,23 +291,20 @@ def _write_artifacts(output_dir: str, rows: list[dict], summary: dict) -> None:
 
 
 def main_guarded(fn, *args) -> int:
-    """Run `fn`, turning the errors a user can fix into one clear line and exit code 2."""
+    """Run `fn`: an error the user can fix (UserError) becomes one `error:` line and exit code 2; anything else is
+    a bug and keeps its traceback."""
     try:
         return fn(*args)
-    except USER_ERRORS as exc:
+    except UserError as exc:
         print(f"\nerror: {exc}", file=sys.stderr, flush=True)  # newline: a progress bar may be mid-line
-        return 2
-    except yaml.YAMLError as exc:
-        print(f"\nerror: the --config file is not valid YAML: {' '.join(str(exc).split())}. Fix: correct it at "
-              f"that line (keys are GRPOAccelConfig / script flags without the dashes).", file=sys.stderr, flush=True)
         return 2
     except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise
-        print(f"\nerror: disk full while writing {exc.filename or 'the run'}. Fix: free space or pass another "
-              f"--output_dir; files are written via rename, so the previous checkpoint and artifacts are intact, "
-              f"and --resume_from_checkpoint latest skips the interrupted save.", file=sys.stderr, flush=True)
-        return 2
-    except ValueError as exc:  # config validation (ours and TRL's) says what is wrong
-        print(f"\nerror: {exc}", file=sys.stderr, flush=True)  # newline: a progress bar may be mid-line
-        return 2
+        if exc.errno == errno.ENOSPC:
+            print(f"\nerror: disk full while writing {exc.filename or 'the run'}. Fix: free space or pass another "
+                  f"--output_dir; files are written via rename, so the previous checkpoint and artifacts are intact, "
+                  f"and --resume_from_checkpoint latest skips the interrupted save.", file=sys.stderr, flush=True)
+            return 2
+        if isinstance(exc, (FileNotFoundError, PermissionError)) and exc.filename:
+            print(f"\nerror: {exc.strerror}: {exc.filename}. Fix: check that path.", file=sys.stderr, flush=True)
+            return 2
+        raise

@@ -31,6 +31,7 @@ from .packing import (ATTN_NAME, SEGMENTS_KWARG, default_token_budget, enable_pa
                       unpack)
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .guards import DeepSpeedSkipGuard, NonFiniteGuard
+from .learning_signal import LearningSignalWatch
 from .preemption import Preemption
 from .rewards import guarded
 from .telemetry import PhaseTelemetry
@@ -48,7 +49,8 @@ class GRPOAccelTrainer(GRPOTrainer):
         if not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         # Reward models (nn.Module) and hub ids (str) are TRL's business; plain functions get the guard.
-        reward_funcs = [f if isinstance(f, (str, torch.nn.Module)) else guarded(f) for f in reward_funcs]
+        reward_funcs = [f if isinstance(f, (str, torch.nn.Module)) else guarded(f, sole=len(reward_funcs) == 1)
+                        for f in reward_funcs]
         if vllm_engine is None and args is not None and args.use_vllm and args.vllm_mode == "colocate":
             vllm_engine, model = self._start_engine(model, args, kwargs)
         if vllm_engine is not None:
@@ -58,6 +60,8 @@ class GRPOAccelTrainer(GRPOTrainer):
         if vllm_engine is not None:
             args.use_vllm = True
             attach_shared_vllm(self, vllm_engine)
+        self.learning_signal = LearningSignalWatch(self.args.max_completion_length)
+        self.add_callback(self.learning_signal)
         self.telemetry = PhaseTelemetry()
         self.telemetry.wrap_backward(self.accelerator)
         self.add_callback(self.telemetry.callback())

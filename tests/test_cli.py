@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpo_accel.cli import COMMANDS, main
+from grpo_accel.cli import main
 from grpo_accel.presets import PRESETS, get_preset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,15 +36,15 @@ def test_plan_fits_exit_zero(capsys):
 
 
 def test_plan_not_fitting_exits_nonzero_and_names_a_fix(capsys):
-    code = main(["plan", "--preset", "l4_24gb_qlora", "--max-completion-length", "65536", "--gpu-mem-gib", "22"])
+    code = main(["plan", "--preset", "l4_24gb_qlora", "--max_completion_length", "65536", "--gpu-mem-gib", "22"])
     out = capsys.readouterr().out
     assert code == 1
     assert "does not fit" in out and "lower max_completion_length to" in out
 
 
 def test_plan_overrides_model_and_switches(capsys):
-    code = main(["plan", "--preset", "h100_110k", "--model", "llama-3.2-1b", "--no-offload-activations",
-                 "--max-completion-length", "4096", "--gpu-mem-gib", "80"])
+    code = main(["plan", "--preset", "h100_110k", "--model", "llama-3.2-1b", "--offload_activations", "false",
+                 "--max_completion_length", "4096", "--model_init_kwargs", "{}", "--gpu-mem-gib", "80"])
     out = capsys.readouterr().out
     assert code == 0 and "model llama-3.2-1b" in out and "activations_offloaded" not in out
 
@@ -52,10 +52,6 @@ def test_plan_overrides_model_and_switches(capsys):
 def test_plan_bad_preset_is_a_clear_error(capsys):
     assert main(["plan", "--preset", "h100"]) == 2
     assert "valid presets: cpu" in capsys.readouterr().err
-
-
-def test_subcommands_are_registered_in_a_table():
-    assert {"presets", "plan"} <= set(COMMANDS)
 
 
 def test_module_entry_point_exit_code():
@@ -66,3 +62,24 @@ def test_module_entry_point_exit_code():
     bad = subprocess.run([sys.executable, "-m", "grpo_accel.cli", "plan", "--preset", "t4_qlora",
                           "--gpu-mem-gib", "4"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "does not fit" in bad.stdout
+
+
+def test_plan_reads_the_flags_train_reads(capsys):
+    """The flags the old pre-load check ignored change the plan, exactly as they change the run."""
+    from grpo_accel.run_spec import resolve_run_spec
+
+    base = resolve_run_spec(["--preset", "h100_110k"], for_plan=True).plan()
+    for flag, value, term in [("--quantization", "none", "weights"), ("--offload_activations", "false",
+                              "activations_checkpointed"), ("--logprob_impl", "trl", "logprob_workspace"),
+                              ("--per_device_train_batch_size", "2", "activations_checkpointed")]:
+        changed = resolve_run_spec(["--preset", "h100_110k", flag, value], for_plan=True).plan()
+        assert changed.device[term] > base.device[term], flag
+        assert main(["plan", "--preset", "h100_110k", flag, value, "--gpu-mem-gib", "80"]) in (0, 1)
+        assert f"{term}" in capsys.readouterr().out
+    assert changed.inputs["per_device_train_batch_size"] == 2
+
+
+def test_plan_unknown_flag_suggests_the_right_one(capsys):
+    assert main(["plan", "--preset", "cpu", "--max_completion_lenght", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown flag --max_completion_lenght; did you mean --max_completion_length?")

@@ -69,7 +69,7 @@ def test_model_shape_from_local_dir_and_clear_offline_error(tmp_path):
     assert model_shape(str(tmp_path / "config.json")).hidden == 1536
     with pytest.raises(ValueError, match="local directory with config.json"):  # HF_HUB_OFFLINE=1 in conftest
         model_shape("some-org/some-model-that-is-not-here")
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(ValueError, match="config.json"):
         model_shape(str(tmp_path / "missing"))
 
 
@@ -87,7 +87,7 @@ def test_naive_logits_match_design_figure():
     G, T, V = 8, 20480, 128256
     one_fp32_copy = G * T * V * 4
     assert one_fp32_copy / GIB == pytest.approx(78.3, abs=0.1)
-    plan = plan_memory("llama-3.1-8b", dtype="bf16", per_device_batch=G, max_completion_length=T,
+    plan = plan_memory("llama-3.1-8b", dtype="bf16", per_device_train_batch_size=G, max_completion_length=T,
                        logprob_impl="naive")
     assert plan.device["logprob_workspace"] == 3 * one_fp32_copy  # planner: 3 live copies in backward
     fused = plan.replan(logprob_impl="auto").device["logprob_workspace"]
@@ -96,16 +96,16 @@ def test_naive_logits_match_design_figure():
 
 def test_offload_moves_checkpointed_inputs_to_host():
     G, T, L, H = 8, 20480, 32, 4096
-    kw = dict(dtype="bf16", per_device_batch=G, max_prompt_length=0, max_completion_length=T)
+    kw = dict(dtype="bf16", per_device_train_batch_size=G, max_prompt_length=0, max_completion_length=T)
     on = plan_memory("llama-3.1-8b", offload_activations=True, **kw)
     off = plan_memory("llama-3.1-8b", offload_activations=False, **kw)
     assert off.device["activations_checkpointed"] == (L + 1) * G * T * H * 2  # L inputs + the head's input
     assert off.device["activations_checkpointed"] / 1e9 == pytest.approx(43, rel=0.05)  # DESIGN.md's 43 GB
     moved = off.device["activations_checkpointed"] - on.device["activations_checkpointed"]
     assert moved == on.host["activations_offloaded"] == (L + 1 - 2) * G * T * H * 2  # 2 stay for prefetch
-    # the grouped re-run (one 20480-token row at a time instead of 8) saves the rest
+    # the re-run in pieces of 16384 tokens: 20480-token rows one at a time, each in two sequence tiles
     rerun_saved = off.device["recompute_working_set"] - on.device["recompute_working_set"]
-    assert rerun_saved == off.device["recompute_working_set"] * 7 / 8
+    assert rerun_saved > off.device["recompute_working_set"] * 7 / 8
     assert off.peak_bytes - on.peak_bytes == pytest.approx((moved + rerun_saved) * 1.05)  # with fragmentation
 
 
@@ -119,7 +119,7 @@ def test_peak_grows_with_completion_length(preset):
 
 
 def test_zero_sharding_divides_states():
-    kw = dict(dtype="bf16", lora_r=0, per_device_batch=1, max_completion_length=1024)
+    kw = dict(dtype="bf16", lora_r=0, per_device_train_batch_size=1, max_completion_length=1024)
     single = plan_memory("qwen2.5-7b", **kw)
     z1, z2, z3 = (plan_memory("qwen2.5-7b", deepspeed_stage=s, num_processes=8, **kw) for s in (1, 2, 3))
     n = model_shape("qwen2.5-7b").n_params
@@ -144,7 +144,7 @@ def test_lora_states_are_small_and_fp32():
 
 
 def test_verdict_names_fixes_and_bisection_is_tight():
-    plan = plan_memory("qwen3-8b", dtype="bf16", quantization="4bit", lora_r=16, per_device_batch=1,
+    plan = plan_memory("qwen3-8b", dtype="bf16", quantization="4bit", lora_r=16, per_device_train_batch_size=1,
                        max_completion_length=110_000, offload_activations=False, use_vllm=True)
     gpu = int(79.1 * GIB)
     v = plan.verdict(gpu)
@@ -153,7 +153,7 @@ def test_verdict_names_fixes_and_bisection_is_tight():
     assert fix["turn on offload_activations"] and plan.replan(offload_activations=True).verdict(gpu).fits
     t = int(next(text for text in fix if text.startswith("lower max_completion_length")).split()[-1])
     assert plan.replan(max_completion_length=t).peak_bytes <= gpu < plan.replan(max_completion_length=t + 128).peak_bytes
-    bf16 = plan_memory("llama-3.1-8b", dtype="bf16", lora_r=16, per_device_batch=1, max_completion_length=4096)
+    bf16 = plan_memory("llama-3.1-8b", dtype="bf16", lora_r=16, per_device_train_batch_size=1, max_completion_length=4096)
     assert "use a QLoRA preset" in bf16.verdict(12 * GIB).message
     assert bf16.verdict(80 * GIB).fits and "fits" in str(bf16.verdict(80 * GIB))
 
@@ -161,15 +161,15 @@ def test_verdict_names_fixes_and_bisection_is_tight():
 def test_vllm_fraction_leaves_training_its_memory():
     from grpo_accel.presets import get_preset
 
-    p = get_preset("h100_110k")
+    p = get_preset("a100_80gb_bf16")  # LoRA on bf16 weights: the engine shares them
     plan, gpu = p.plan(), int(79.1 * GIB)
     frac = vllm_memory_fraction(plan, gpu)
     assert frac * gpu >= plan.vllm_bytes  # the engine's weights (shared), minimum KV cache and runtime
     assert (1 - frac) * gpu >= plan.peak_bytes - plan.vllm_bytes  # training keeps what it needs
     assert kv_cache_sequences(plan, gpu) >= 1
     with pytest.raises(ValueError, match="does not fit"):
-        vllm_memory_fraction(plan, int(40 * GIB))
-    shared, own = plan, p.plan(vllm_shares_weights=False)
+        vllm_memory_fraction(plan, int(20 * GIB))
+    shared, own = plan, p.plan(vllm_share_weights=False)
     assert own.device["vllm_weights"] == shared.device["weights"] and shared.device["vllm_weights"] == 0
 
 
@@ -178,7 +178,7 @@ def test_planner_mirrors_grouped_recompute():
     from grpo_accel.offload import OffloadConfig
 
     assert RECOMPUTE_TOKENS == OffloadConfig().recompute_tokens
-    kw = dict(num_generations=8, per_device_batch=8, max_prompt_length=64, max_completion_length=8192)
+    kw = dict(num_generations=8, per_device_train_batch_size=8, max_prompt_length=64, max_completion_length=8192)
     whole, grouped = (plan_memory("llama-3.1-8b", offload_activations=o, **kw).device["recompute_working_set"]
                       for o in (False, True))
     assert grouped * 8 == whole  # 8256-token rows: one row per group
@@ -292,7 +292,7 @@ def test_planner_matches_measured_cpu_step():
     rows = []
     for T in (64, 128, 256):
         measured = _measure(B, P, T)
-        predicted = plan_memory("smollm2-135m", dtype="fp32", lora_r=16, per_device_batch=B, max_prompt_length=P,
+        predicted = plan_memory("smollm2-135m", dtype="fp32", lora_r=16, per_device_train_batch_size=B, max_prompt_length=P,
                                 max_completion_length=T, gradient_checkpointing=True, logprob_impl="naive",
                                 device="cpu").peak_bytes
         rows.append((T, measured, predicted))

@@ -127,24 +127,6 @@ def test_deepspeed_config_class_rejects_a_bad_batch():  # the validation above c
         ds_config.DeepSpeedConfig(bad)
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
-def test_preset_is_consistent_and_fits_its_own_minimum(name):
-    p = get_preset(name)
-    # TRL: the generation batch (per-device batch x accumulation x processes) must split into groups of G
-    assert (p.per_device_train_batch_size * p.gradient_accumulation_steps * p.num_processes) % p.num_generations == 0
-    assert p.quantization in ("none", "4bit") and (p.quantization == "none" or p.lora_r > 0)
-    if p.dtype == "bf16":
-        assert tuple(p.min_compute_capability) >= (8, 0)
-    if p.use_vllm and p.lora_r == 0:
-        assert not p.vllm_shares_weights  # full fine-tune changes the base weights vLLM would share
-    if p.is_gpu:
-        gpu_bytes = int(p.min_gpu_mem_gib * GIB)
-        plan = p.plan()
-        assert plan.verdict(gpu_bytes).fits, plan.verdict(gpu_bytes).message
-        if p.use_vllm:
-            assert 0 < p.vllm_fraction(gpu_bytes) < 1
-
-
 @pytest.mark.parametrize("gpu", list(FAKE_GPUS))
 def test_detect_preset_from_fake_gpus(gpu):
     props = FAKE_GPUS[gpu]

@@ -69,9 +69,9 @@ def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
         cfg, why = vs.engine_config(args, hf_config, dtype=torch.bfloat16, lora_r=lora_r, shared=shared,
                                     quantized=False, model_len=512)
         plan = plan_memory(model_shape(hf_config), dtype="bf16", lora_r=lora_r, num_generations=4,
-                           max_prompt_length=472, max_completion_length=40, per_device_batch=8,
+                           max_prompt_length=472, max_completion_length=40, per_device_train_batch_size=8,
                            gradient_checkpointing=bool(args.gradient_checkpointing), use_vllm=True,
-                           vllm_shares_weights=shared, vllm_kv_seqs=8, vllm_sleep=not shared, device="cuda")
+                           vllm_share_weights=shared, vllm_kv_seqs=8, vllm_sleep=not shared, device="cuda")
         assert cfg.memory_fraction == vllm_memory_fraction(plan, 80 * 2**30) != 0.3
         assert cfg.sleep is (not shared) and "memory planner" in why
     # A fraction the user chose is kept.

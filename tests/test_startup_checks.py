@@ -1,0 +1,54 @@
+"""Every shipped preset starts: its weight-free start-up checks pass, and each check can fail.
+
+    OMP_NUM_THREADS=1 pytest tests/test_startup_checks.py
+"""
+
+import pytest
+
+from grpo_accel.memory import GIB
+from grpo_accel.presets import PRESETS
+from grpo_accel.run_spec import resolve_run_spec
+from grpo_accel.startup_checks import context_tokens, model_config, run_checks
+
+
+def failures(argv, gpu_gib=None):
+    spec = resolve_run_spec(argv, for_plan=True)
+    gpu = gpu_gib if gpu_gib is not None else spec.preset.min_gpu_mem_gib
+    return run_checks(spec, model_config(spec, prefer_named=True), spec.preset.max_prompt_length,
+                      int(gpu * GIB) if gpu else None)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_passes_its_startup_checks(name):
+    """Context (rope scaling included), attention mask at the planned length, engine vs the distributed setup,
+    memory on the preset's smallest GPU: a preset that cannot start fails here, not on a rented GPU."""
+    assert failures(["--preset", name]) == []
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--preset", "h100_110k", "--model_init_kwargs", "{}"], r"context: 512 prompt \+ 110000 .* context of 40960"),
+    (["--preset", "h100_110k", "--padding_free", "false"], r"attention mask: .* 11\.4 GiB .* --padding_free true"),
+    (["--preset", "8xh100_zero3", "--use_vllm", "true"], r"colocated vLLM under DeepSpeed ZeRO-3"),
+    (["--preset", "a100_40gb_lora", "--max_completion_length", "120000"], r"memory: this run does not fit"),
+])
+def test_each_check_can_fail(argv, expected):
+    import re
+
+    found = failures(argv)
+    assert any(re.search(expected, f) for f in found), found
+
+
+def test_yarn_rope_scaling_extends_the_context():
+    spec = resolve_run_spec(["--preset", "h100_110k"], for_plan=True)
+    assert context_tokens(model_config(spec, prefer_named=True)) == 131072  # 4 x 32768
+    plain = resolve_run_spec(["--preset", "h100_110k", "--model_init_kwargs", "{}"], for_plan=True)
+    assert context_tokens(model_config(plain, prefer_named=True)) == 40960
+
+
+def test_rope_parameters_without_theta_is_refused():
+    from grpo_accel.errors import UserError
+
+    spec = resolve_run_spec(["--preset", "h100_110k", "--model_init_kwargs",
+                             '{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}'], for_plan=True)
+    with pytest.raises(UserError, match="no rope_theta"):
+        model_config(spec, prefer_named=True)
