@@ -74,6 +74,7 @@ def plot_reward_curve(rows: list[dict], path: str, title: str = "GRPO reward", a
                      f"{accuracy.get('after', float('nan')):.0%}")
     else:
         ax.set_title(title)
+    integer_steps(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.grid(alpha=0.3)
@@ -88,6 +89,17 @@ def write_json(obj, path: str) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
+SERIES_STYLES = ("-", "--", ":", "-.")
+SERIES_MARKERS = ("o", "s", "^", "D", "v", "x")
+
+
+def integer_steps(ax) -> None:
+    """Steps are whole numbers: no 0.5 ticks on a two-step run."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _plot_series(rows, keys: dict[str, str], path: str, title: str, ylabel: str) -> bool:
     import matplotlib
 
@@ -98,9 +110,14 @@ def _plot_series(rows, keys: dict[str, str], path: str, title: str, ylabel: str)
     if not present:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in present.items():
+    for i, (key, label) in enumerate(present.items()):
         pts = [(r["step"], r[key]) for r in rows if key in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", marker=".", label=label)
+        # series often coincide (phases with the same peak): each its own dash, hollow marker and width, drawn
+        # widest first, so a line under another still shows
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=SERIES_STYLES[i % len(SERIES_STYLES)],
+                marker=SERIES_MARKERS[i % len(SERIES_MARKERS)], markerfacecolor="none",
+                lw=max(3.5 - 0.6 * i, 1.0), label=label)
+    integer_steps(ax)
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)

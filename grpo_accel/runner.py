@@ -277,7 +277,35 @@ def _train(spec, tokenizer, train_ds, eval_ds, reward_funcs, resume, longest_pro
     trainer.save_model(os.path.join(config.output_dir, "final"))
     if is_main:
         _write_artifacts(config.output_dir, rows, summary)
+        fix_model_card(config.output_dir, script_args.model)
     return 0
+
+
+def base_model_name(model: str) -> str:
+    """What the model card calls the base model: the hub id, the embedded default's source, or a description."""
+    from .models import DEFAULT_MODEL, TINY_CONFIGS, looks_like_hub_id
+
+    if model in (DEFAULT_MODEL, "default"):
+        return "HuggingFaceTB/SmolLM2-135M-Instruct"
+    if model in TINY_CONFIGS:
+        return f"{model} (random weights, a test model)"
+    return model if looks_like_hub_id(model) else os.path.abspath(model)
+
+
+def fix_model_card(output_dir: str, model: str) -> None:
+    """TRL's card says "fine-tuned version of [None]" for a local or embedded base model: name it, and point the
+    quick-start snippet at the saved adapter."""
+    from .report import atomic_write_text
+
+    name = base_model_name(model)
+    link = f"[{name}](https://huggingface.co/{name})" if " " not in name and not name.startswith("/") else name
+    for card in (os.path.join(output_dir, "README.md"), os.path.join(output_dir, "final", "README.md")):
+        if os.path.isfile(card):
+            with open(card) as f:
+                text = f.read()
+            text = text.replace("[None](https://huggingface.co/None)", link)
+            text = text.replace('model="None"', f'model="{os.path.join(output_dir, "final")}"')
+            atomic_write_text(card, text)
 
 
 def _write_artifacts(output_dir: str, rows: list[dict], summary: dict) -> None:

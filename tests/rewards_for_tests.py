@@ -10,3 +10,19 @@ def length_reward(prompts, completions, **kwargs):
 
 def broken_reward(prompts, completions, **kwargs):
     raise KeyError("solution")
+
+
+def none_reward(prompts, completions, **kwargs):
+    """'Does not apply' to every completion: a run on it alone would train on a blank reward."""
+    return [None] * len(completions)
+
+
+def wrong_count_reward(prompts, completions, **kwargs):
+    return [0.0]
+
+
+def nan_reward(prompts, completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+
+NOT_CALLABLE = 3
