@@ -25,7 +25,7 @@ setup: $(STAMP)
 
 demo: setup
 	$(PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
-	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml \
+	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch -q --config_file accelerate_configs/cpu.yaml \
 		launch/train.py --run_name $(RUN) $(DEMO_ARGS)
 
 test: setup
