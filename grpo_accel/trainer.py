@@ -32,6 +32,7 @@ from .packing import (ATTN_NAME, SEGMENTS_KWARG, default_token_budget, enable_pa
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .guards import DeepSpeedSkipGuard, NonFiniteGuard
 from .learning_signal import LearningSignalWatch
+from .hook_leak import dedupe_input_require_grads
 from .preemption import Preemption
 from .rewards import guarded
 from .telemetry import PhaseTelemetry
@@ -68,6 +69,8 @@ class GRPOAccelTrainer(GRPOTrainer):
         # SIGTERM: finish the step in flight, save, stop (added before the guard, whose no-save on a stop wins).
         self.preemption = Preemption()
         self.add_callback(self.preemption)
+        # TRL re-enables checkpointing around each generate(); transformers then adds an embedding hook each time.
+        dedupe_input_require_grads(self.model)
         # Under DeepSpeed the engine owns the optimizer step and skips non-finite ones itself: count its skips.
         max_bad = getattr(self.args, "max_nonfinite_steps", 3)
         self.nonfinite_guard = (DeepSpeedSkipGuard(max_bad, self.accelerator) if self.is_deepspeed_enabled

@@ -79,6 +79,7 @@ def child(steps: int, out: str, device: str, leak_bytes: int) -> None:
     sys.path.insert(0, HERE)
     from grpo_accel.config import GRPOAccelConfig
     from grpo_accel.data import arithmetic_dataset
+    from grpo_accel.hook_leak import input_embedding_hooks
     from grpo_accel.memory import _rss_bytes
     from grpo_accel.models import load_model
     from grpo_accel.trainer import GRPOAccelTrainer
@@ -87,10 +88,11 @@ def child(steps: int, out: str, device: str, leak_bytes: int) -> None:
     torch.manual_seed(0)
     cuda = device == "cuda"
     samples = {"rss": [], "malloc_in_use": [], "cuda_allocated": []}
-    leaked = []
+    hooks, leaked = [], []
 
     class Sample(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            hooks.append(input_embedding_hooks(model))
             if leak_bytes:  # sensitivity check: a known leak must fail the test (bytes written, so resident)
                 leaked.append(b"\1" * leak_bytes)
             gc.collect()  # cycles freed now, not whenever the collector next runs (~30 ms a step)
@@ -115,7 +117,7 @@ def child(steps: int, out: str, device: str, leak_bytes: int) -> None:
     # that are not a leak but do show in RSS; measured so the report can say how much of the slope it is.
     history = sum(sys.getsizeof(h) + sum(sys.getsizeof(v) for v in h.values()) for h in trainer.state.log_history)
     with open(out, "w") as f:
-        json.dump({"device": device, "samples": samples, "log_history_bytes": history}, f)
+        json.dump({"device": device, "samples": samples, "log_history_bytes": history, "embedding_hooks": hooks}, f)
 
 
 def run_child(tmp_path, steps: int, device: str = "cpu", leak_bytes: int = 0) -> dict:
@@ -139,12 +141,44 @@ def run_child(tmp_path, steps: int, device: str = "cpu", leak_bytes: int = 0) ->
               f" ({report['bound_is']}); first {samples[0] / MIB:.2f} MiB, last {samples[-1] / MIB:.2f} MiB")
     print(f"Trainer.state.log_history (kept by design, in RSS): {data['log_history_bytes'] / MIB:.2f} MiB after "
           f"{steps} steps, {data['log_history_bytes'] / steps * 100 / MIB:.3f} MiB/100 steps")
+    hooks = data["embedding_hooks"]
+    assert min(hooks) == max(hooks), f"forward hooks on the input embeddings grow: {hooks[:3]} ... {hooks[-3:]}"
     return reports
 
 
 def test_fit_slope_recovers_a_line():
     slope, stderr = fit_slope([3.0 + 0.5 * x + (0.1 if x % 2 else -0.1) for x in range(100)])
     assert slope == pytest.approx(0.5, abs=1e-3) and stderr < 1e-2
+
+
+def test_no_forward_hook_per_generation(tmp_path):
+    """TRL turns checkpointing off and on around each generate(); transformers re-registers an input-embedding hook
+    each time and (PEFT-wrapped) never removes it: +2 hooks per step before grpo_accel.hook_leak."""
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+
+    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.data import arithmetic_dataset
+    from grpo_accel.hook_leak import input_embedding_hooks
+    from grpo_accel.models import load_model
+    from grpo_accel.trainer import GRPOAccelTrainer
+    from rewards_for_tests import length_reward
+
+    counts = []
+
+    class Count(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            counts.append(input_embedding_hooks(model))
+
+    model, tokenizer = load_model("tiny-llama")
+    args = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                           max_completion_length=4, report_to="none", max_steps=4, save_strategy="no",
+                           gradient_checkpointing=True, seed=0, disable_tqdm=True)
+    trainer = GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
+                               train_dataset=arithmetic_dataset("train", 16), peft_config=LoraConfig(r=4),
+                               callbacks=[Count()])
+    trainer.train()
+    assert counts == [counts[0]] * 4, counts
 
 
 @pytest.mark.slow
