@@ -9,28 +9,45 @@
     # GPU goal 2: the longest completion that fits, Qwen3-8B QLoRA, G=8 (bisection, one fresh process per probe)
     python benchmarks/bench_step_memory.py --arch qwen3-8b --quant 4bit --num-generations 8 --find-max-t \
         --completion-length 8192 --impls trl ours_head_offload
+    # issue 15, fair baseline: TRL at micro-batch 1 + gradient accumulation + transformers' offload vs ours at
+    # micro-batch 1 (sequence tiles past 16K tokens per row); T=32K both run; then the longest T, Qwen3-8B QLoRA
+    # (the tiled row at 256K needs minutes of attention per probe: --max-t bounds it, --t-step 8192 keeps probes few)
+    python benchmarks/bench_step_memory.py --arch qwen3-8b --quant 4bit --num-generations 8 --completion-length 32768 \
+        --reps 1 --impls trl_tuned ours_mb1
+    python benchmarks/bench_step_memory.py --arch qwen3-8b --quant 4bit --num-generations 8 --find-max-t \
+        --completion-length 32768 --t-step 8192 --max-t 524288 --impls trl_tuned ours_mb1
+    # the seeds' table: Llama-3.1-8B LoRA bf16, 20K context, G=8, peak reserved with weights
+    python benchmarks/bench_step_memory.py --arch llama-3.1-8b --num-generations 8 --prompt-length 512 \
+        --completion-length 19968 --reps 1 --impls trl_tuned ours_mb1 ours_head_offload
 
 Model: a named architecture (`grpo_accel.architectures`) with random weights, bf16 on CUDA / fp32 on CPU, LoRA r=16
 (alpha 32) on all linear layers; `--quant 4bit` loads the decoder linears in NF4 (QLoRA; CUDA + bitsandbytes only:
 a random bf16 checkpoint is saved once under --ckpt-cache and loaded through BitsAndBytesConfig).
-Step: G rows of P prompt + T completion tokens (random ids, all unmasked), random advantages, a fixed
+Step: G rows of P prompt + up to T completion tokens (random ids; completion lengths spread from T/2 to T and
+right-padded with mask 0 as TRL batches them, --equal-lengths for all T), random advantages, a fixed
 `old_per_token_logps` (-log V, so the loss depends on the log-probs instead of being -mean(advantage)), then
 `trainer.compute_loss(model, inputs)` (TRL's `_compute_loss`, the same loss math for every variant) + `backward()`.
 Gradient checkpointing is switched on exactly as `Trainer.train()` does (the trainer's __init__ does not).
 
 Variants (each in a fresh subprocess, so one's allocator state and peak cannot leak into another's):
   trl                TRL 1.16 GRPOTrainer, its defaults: its own fused LM head, checkpointing, no offload
+  trl_tuned          what a long-context TRL user runs: micro-batch 1 + gradient accumulation over the G rows (the
+                     same gradient under loss_type="dapo"), checkpointing with transformers' own offload
+                     (activation_checkpointing_kwargs={"offload": True}: save_on_cpu; absent on transformers 5.17)
   naive              GRPOTrainer whose log-prob hook materializes logits: logits.float().log_softmax(-1).gather()
   ours_offload_only  GRPOAccelTrainer, logprob_impl="trl", offload_activations="true"
   ours_head          GRPOAccelTrainer, logprob_impl="auto", offload_activations="false"
   ours_head_offload  GRPOAccelTrainer, logprob_impl="auto", offload_activations="true"
+  ours_mb1           ours_head_offload at micro-batch 1 + gradient accumulation (rows past 16K tokens in tiles)
 On CPU, offload would be the no-op twin; the offload variants run with GRPO_ACCEL_OFFLOAD_FORCE_COPIES=1 so the real
 stash/copy/restore path runs. Host and device are the same memory there (metric host_is_device=1), so offload
 cannot lower the CPU peak: CPU rows measure overhead and correctness; the memory win is a GPU claim.
 
 Metrics per variant: peak_step_mem_mib = peak during a measured step minus the memory after the model and trainer
-are built (CUDA: torch.cuda.max_memory_allocated; CPU: peak RSS via VmHWM; both through grpo_accel.memory.PhaseMemory),
-max over the measured steps; step_time_ms = median over --reps steps after one warm-up step; loss, entropy (TRL's
+are built, peak_step_mem_with_weights_mib = the same peak with them; CUDA: peak_reserved_mib (and _with_weights)
+from torch.cuda.max_memory_reserved; time_per_token_us = step time / real (unpadded) tokens. Peaks: CUDA
+torch.cuda.max_memory_allocated, CPU peak RSS via VmHWM (both through grpo_accel.memory.PhaseMemory), max over the
+measured steps; step_time_ms = median over --reps steps after one warm-up step; loss, entropy (TRL's
 logged mean) and lora_grad_norm of the first measured step (equal across variants = same computation);
 offloaded_peak_mib = saved-activation bytes the offload stash held on the host (0 without offload).
 CPU workers run with MALLOC_MMAP_THRESHOLD_=131072 (--cpu-mmap-threshold). With glibc's dynamic default the RSS peak
@@ -60,13 +77,16 @@ from results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when ru
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MIB = 1 << 20
-# name -> (trainer, logprob_impl, offload_activations); None = TRL's GRPOTrainer / GRPOConfig untouched
+# name -> (trainer, logprob_impl, offload_activations, micro-batch 1 + gradient accumulation); None = TRL's
+# GRPOTrainer / GRPOConfig untouched
 VARIANTS = {
-    "trl": ("trl", None, None),
-    "naive": ("naive", None, None),
-    "ours_offload_only": ("ours", "trl", "true"),
-    "ours_head": ("ours", "auto", "false"),
-    "ours_head_offload": ("ours", "auto", "true"),
+    "trl": ("trl", None, None, False),
+    "trl_tuned": ("trl_tuned", None, None, True),
+    "naive": ("naive", None, None, False),
+    "ours_offload_only": ("ours", "trl", "true", False),
+    "ours_head": ("ours", "auto", "false", False),
+    "ours_head_offload": ("ours", "auto", "true", False),
+    "ours_mb1": ("ours", "auto", "true", True),
 }
 RESULT_TAG = "RESULT "
 
@@ -136,10 +156,16 @@ def make_trainer(impl, model, G, T, device, outdir):
                     entropies = -(logp_all.exp() * logp_all).sum(-1)
             return logps, entropies, None
 
-    kind, logprob_impl, offload = VARIANTS[impl]
+    kind, logprob_impl, offload, mb1 = VARIANTS[impl]
     cuda = device == "cuda"
-    common = dict(output_dir=outdir, per_device_train_batch_size=G, num_generations=G, max_completion_length=T,
+    # micro-batch 1: G micro-batches of one row, gradient accumulation over them (under TRL's default
+    # loss_type="dapo" the same gradient as one G-row micro-batch: the loss is normalized by the generation batch)
+    batch = dict(per_device_train_batch_size=1, gradient_accumulation_steps=G) if mb1 else dict(
+        per_device_train_batch_size=G)
+    common = dict(output_dir=outdir, **batch, num_generations=G, max_completion_length=T,
                   report_to="none", bf16=cuda, use_cpu=not cuda, seed=0)
+    if kind == "trl_tuned":
+        common.update(tuned_checkpointing(cuda))
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     kwargs = dict(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                   processing_class=synthetic_tokenizer(), train_dataset=Dataset.from_dict({"prompt": ["x"] * G}),
@@ -149,6 +175,21 @@ def make_trainer(impl, model, G, T, device, outdir):
         args = GRPOAccelConfig(**common, logprob_impl=logprob_impl, offload_activations=offload)
         return GRPOAccelTrainer(args=args, **kwargs)
     return (NaiveLogitsTrainer if kind == "naive" else GRPOTrainer)(args=GRPOConfig(**common), **kwargs)
+
+
+def tuned_checkpointing(cuda: bool) -> dict:
+    """What a long-context TRL user sets: checkpointing with transformers' own offload of each checkpoint's input
+    (`activation_checkpointing_kwargs={"offload": True}`: torch's save_on_cpu, synchronous copies) on 5.2x;
+    transformers 5.17 (the GPU machine's) has only `gradient_checkpointing_kwargs` and no offload; on CPU there is
+    nothing to offload to (save_on_cpu pins memory, which needs an accelerator)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    if "activation_checkpointing_kwargs" in fields and cuda:
+        return dict(activation_checkpointing=True, activation_checkpointing_kwargs={"offload": True})
+    return dict(gradient_checkpointing=True)
 
 
 def enable_checkpointing_like_train(trainer):
@@ -173,15 +214,25 @@ def enable_checkpointing_like_train(trainer):
     return bool(layers) and all(m.gradient_checkpointing for m in layers)
 
 
-def make_inputs(G, P, T, V, device):
+def completion_lengths(G, T, equal=False):
+    """Completion lengths of the G rows: T for all with `equal`, else spread evenly from T/2 to T (the longest is T),
+    as sampled completions end at different EOS positions."""
+    return [T] * G if equal or G == 1 else [T // 2 + (T - T // 2) * i // (G - 1) for i in range(G)]
+
+
+def make_inputs(G, P, T, V, device, equal=False):
+    """As TRL batches a generation: prompts of P tokens, completions right-padded to the longest (pad id 1, mask 0
+    after each row's end), so the attention mask is not all ones."""
     import torch
 
     g = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(3, V, (G, n), generator=g).to(device)  # noqa: E731
-    completion_mask = torch.ones(G, T, dtype=torch.long, device=device)
+    lengths = torch.tensor(completion_lengths(G, T, equal), device=device)
+    completion_mask = (torch.arange(T, device=device)[None] < lengths[:, None]).long()
+    completion_ids = ids(T).masked_fill(completion_mask == 0, 1)
     return dict(
         prompt_ids=ids(P), prompt_mask=torch.ones(G, P, dtype=torch.long, device=device),
-        completion_ids=ids(T), completion_mask=completion_mask,
+        completion_ids=completion_ids, completion_mask=completion_mask,
         advantages=torch.randn(G, generator=g).to(device),
         # fixed "old policy" log-probs: with None TRL uses the current ones detached, the ratio is 1 and the loss
         # value is -mean(advantage) whatever the model computes
@@ -211,9 +262,14 @@ def worker(a):
                offload=bool(getattr(trainer, "offload_enabled", False)))
     model = trainer.model
     model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, read by the loss
-    inputs = make_inputs(a.num_generations, a.prompt_length, a.completion_length,
-                         model.config.get_text_config().vocab_size, a.device)
+    G, mb1 = a.num_generations, VARIANTS[a.impl][3]
+    trainer.current_gradient_accumulation_steps = G if mb1 else 1  # set by the training loop, read by the loss
+    inputs = make_inputs(G, a.prompt_length, a.completion_length, model.config.get_text_config().vocab_size,
+                         a.device, a.equal_lengths)
+    tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())  # real tokens, padding excluded
+    # micro-batch 1: one row per forward + backward; num_items_in_batch stays the generation batch's (dapo)
+    micro = [{k: v[i:i + 1] if k != "num_items_in_batch" else v for k, v in inputs.items()} for i in range(G)] \
+        if mb1 else [inputs]
     lora = [p for n, p in model.named_parameters() if p.requires_grad]
 
     def step(name):
@@ -221,16 +277,20 @@ def worker(a):
         tracker = SavedActivationTracker()
         with mem.phase(name), tracker:
             t0 = time.perf_counter()
-            loss = trainer.compute_loss(model, inputs)
-            loss.backward()
+            loss = 0.0
+            for part in micro:
+                part_loss = trainer.compute_loss(model, part)
+                part_loss.backward()
+                loss += part_loss.detach()
+                del part_loss
             if cuda:
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - t0) * 1e3
         rec = mem.records[-1]
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in lora if p.grad is not None]))
         return dict(ms=ms, peak=(rec.peak_bytes - base) / MIB, held=(rec.start_bytes - base) / MIB,
-                    loss=loss.item(), entropy=trainer._metrics["train"]["entropy"][-1], grad_norm=grad_norm.item(),
-                    host=tracker.peak["host"] / MIB,
+                    loss=loss.item(), entropy=statistics.fmean(trainer._metrics["train"]["entropy"][-len(micro):]),
+                    grad_norm=grad_norm.item(), host=tracker.peak["host"] / MIB, total=rec.peak_bytes / MIB,
                     reserved=torch.cuda.max_memory_reserved() / MIB if cuda else None)
 
     try:
@@ -244,7 +304,8 @@ def worker(a):
     out.update(oom=False, time_ms=[s["ms"] for s in measured], peak_mib=max(s["peak"] for s in measured),
                held_mib=max(s["held"] for s in measured), loss=first["loss"], entropy=first["entropy"],
                grad_norm=first["grad_norm"], offloaded_peak_mib=max(s["host"] for s in measured),
-               warmup_peak_mib=steps[0]["peak"], load_1min=os.getloadavg()[0],
+               warmup_peak_mib=steps[0]["peak"], load_1min=os.getloadavg()[0], tokens=tokens,
+               peak_with_weights_mib=max(s["total"] for s in measured),
                losses_equal_across_steps=len({s["loss"] for s in steps}) == 1)
     if cuda:
         out["peak_reserved_mib"] = max(s["reserved"] for s in measured)
@@ -265,7 +326,7 @@ def run_worker(args, impl, T, reps):
     cmd = [sys.executable, __file__, "--worker", impl, "--arch", args.arch, "--quant", args.quant,
            "--num-generations", str(args.num_generations), "--prompt-length", str(args.prompt_length),
            "--completion-length", str(T), "--reps", str(reps), "--device", args.device,
-           "--ckpt-cache", str(args.ckpt_cache)]
+           "--ckpt-cache", str(args.ckpt_cache)] + (["--equal-lengths"] if args.equal_lengths else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
@@ -284,7 +345,8 @@ def _shape(args, T=None):
     adapter = "qlora-r16" if args.quant == "4bit" else "lora-r16"
     dtype = "bf16" if args.device == "cuda" else "fp32"
     t = f"T={T}" if T is not None else f"T<=max,step={args.t_step}"
-    return f"{args.arch},{adapter},G={args.num_generations},P={args.prompt_length},{t},{dtype}"
+    padded = "" if args.equal_lengths else ",padded"  # completions T/2..T right-padded (default)
+    return f"{args.arch},{adapter},G={args.num_generations},P={args.prompt_length},{t},{dtype}{padded}"
 
 
 def _meta(device):
@@ -297,6 +359,8 @@ def step_rows(res, args, T):
         metrics += [
             ("peak_step_mem_mib", res["peak_mib"], "MiB"),
             ("step_time_ms", statistics.median(res["time_ms"]), "ms"),
+            ("time_per_token_us", statistics.median(res["time_ms"]) * 1e3 / res["tokens"], "us"),
+            ("peak_step_mem_with_weights_mib", res["peak_with_weights_mib"], "MiB"),
             ("loss", res["loss"], "nats"),
             ("entropy", res["entropy"], "nats"),
             ("lora_grad_norm", res["grad_norm"], "l2"),
@@ -310,8 +374,9 @@ def step_rows(res, args, T):
             ("reps", float(len(res["time_ms"])), "count"),
             ("host_load_1min", res["load_1min"], "procs"),
         ]
-        if "peak_reserved_mib" in res:
+        if "peak_reserved_mib" in res:  # reserved by the caching allocator: above the model, and in all
             metrics.append(("peak_reserved_mib", res["peak_reserved_mib"] - res["base_mib"], "MiB"))
+            metrics.append(("peak_reserved_with_weights_mib", res["peak_reserved_mib"], "MiB"))
     return [dict(op="grpo_step_fwd_bwd", impl=res["impl"], shape=_shape(args, T), metric=m, value=f"{v:.6g}", unit=u)
             for m, v, u in metrics]
 
@@ -413,6 +478,8 @@ def parse_args():
     p.add_argument("--impls", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--find-max-t", action="store_true", help="bisect the longest T whose step fits, per impl")
+    p.add_argument("--equal-lengths", action="store_true", help="every completion T tokens, no padding (default: "
+                   "lengths spread from T/2 to T, right-padded as TRL batches them)")
     p.add_argument("--t-step", type=int, default=1024, help="--find-max-t resolution (tokens)")
     p.add_argument("--max-t", type=int, default=262144, help="--find-max-t upper bound (tokens)")
     p.add_argument("--ckpt-cache", type=Path, default=Path(tempfile.gettempdir()) / "grpo_accel_bench_ckpt",
