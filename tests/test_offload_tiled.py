@@ -173,6 +173,22 @@ def test_untileable_attention_runs_the_layer_whole(monkeypatch):
     assert not calls
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_other_attention_implementations_run_the_layer_whole(monkeypatch):
+    """A registered custom attention (as grpo_accel.packing's, or flash varlen reading packed sequences from position
+    ids) is not SDPA with a mask: the tiled path steps aside."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("test_custom_sdpa", sdpa_attention_forward)
+    calls = spy(monkeypatch)
+    ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(7))
+    _, ref = step(tiny_llama(layers=2), ids)
+    _, got = step(tiny_llama(layers=2, attn="test_custom_sdpa"), ids, forced(8))
+    assert_close_rel(ref, got)
+    assert not calls
+
+
 def test_tiled_saved_bytes_fall_with_the_tile():
     """Same tiny model, 64-token row: the backward's peak of autograd-saved bytes (the re-runs) falls with the tile."""
     ids = torch.randint(0, V, (1, 64), generator=torch.Generator().manual_seed(8))

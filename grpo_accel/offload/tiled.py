@@ -21,8 +21,9 @@ Cost: one more forward of the pre-attention part (norm + q/k/v projections, ~11%
 forward, ~4% of its forward + backward); full-length tensors left in the re-run: x, d(out), d(x) [H each], K, V and
 fp32 dK, dV [kv_dim each] per token, instead of the whole layer's saved tensors. Dropout: each tile's RNG state is
 recorded in the forward and replayed, so the re-run draws the forward's masks (the masks differ from an untiled
-layer's: a tiled layer is its own, exactly differentiated, function). Not tiled (whole re-run instead): layers whose
-attention call this hook does not understand (sliding windows, soft-capping, sinks, caches, BlockMasks), several
+layer's: a tiled layer is its own, exactly differentiated, function). Not tiled (whole re-run instead): attention
+other than sdpa / eager (flash varlen reads packed sequences from position ids; grpo_accel.packing's segments), calls
+this hook does not understand (sliding windows, soft-capping, sinks, caches, BlockMasks, 2-D masks), several
 processes or ZeRO-3 partitions (a parameter's gradient hook would fire once per tile), rows of <= the tile.
 """
 
@@ -39,6 +40,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 # attention-interface kwargs a tiled call may ignore; any other kwarg with a value makes the layer untileable
 _IGNORED_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values"}
 _MUST_BE_NONE = {"sliding_window", "softcap", "s_aux", "sinks"}
+_SAME_AS_SDPA = ("sdpa", "eager", None)  # implementations whose result SDPA with the same mask reproduces
 
 
 class Untileable(Exception):
@@ -51,11 +53,10 @@ class _Stop(Exception):
 
 @contextlib.contextmanager
 def _attention_hook(hook):
-    """Every HF attention-interface lookup returns `partial(hook, original)` (instance attribute over the method)."""
+    """Every HF attention-interface lookup returns `partial(hook, name)` (instance attribute over the method)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
 
-    get = type(registry).get_interface
-    registry.get_interface = lambda impl, default: functools.partial(hook, get(registry, impl, default))
+    registry.get_interface = lambda impl, default: functools.partial(hook, impl)
     try:
         yield
     finally:
@@ -70,10 +71,12 @@ class _Tiling:
         self.K = self.V = self.dK = self.dV = None
         self.saved = None  # "grad" mode: (q, k, v with their graphs, q leaf, K/V leaves, attention output, o leaf)
 
-    def hook(self, original, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    def hook(self, impl, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         self.calls += 1
         bad = [k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS
                and not (k == "is_causal" and v)] + [k for k in _MUST_BE_NONE if kwargs.get(k) is not None]
+        if impl not in _SAME_AS_SDPA:  # flash varlen reads packed sequences from position ids; custom ones: unknown
+            bad.append(f"attn_implementation={impl!r}")
         if bad or not getattr(module, "is_causal", True) or self.calls > 1 or query.shape[2] != self.sl.stop - \
                 self.sl.start or key.shape[2] != query.shape[2]:
             raise Untileable(f"attention call with {bad or 'an unexpected shape'}")
