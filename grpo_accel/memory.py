@@ -37,10 +37,6 @@ FRAGMENTATION = 0.05
 # vLLM's own working memory besides weights and KV cache (CUDA graphs, sampler, prefill activations): assumed.
 VLLM_RUNTIME_BYTES = 1 * GIB
 RECOMPUTE_TOKENS = 16384  # grpo_accel.offload.OffloadConfig.recompute_tokens (test_memory checks they agree)
-# Mirrors grpo_accel.ops.logprobs.plan_blocks (test_memory checks they agree): block budget and vocab tile.
-LOGPROB_BLOCK_BUDGET = {"cuda": 1024 * MIB, "cpu": 32 * MIB}
-LOGPROB_VOCAB_TILE = {"cuda": 16384, "cpu": 4096}
-LOGPROB_TILE_ALIGN = 128  # a widened tile is a multiple of this many columns
 TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py, trl/trainer/utils.py (TRL 1.16)
 LOGPROB_IMPLS = ("trl", "chunked", "triton", "auto")  # what --logprob_impl takes (GRPOAccelConfig)
 PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the naive baseline (benchmarks)
@@ -79,14 +75,12 @@ def layer_backward_transient_per_token(shape: ModelShape, act_bytes: int) -> int
 
 
 def auto_logprob_block(n_tokens: int, vocab: int, device: str, act_bytes: int, chunk: int | None = None):
-    """(chunk tokens, vocab tile, bytes of the live blocks) as grpo_accel.ops.logprobs.plan_blocks picks them."""
-    bpe = 4 * 2 + (2 if act_bytes == 2 else 0)  # two fp32 blocks live (logits, entropy/grad) + a half copy
-    budget = LOGPROB_BLOCK_BUDGET[device]
-    tile = min(vocab, LOGPROB_VOCAB_TILE[device])
-    chunk = chunk or max(16, budget // (tile * bpe) // 16 * 16)
-    if chunk >= n_tokens:
-        chunk = max(n_tokens, 1)
-        tile = min(vocab, max(tile, budget // (chunk * bpe) // LOGPROB_TILE_ALIGN * LOGPROB_TILE_ALIGN))
+    """(chunk tokens, vocab tile, bytes of the live blocks): the kernel's own block planning
+    (grpo_accel.ops.logprobs.plan_blocks_for_budget) at the budget it takes with >= 16 GiB free."""
+    from .ops.logprobs import live_blocks, plan_blocks_for_budget, planned_budget_bytes
+
+    bpe = 4 * live_blocks(None, True) + (2 if act_bytes == 2 else 0)  # fp32 blocks (+ entropy grad) + a half copy
+    chunk, tile = plan_blocks_for_budget(n_tokens, vocab, device, planned_budget_bytes(device), bpe, chunk)
     return chunk, tile, chunk * tile * bpe
 
 

@@ -156,16 +156,14 @@ def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
 def load_training_model(spec, tokenizer, longest_prompt: int):
     """(model, colocated engine or None). With colocated vLLM and a bf16/fp32 model the engine loads the checkpoint
     and the training model is built around its weights, so no second copy exists even while loading."""
-    from .models import TINY_CONFIGS
-    from .vllm_setup import fallback_reason, start_colocated_engine
+    from .vllm_setup import colocated_route, start_colocated_engine
 
     script, config = spec.script, spec.config
     init_kwargs = {k: v for k, v in (config.model_init_kwargs or {}).items() if k not in ("dtype", "device_map")}
-    colocate = config.use_vllm and config.vllm_mode == "colocate"
-    if colocate and script.quantization == "none" and script.model not in TINY_CONFIGS:
-        if fallback_reason(script.model, config) is None:
-            return start_colocated_engine(script.model, config, peft_config=lora_config(script),
-                                          longest_prompt=longest_prompt, dtype=getattr(torch, script.model_dtype))
+    route, _ = colocated_route(script.model, config, script.quantization)
+    if route == "from_path":
+        return start_colocated_engine(script.model, config, peft_config=lora_config(script),
+                                      longest_prompt=longest_prompt, dtype=getattr(torch, script.model_dtype))
     # Otherwise (no vLLM, a 4-bit or tiny model) the trainer starts an unshared engine or says why it cannot.
     model, _ = load_model(script.model, dtype=script.model_dtype, quantization=script.quantization, **init_kwargs)
     return model, None

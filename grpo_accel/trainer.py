@@ -37,7 +37,7 @@ from .preemption import Preemption
 from .rewards import guarded
 from .telemetry import PhaseTelemetry
 from .vllm_colocate import attach_shared_vllm
-from .vllm_setup import fallback_reason, start_colocated_engine
+from .vllm_setup import colocated_route, start_colocated_engine
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
 FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
@@ -86,8 +86,8 @@ class GRPOAccelTrainer(GRPOTrainer):
     @staticmethod
     def _start_engine(model, args, kwargs):
         """(engine, model) for colocated generation, or (None, model) with one line when it cannot run here."""
-        reason = fallback_reason(model, args)
-        if reason is not None:
+        route, reason = colocated_route(model, args)
+        if route == "fallback":
             log(reason)
             args.use_vllm = False
             return None, model

@@ -61,12 +61,47 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
+def vllm_missing() -> bool:
+    """vllm is not installed at all (as opposed to installed and failing to import)."""
+    try:
+        import vllm  # noqa: F401
+    except ModuleNotFoundError as exc:
+        return exc.name == "vllm"
+    except ImportError:
+        return False
+    return False
+
+
+def fallback_line() -> str | None:
+    """The one line said when use_vllm cannot be honoured: not installed, or installed but broken, with the real
+    import error (a broken install must not read as "not installed"); None when vllm imports."""
+    reason = vllm_unavailable_reason()
+    if reason is None:
+        return None
+    if vllm_missing():
+        return FALLBACK_LINE
+    return (f"vLLM is installed but cannot be imported ({reason}): generating with transformers' generate(). "
+            f"Fix the install (pip install -e '.[vllm]'), or --use_vllm false to silence this")
+
+
 def use_vllm_or_fallback(use_vllm: bool, log=print) -> bool:
     """`use_vllm` unless vllm cannot be imported; then one line says generation falls back to HF generate()."""
-    if use_vllm and vllm_unavailable_reason() is not None:
-        log(FALLBACK_LINE)
+    line = fallback_line() if use_vllm else None
+    if line is not None:
+        log(line)
         return False
     return use_vllm
+
+
+# TRL options that its own colocate engine honours and the shared engine does not (yet): refused, never dropped.
+UNSUPPORTED_OPTIONS = {"vllm_structured_outputs_regex": None, "vllm_tensor_parallel_size": 1,
+                       "vllm_model_impl": "vllm"}
+
+
+def unsupported_options(args) -> list[str]:
+    """`name=value` for each option set away from the value the shared engine assumes."""
+    return [f"{k}={getattr(args, k)!r}" for k, default in UNSUPPORTED_OPTIONS.items()
+            if getattr(args, k, default) != default]
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -399,6 +434,10 @@ class SharedVLLMGeneration:
     """
 
     def __init__(self, engine: SharedVLLM, trainer):
+        unsupported = unsupported_options(trainer.args)
+        if unsupported:
+            raise VLLMVersionError(f"the colocated shared-weight engine does not support {', '.join(unsupported)}. "
+                                   f"Fix: drop them, or vllm_mode='server'.")
         self.engine = engine
         self.llm = engine.llm
         self.trainer = trainer
@@ -487,5 +526,5 @@ def attach_shared_vllm(trainer, engine: SharedVLLM) -> SharedVLLMGeneration:
 
 __all__ = ["EngineConfig", "FALLBACK_LINE", "SUPPORTED_VLLM", "SharedVLLM", "SharedVLLMGeneration",
            "VLLMVersionError", "attach_shared_vllm", "build_shared_model", "check_vllm_version", "create_engine",
-           "engine_model", "hf_token_logprobs", "keep_cpu_weights", "shared_fraction", "use_vllm_or_fallback",
-           "vllm_unavailable_reason"]
+           "engine_model", "fallback_line", "hf_token_logprobs", "keep_cpu_weights", "shared_fraction",
+           "unsupported_options", "use_vllm_or_fallback", "vllm_missing", "vllm_unavailable_reason"]

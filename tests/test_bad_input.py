@@ -30,7 +30,7 @@ CASES = {
                        r"not valid YAML.*line"),
     "malformed_jsonl": (lambda d: ["--dataset", write(d / "d.jsonl", '{"question": "1+1", "answer": "2"}\n{oops\n')],
                         r"d\.jsonl:2: not valid JSON"),
-    "generation_batch": (lambda d: ["--generation_batch_size", "10"], r"generation_batch_size.*divisible|divisible"),
+    "generation_batch": (lambda d: ["--generation_batch_size", "10"], r"generation_batch_size \(10\) must be divisible by the global batch size \(8\)"),
     "lora_targets": (lambda d: ["--lora_target_modules", "q_proj,not_a_module"],
                      r"\['not_a_module'\] are not in tiny-llama.*Fix"),
     "prompt_too_long": (lambda d: ["--max_completion_length", "4000"], r"exceed tiny-llama's context of 2048 tokens.*Fix: lower --max_completion_length"),

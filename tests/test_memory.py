@@ -186,19 +186,6 @@ def test_planner_mirrors_grouped_recompute():
     assert ds.device["recompute_working_set"] == whole  # several processes: whole batch (gradient hooks)
 
 
-def test_logprob_blocks_mirror_the_kernel_planner():
-    from grpo_accel.memory import LOGPROB_TILE_ALIGN
-    from grpo_accel.ops.logprobs import _TILE_ALIGN, live_blocks, plan_blocks
-
-    assert LOGPROB_TILE_ALIGN == _TILE_ALIGN
-
-    for n in (8, 300, 5000, 100_000):
-        for dtype_bytes in (4, 2):
-            bpe = 4 * live_blocks(None, True) + 2 * (dtype_bytes == 2)
-            chunk, tile, _ = auto_logprob_block(n, 49152, "cpu", dtype_bytes)
-            assert (chunk, tile) == plan_blocks(n, 49152, "cpu", bpe)
-
-
 # ---------------------------------------------------------------------------------------------- telemetry
 
 def test_phase_memory_cpu_peaks_reset_and_nest():

@@ -60,21 +60,25 @@ def _fake_gpu(monkeypatch, total_bytes):
 
 
 def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
-    """On a (faked) 80 GB GPU the fraction is what the planned training step leaves; full FT sleeps."""
-    from grpo_accel.memory import plan_memory, vllm_memory_fraction
+    """On a (faked) 80 GB GPU the engine gets what training leaves: less when training needs more, enough for one
+    full-length sequence of KV beside its weights; full fine-tuning sleeps; a fraction the user chose is kept."""
+    from grpo_accel.memory import _kv_bytes_per_token, _weights_bytes
 
-    args, chosen = _args(tmp_path), _args(tmp_path, vllm_gpu_memory_utilization=0.5)  # built before the fake GPU
-    _fake_gpu(monkeypatch, 80 * 2**30)
-    for lora_r, shared in ((16, True), (0, False)):
-        cfg, why = vs.engine_config(args, hf_config, dtype=torch.bfloat16, lora_r=lora_r, shared=shared,
-                                    quantized=False, model_len=512)
-        plan = plan_memory(model_shape(hf_config), dtype="bf16", lora_r=lora_r, num_generations=4,
-                           max_prompt_length=472, max_completion_length=40, per_device_train_batch_size=8,
-                           gradient_checkpointing=bool(args.gradient_checkpointing), use_vllm=True,
-                           vllm_share_weights=shared, vllm_kv_seqs=8, vllm_sleep=not shared, device="cuda")
-        assert cfg.memory_fraction == vllm_memory_fraction(plan, 80 * 2**30) != 0.3
-        assert cfg.sleep is (not shared) and "memory planner" in why
-    # A fraction the user chose is kept.
+    args, long_args = _args(tmp_path), _args(tmp_path, max_completion_length=4000)
+    chosen = _args(tmp_path, vllm_gpu_memory_utilization=0.5)  # built before the fake GPU
+    gpu = 80 * 2**30
+    _fake_gpu(monkeypatch, gpu)
+    shape = model_shape(hf_config)
+    fractions = {}
+    for name, a, model_len in (("short", args, 512), ("long", long_args, 4472)):
+        for lora_r, shared in ((16, True), (0, False)):
+            cfg, why = vs.engine_config(a, hf_config, dtype=torch.bfloat16, lora_r=lora_r, shared=shared,
+                                        quantized=False, model_len=model_len)
+            engine_needs = _weights_bytes(shape, 2, "none") + model_len * _kv_bytes_per_token(shape, 2)
+            assert 0.3 != cfg.memory_fraction < 1 and cfg.memory_fraction * gpu > engine_needs
+            assert cfg.sleep is (not shared) and "memory planner" in why
+            fractions[name, lora_r] = cfg.memory_fraction
+    assert fractions["long", 16] < fractions["short", 16]  # longer completions: training keeps more
     cfg, why = vs.engine_config(chosen, hf_config, dtype=torch.bfloat16, lora_r=16, shared=True, quantized=False,
                                 model_len=512)
     assert cfg.memory_fraction == 0.5 and "as given" in why

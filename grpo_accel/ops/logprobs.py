@@ -69,13 +69,28 @@ def plan_blocks(n_rows, vocab, device, bytes_per_elem, chunk_size=None, vocab_ti
     bytes_per_elem counts every live block: 4 per fp32 block plus 2 for a bf16/fp16 copy fed to the GEMMs.
     """
     device = torch.device(device)
+    return plan_blocks_for_budget(n_rows, vocab, device.type, block_budget_bytes(device), bytes_per_elem, chunk_size,
+                                  vocab_tile)
+
+
+def block_budget_bytes(device) -> int:
+    """Bytes the live blocks may take: min(free CUDA memory / 16, 1 GiB) on CUDA, 32 MiB on CPU."""
+    device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = min(free // 16, _CUDA_BUDGET_MAX_BYTES)
-    else:
-        budget = _CPU_BUDGET_BYTES
+        return min(free // 16, _CUDA_BUDGET_MAX_BYTES)
+    return _CPU_BUDGET_BYTES
+
+
+def planned_budget_bytes(device_type: str) -> int:
+    """The budget the memory planner assumes: the CUDA cap (>= 16 GiB free when the head runs), or the CPU one."""
+    return _CUDA_BUDGET_MAX_BYTES if device_type == "cuda" else _CPU_BUDGET_BYTES
+
+
+def plan_blocks_for_budget(n_rows, vocab, device_type, budget, bytes_per_elem, chunk_size=None, vocab_tile=None):
+    """plan_blocks for a given budget (no device query): what the memory planner imports."""
     n_rows = max(int(n_rows), 1)
-    tile = min(vocab, vocab_tile or _DEFAULT_VOCAB_TILE.get(device.type, 8192))
+    tile = min(vocab, vocab_tile or _DEFAULT_VOCAB_TILE.get(device_type, 8192))
     chunk = chunk_size or max(16, budget // (tile * bytes_per_elem) // 16 * 16)
     if chunk >= n_rows:
         chunk = n_rows

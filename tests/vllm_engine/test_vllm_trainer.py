@@ -86,6 +86,16 @@ def test_launch_train_use_vllm(tmp_path):
                       "--output_dir", str(out)], OMP_NUM_THREADS=THREADS)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "base weights shared with the training model" in proc.stdout
+    # The engine is sized from the longest prompt the start-up checks measured, not the model's 8192-token context.
+    import re
+
+    from grpo_accel.data import prompt_lengths, train_eval_datasets
+    from grpo_accel.models import load_tokenizer
+
+    train_ds, _ = train_eval_datasets("arithmetic", 16, 4, level=1, seed=42)
+    longest = max(prompt_lengths(load_tokenizer("smollm2-135m-instruct"), train_ds["prompt"]))
+    model_len = int(re.search(r"max_model_len (\d+)", proc.stdout).group(1))
+    assert model_len == max(longest + 16, 64), (model_len, longest)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2
     header = (out / "metrics.csv").read_text().splitlines()[0]
