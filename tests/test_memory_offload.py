@@ -67,3 +67,16 @@ def test_longest_completion_fits_and_one_step_more_does_not():
     # without offload, no host term and a much shorter limit
     assert find_max_completion_length(plan.replan(offload_activations=False), gpu, host)[0] < t / 3
     assert find_max_completion_length(plan, int(1 * GIB)) == (0, None)
+
+
+def test_offload_config_from_plan_carries_the_planned_pieces_and_budgets():
+    from grpo_accel.offload import OffloadConfig
+
+    plan = fit_host(plan_memory("qwen3-8b", dtype="bf16", quantization="4bit", lora_r=16, max_prompt_length=512,
+                                per_device_train_batch_size=1, max_completion_length=262_144,
+                                offload_activations=True, recompute_tokens=8192), int(40 * GIB))
+    cfg = OffloadConfig.from_plan(plan, host_budget_bytes=int(40 * GIB), min_bytes=0)
+    assert cfg.recompute_tokens == 8192 and cfg.min_bytes == 0 and cfg.host_budget_bytes == int(40 * GIB)
+    assert cfg.device_budget_bytes == plan.inputs["offload_device_budget_bytes"] > 0
+    assert plan.host["activations_offloaded"] <= 40 * GIB  # 74 GiB of inputs: 34 GiB stay on the GPU
+    assert OffloadConfig.from_plan(plan_memory("qwen3-8b")).device_budget_bytes == 0

@@ -29,6 +29,16 @@ class OffloadConfig:
     # Host bytes the stash may hold (None = unchecked); past it the stash raises HostMemoryError naming the fix.
     host_budget_bytes: int | None = None
 
+    @classmethod
+    def from_plan(cls, plan, host_budget_bytes: int | None = None, **overrides) -> "OffloadConfig":
+        """The stash settings a grpo_accel.memory plan assumed: its piece size (recompute_tokens) and device
+        budget (offload_device_budget_bytes, e.g. chosen by memory.fit_host); `host_budget_bytes` caps the host
+        side (what the start-up check found available), so a wrong plan stops with HostMemoryError, not the OOM killer."""
+        inp = plan.inputs
+        return cls(recompute_tokens=inp.get("recompute_tokens", cls.recompute_tokens),
+                   device_budget_bytes=int(inp.get("offload_device_budget_bytes", 0)),
+                   host_budget_bytes=host_budget_bytes, **overrides)
+
 
 def resolve_offload(setting: bool | str, device: torch.device | str, gradient_checkpointing: bool = True) -> bool:
     """`True`/`False` as given (also as strings); `"auto"`: on when `device` is CUDA and gradient
