@@ -403,6 +403,7 @@ class PhaseRecord:
     start_bytes: int
     end_bytes: int
     seconds: float
+    reserved_bytes: int | None = None  # CUDA: max_memory_reserved over the phase (None on CPU)
 
     @property
     def peak_gib(self) -> float:
@@ -448,6 +449,12 @@ class PhaseMemory:
             return _proc_status_bytes("VmHWM") or 0
         return max(self._sampled_peak, _rss_bytes())
 
+    def _reserved_peak(self) -> int | None:
+        import torch
+
+        # reset_peak_memory_stats resets the reserved peak too: nested phases read it since their own start
+        return torch.cuda.max_memory_reserved() if self.device.startswith("cuda") else None
+
     def _reset(self) -> None:
         import torch
 
@@ -479,8 +486,9 @@ class PhaseMemory:
         finally:
             self._stack.pop()
             peak = max(frame[1], self._peak())
+            reserved = self._reserved_peak()
             self.records.append(PhaseRecord(name, int(peak), frame[2], self._current(),
-                                            time.perf_counter() - frame[3]))
+                                            time.perf_counter() - frame[3], reserved))
             if self._stack:
                 self._stack[-1][1] = max(self._stack[-1][1], peak)
             elif self._sampler is not None:
@@ -498,8 +506,14 @@ class PhaseMemory:
         return {k: round(v / GIB, 3) for k, v in self.peaks().items()}
 
     def metrics(self, prefix: str = "memory/") -> dict[str, float]:
-        """Flat dict for trackers: {"memory/generate_peak_gib": ...}."""
-        return {f"{prefix}{k}_peak_gib": v for k, v in self.peaks_gib().items()}
+        """Flat dict for trackers: {"memory/generate_peak_gib": ...}; on CUDA also the caching allocator's
+        reserved peak per phase ({"memory/generate_reserved_gib": ...}): what the GPU really had to hold."""
+        out = {f"{prefix}{k}_peak_gib": v for k, v in self.peaks_gib().items()}
+        for r in self.records:
+            if r.reserved_bytes is not None:
+                key = f"{prefix}{r.name}_reserved_gib"
+                out[key] = max(out.get(key, 0.0), round(r.reserved_bytes / GIB, 3))
+        return out
 
     def as_records(self) -> list[dict]:
         return [dataclasses.asdict(r) for r in self.records]

@@ -1,0 +1,216 @@
+"""Every single-GPU preset through the real command on a lent GPU: 2 GRPO steps each, measured against the planner.
+
+For each preset this runs exactly what a user runs,
+
+    accelerate launch --config_file accelerate_configs/<preset>.yaml launch/train.py --model <dir> ...
+
+with random weights of the preset's architecture saved locally (the hub is unreachable on our GPU hosts; memory
+and speed depend on shapes, not trained values; the embedded SmolLM2 tokenizer drives them: every id it makes is
+in each model's vocabulary). Completions are shortened where HF generate() would take too long (`--completion-
+length`, default 1024; the CSV records both lengths), no held-out evaluation, 2 steps. Per preset it writes the
+measured peak allocated and reserved memory over every phase (the run's own telemetry, `memory/<phase>_peak_gib`
+and `_reserved_gib`), the planner's prediction for the same flags (`RunSpec.plan`, the measured prompt length),
+their ratio, the step time and whether the run completed -> benchmarks/results/presets_gpu.csv + .png.
+
+Any work that has a GPU runs this first (after the wheels' install line, ../shared/gpu/README.md):
+
+    python benchmarks/gpu_presets.py                                  # every single-GPU preset this GPU can run
+    python benchmarks/gpu_presets.py --presets h100_110k t4_qlora --completion-length 2048
+    python benchmarks/gpu_presets.py --cpu-check --out /tmp/check     # no GPU: the same plumbing on the cpu preset
+
+On a host without a GPU only `--cpu-check` runs (tests/test_gpu_presets_script.py does that in `make test`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel from a checkout
+
+from results_io import ROOT, merge_csv, run_meta  # noqa: E402  (benchmarks/ is on sys.path as a script)
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def save_random_model(architecture: str, target: Path, dtype: str) -> Path:
+    """Random weights of a named architecture + the embedded tokenizer, saved once under `target`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_accel.architectures import get_architecture
+    from grpo_accel.models import load_tokenizer
+
+    path = target / architecture
+    if (path / "config.json").exists():
+        return path
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    config = get_architecture(architecture)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                                     tokenizer.pad_token_id)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    partial = path.with_suffix(".partial")
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    os.replace(partial, path)  # a killed save never leaves a half model that looks complete
+    del model
+    return path
+
+
+def measured_peaks(metrics_csv: Path) -> dict[str, float]:
+    """Largest allocated / reserved peak over every phase and step of a run's metrics.csv (GiB), step time (s)."""
+    with metrics_csv.open() as f:
+        rows = list(csv.DictReader(f))
+    out = {"peak_allocated_gib": 0.0, "peak_reserved_gib": 0.0, "step_time_s": 0.0}
+    times = []
+    for row in rows:
+        for key, value in row.items():
+            if not value:
+                continue
+            if key.startswith("memory/") and key.endswith("_peak_gib") and key != "memory/host_rss_gib":
+                out["peak_allocated_gib"] = max(out["peak_allocated_gib"], float(value))
+            elif key.startswith("memory/") and key.endswith("_reserved_gib"):
+                out["peak_reserved_gib"] = max(out["peak_reserved_gib"], float(value))
+            elif key == "step_time":
+                times.append(float(value))
+    out["step_time_s"] = sorted(times)[len(times) // 2] if times else float("nan")
+    return out
+
+
+def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher: list[str], timeout_s: int):
+    """Launch one preset for 2 steps; (flags, completed, seconds, log tail)."""
+    flags = ["--model", str(model_dir), "--max_completion_length", str(completion), "--max_steps", "2",
+             "--train_size", "16", "--eval_size", "0", "--logging_steps", "1", "--save_steps", "1000",
+             "--report_to", "none", "--output_dir", str(out / "runs" / name)]
+    cmd = [*launcher, "--config_file", str(ROOT / "accelerate_configs" / f"{name}.yaml"),
+           str(ROOT / "launch" / "train.py"), *flags]
+    t0 = time.time()
+    log = out / f"{name}.log"
+    with log.open("w") as f:
+        try:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+    tail = log.read_text()[-1500:]
+    print(f"[gpu_presets] {name}: exit {code} in {time.time() - t0:.0f} s", flush=True)
+    return flags, code == 0, time.time() - t0, tail
+
+
+def predicted_peak_gib(name: str, flags: list[str], prompt_tokens: int) -> float:
+    """The planner for the same flags as the launch, at the measured prompt length."""
+    from grpo_accel.run_spec import resolve_run_spec
+
+    spec = resolve_run_spec(["--preset", name, *flags], for_plan=True)
+    return spec.plan(max_prompt_length=prompt_tokens).peak_gib
+
+
+def longest_prompt(model_dir: Path) -> int:
+    from grpo_accel.data import prompt_lengths, train_eval_datasets
+    from grpo_accel.models import load_tokenizer
+
+    train_ds, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=42)
+    return max(prompt_lengths(load_tokenizer(str(model_dir)), train_ds["prompt"]))
+
+
+def single_gpu_presets(cpu_check: bool) -> list[str]:
+    from grpo_accel.presets import PRESETS
+
+    if cpu_check:
+        return ["cpu"]
+    return [n for n, p in PRESETS.items() if p.is_gpu and p.num_processes == 1]
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["impl"] for r in rows})
+    get = lambda n, m: next((float(r["value"]) for r in rows if r["impl"] == n and r["metric"] == m), 0.0)  # noqa: E731
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
+    xs = range(len(names))
+    for offset, metric, label in ((-0.27, "peak_allocated_gib", "measured allocated"),
+                                  (0.0, "peak_reserved_gib", "measured reserved"),
+                                  (0.27, "predicted_peak_gib", "planner")):
+        ax.bar([x + offset for x in xs], [get(n, metric) for n in names], width=0.27, label=label)
+    ax.set_xticks(list(xs), names, rotation=20)
+    ax.set_ylabel("GiB (2-step peak)")
+    ax.set_title("presets through accelerate launch: measured vs planned")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="*", help="default: every single-GPU preset")
+    ap.add_argument("--completion-length", type=int, default=1024, help="shortened completions (generate() speed)")
+    ap.add_argument("--models-dir", default="/tmp/grpo_accel_gpu_models")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/grpo_accel_gpu_presets"))
+    ap.add_argument("--timeout-s", type=int, default=900)
+    ap.add_argument("--cpu-check", action="store_true", help="no GPU: the cpu preset with a saved tiny-llama")
+    ap.add_argument("--csv", default=str(RESULTS / "presets_gpu.csv"))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from grpo_accel.presets import PRESETS, check_preset_fits_gpu
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.cpu_check:
+        print("error: no CUDA GPU here. Fix: run on a GPU host, or --cpu-check to test the plumbing.", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    versions, sha, dev = run_meta(device, ("torch", "transformers", "trl", "deepspeed", "bitsandbytes"))
+    date = datetime.date.today().isoformat()
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "-q"]
+    rows = []
+    for name in args.presets or single_gpu_presets(args.cpu_check):
+        preset = PRESETS[name]
+        if device == "cuda":
+            try:
+                check_preset_fits_gpu(preset)
+            except Exception as exc:  # a preset for a bigger GPU: recorded, not run
+                print(f"[gpu_presets] {name}: skipped ({exc})", flush=True)
+                continue
+        arch = "tiny-llama" if args.cpu_check else preset.architecture
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[preset.dtype]
+        model_dir = save_random_model(arch, Path(args.models_dir), dtype)
+        completion = min(args.completion_length, preset.max_completion_length)
+        flags, ok, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s)
+        prompt = longest_prompt(model_dir)
+        shape = f"{arch} T={prompt}+{completion} G={preset.num_generations}"
+        values = {"completed": float(ok), "completion_length_run": completion,
+                  "completion_length_preset": preset.max_completion_length, "wall_s": round(seconds, 1)}
+        metrics_csv = out / "runs" / name / "metrics.csv"
+        if ok and metrics_csv.exists():
+            values.update(measured_peaks(metrics_csv))
+            values["predicted_peak_gib"] = round(predicted_peak_gib(name, flags, prompt), 3)
+            if values.get("peak_reserved_gib"):
+                values["predicted_over_reserved"] = round(values["predicted_peak_gib"] / values["peak_reserved_gib"], 3)
+        else:
+            print(tail, file=sys.stderr)
+        units = {"completed": "bool", "wall_s": "s", "step_time_s": "s", "predicted_over_reserved": "ratio"}
+        for metric, value in values.items():
+            rows.append(dict(op="preset_2_steps", impl=name, shape=shape, metric=metric, value=value,
+                             unit=units.get(metric, "GiB" if metric.endswith("_gib") else "tokens"), device=dev,
+                             versions=versions, git_sha=sha, date=date))
+    csv_path = Path(args.csv)
+    merge_csv(rows, csv_path, key=("op", "impl", "device", "metric"))
+    plot(rows, csv_path.with_suffix(".png"))
+    print(f"[gpu_presets] wrote {csv_path} and {csv_path.with_suffix('.png')}")
+    return 0 if all(r["value"] for r in rows if r["metric"] == "completed") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
