@@ -189,6 +189,35 @@ def test_other_attention_implementations_run_the_layer_whole(monkeypatch):
     assert not calls
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_packed_row_is_tiled_sequence_by_sequence(monkeypatch):
+    """grpo_accel.packing's packed row (sequences of 12 and 20 tokens, positions restarting, per-sequence SDPA): the
+    tiles (8 tokens) cross the boundary, each query still attends within its own sequence only; same gradients."""
+    from grpo_accel.packing import SEGMENTS_KWARG, enable_packed_attention, packed_forward_context
+
+    calls = spy(monkeypatch)
+    ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(9))
+    bounds = (0, 12, T)
+    pos = torch.cat([torch.arange(12), torch.arange(T - 12)])[None]
+
+    def packed_step(cfg, bounds=bounds):
+        model = lora_all(tiny_llama(layers=2))
+        enable_packed_attention(model.get_base_model())
+        if cfg is not None:
+            install_activation_offload(model, cfg)
+        with packed_forward_context():
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False, **{SEGMENTS_KWARG: bounds}).logits
+        torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = packed_step(None)
+    assert_close_rel(ref, packed_step(forced(8)))
+    assert len(calls) == 2 and [len(c) for c in calls] == [4, 4]
+    # control: the row as one sequence (tiled too) has other gradients, so the segments were honoured
+    one = packed_step(forced(8), (0, T))
+    assert any(((one[n] - ref[n]).norm() / ref[n].norm()) > 1e-3 for n in ref)
+
+
 def test_tiled_saved_bytes_fall_with_the_tile():
     """Same tiny model, 64-token row: the backward's peak of autograd-saved bytes (the re-runs) falls with the tile."""
     ids = torch.randint(0, V, (1, 64), generator=torch.Generator().manual_seed(8))

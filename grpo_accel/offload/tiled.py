@@ -40,7 +40,10 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 # attention-interface kwargs a tiled call may ignore; any other kwarg with a value makes the layer untileable
 _IGNORED_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values"}
 _MUST_BE_NONE = {"sliding_window", "softcap", "s_aux", "sinks"}
-_SAME_AS_SDPA = ("sdpa", "eager", None)  # implementations whose result SDPA with the same mask reproduces
+# implementations whose result SDPA with the same mask reproduces; grpo_accel.packing's per-sequence SDPA (packed
+# rows: `accel_segments` bounds, no mask) is reproduced segment by segment
+_PACKED_ATTN, _SEGMENTS_KWARG = "grpo_accel_sdpa", "accel_segments"
+_SAME_AS_SDPA = ("sdpa", "eager", None, _PACKED_ATTN)
 
 
 class Untileable(Exception):
@@ -73,6 +76,7 @@ class _Tiling:
 
     def hook(self, impl, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         self.calls += 1
+        segments = kwargs.pop(_SEGMENTS_KWARG, None) if impl == _PACKED_ATTN else None
         bad = [k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS
                and not (k == "is_causal" and v)] + [k for k in _MUST_BE_NONE if kwargs.get(k) is not None]
         if impl not in _SAME_AS_SDPA:  # flash varlen reads packed sequences from position ids; custom ones: unknown
@@ -88,20 +92,29 @@ class _Tiling:
             self.K[:, :, s:e], self.V[:, :, s:e] = key, value
             if self.mode == "kv":
                 raise _Stop
-            out = _attend(query, self.K[:, :, :e], self.V[:, :, :e], attention_mask, s, dropout, scaling)
+            out = _attend(query, self.K[:, :, :e], self.V[:, :, :e], attention_mask, s, dropout, scaling, segments)
             return out.transpose(1, 2), None
         q_leaf = query.detach().requires_grad_()
         k_leaf = self.K[:, :, :e].detach().requires_grad_()
         v_leaf = self.V[:, :, :e].detach().requires_grad_()
-        out = _attend(q_leaf, k_leaf, v_leaf, attention_mask, s, dropout, scaling)
+        out = _attend(q_leaf, k_leaf, v_leaf, attention_mask, s, dropout, scaling, segments)
         o_leaf = out.detach().transpose(1, 2).requires_grad_()
         self.saved = (query, key, value, q_leaf, k_leaf, v_leaf, out, o_leaf)
         return o_leaf, None
 
 
-def _attend(q, k, v, mask, start: int, dropout: float, scale):
+def _attend(q, k, v, mask, start: int, dropout: float, scale, segments=None):
     """softmax(q k^T * scale + causal / `mask` rows start:start+Tq) v for a query tile at `start`; memory-linear:
-    no mask is built on CUDA (lower-right causal bias), a [Tq, e] bool mask on CPU (its flash kernel takes one)."""
+    no mask is built on CUDA (lower-right causal bias), a [Tq, e] bool mask on CPU (its flash kernel takes one).
+    `segments` (0, n0, n0+n1, ..., N): packed sequences, each query attends causally within its own only."""
+    if segments is not None:
+        end, outs = start + q.shape[2], []
+        for lo, hi in zip(segments[:-1], segments[1:]):
+            a, b = max(lo, start), min(hi, end)  # this sequence's queries in the tile, keys lo:b
+            if a < b:
+                outs.append(_attend(q[:, :, a - start:b - start], k[:, :, lo:b], v[:, :, lo:b], None, a - lo,
+                                    dropout, scale))
+        return torch.cat(outs, dim=2)
     gqa = q.shape[1] != k.shape[1]
     if mask is not None:
         mask = mask[..., start:start + q.shape[2], :k.shape[2]]
