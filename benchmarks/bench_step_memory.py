@@ -392,11 +392,40 @@ def run_steps(args):
     return rows
 
 
+def planned_max_t(args, impl) -> int:
+    """The planner's longest completion for `impl` on this GPU and host (grpo_accel.memory), 0 on CPU: the first
+    probe of --find-max-t, and the figure the planner goal compares with the measured one."""
+    if args.device != "cuda":
+        return 0
+    import torch
+
+    from grpo_accel.memory import find_max_completion_length, plan_memory
+    from grpo_accel.offload.residency import host_available_bytes
+
+    kind, logprob_impl, offload, mb1 = VARIANTS[impl]
+    G = args.num_generations
+    plan = plan_memory(args.arch, dtype="bf16", quantization=args.quant, lora_r=16, num_generations=G,
+                       max_prompt_length=args.prompt_length, per_device_train_batch_size=1 if mb1 else G,
+                       # transformers' offload keeps what ours keeps, without our pieces (row groups, tiles)
+                       offload_activations=offload == "true" or kind == "trl_tuned",
+                       recompute_tokens=None if kind != "ours" else 16384,
+                       logprob_impl={"naive": "naive", "ours": logprob_impl}.get(kind, "trl"), device="cuda")
+    t, _ = find_max_completion_length(plan, torch.cuda.get_device_properties(0).total_memory,
+                                      host_available_bytes(), step=args.t_step)
+    return t
+
+
 def find_max_t(args):
-    """Per impl: double T from --completion-length until a step does not fit, then bisect to --t-step."""
+    """Per impl: from the planner's longest T (CUDA; --completion-length on CPU or with --no-plan-probes) grow by
+    1.25x (2x without a plan) until a step does not fit, then bisect to --t-step."""
     rows = []
     for impl in args.impls:
         probes = {}
+        planned = planned_max_t(args, impl) if args.plan_probes else 0
+        growth = 1.25 if planned else 2.0
+        if planned:
+            rows.append(dict(op="grpo_max_completion_length", impl=impl, shape=_shape(args),
+                             metric="planned_max_completion_length", value=str(planned), unit="tokens"))
 
         def fits(T):
             if T not in probes:
@@ -405,9 +434,10 @@ def find_max_t(args):
                 print(f"{impl} T={T}: {verdict} ({probes[T]['wall_s']:.0f} s)", flush=True)
             return not probes[T]["oom"]
 
-        lo, hi, T = 0, None, args.completion_length
+        lo, hi, T = 0, None, planned or args.completion_length
         while hi is None and T <= args.max_t:
-            lo, hi, T = (T, None, T * 2) if fits(T) else (lo, T, T)
+            grown = max(T + args.t_step, int(T * growth) // args.t_step * args.t_step)
+            lo, hi, T = (T, None, grown) if fits(T) else (lo, T, T)
         hi = hi or args.max_t + args.t_step  # every probe up to --max-t fit
         while hi - lo > args.t_step:
             mid = max(args.t_step, (lo + hi) // 2 // args.t_step * args.t_step)
@@ -481,6 +511,9 @@ def parse_args():
     p.add_argument("--equal-lengths", action="store_true", help="every completion T tokens, no padding (default: "
                    "lengths spread from T/2 to T, right-padded as TRL batches them)")
     p.add_argument("--t-step", type=int, default=1024, help="--find-max-t resolution (tokens)")
+    p.add_argument("--plan-probes", action=argparse.BooleanOptionalAction, default=True,
+                   help="--find-max-t on CUDA: first probe at the planner's longest T (each probe at 256K costs "
+                        "minutes of attention)")
     p.add_argument("--max-t", type=int, default=262144, help="--find-max-t upper bound (tokens)")
     p.add_argument("--ckpt-cache", type=Path, default=Path(tempfile.gettempdir()) / "grpo_accel_bench_ckpt",
                    help="--quant 4bit: where the random bf16 checkpoint is saved once per arch")
