@@ -43,6 +43,10 @@ def cmd_presets(args) -> int:
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-mem-gib", type=float, help="GPU memory to plan for (default: this GPU, else the preset's "
                    "minimum)")
+    p.add_argument("--host-mem-gib", type=float, help="host memory for offloaded activations (default: this "
+                   "machine's when it has the GPU, else unchecked)")
+    p.add_argument("--find-max-t", action="store_true", help="print the longest completion (tokens per sequence) "
+                   "that fits this GPU and host, and the model's context limit")
     p.epilog = ("Every other flag is launch/train.py's (--preset, --model, --max_completion_length, --quantization, "
                 "--offload_activations, ...): plan prints what train.py with the same flags would run.")
 
@@ -84,7 +88,37 @@ def cmd_plan(args, train_flags: list[str]) -> int:
     for failure in failures:
         if not failure.startswith("memory:"):
             print(f"check failed: {failure}")
+    if args.find_max_t and planned_gpu:
+        print_max_completion(spec, plan, gpu_bytes, host_bytes(args, gpu))
+        return 0
     return 1 if failures else 0
+
+
+def host_bytes(args, gpu) -> int | None:
+    if args.host_mem_gib is not None:
+        return int(args.host_mem_gib * GIB)
+    if gpu is None:
+        return None  # planning for another machine: its host memory is unknown
+    with open("/proc/meminfo") as f:
+        return int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+
+
+def print_max_completion(spec, plan, gpu_bytes: int, host: int | None) -> None:
+    """The longest completion the planner fits on this GPU (and host), beside the model's context."""
+    from .memory import find_max_completion_length
+    from .startup_checks import context_tokens, model_config
+
+    longest, fitted = find_max_completion_length(plan, gpu_bytes, host)
+    context = context_tokens(model_config(spec, prefer_named=True))
+    prompt = plan.inputs["max_prompt_length"]
+    where = f"{gpu_bytes / GIB:.1f} GiB GPU" + (f", {host / GIB:.0f} GiB host" if host else ", host unchecked")
+    if not longest:
+        print(f"longest completion: none fits ({where}) — a prompt of {prompt} tokens alone does not")
+        return
+    print(f"longest completion that fits ({where}): {longest} tokens per sequence (a prediction; device peak "
+          f"{fitted.peak_gib:.1f} GiB, host {sum(fitted.host.values()) / GIB:.1f} GiB)")
+    if context and prompt + longest > context:
+        print(f"the model's context caps it at {context - prompt} tokens ({context} with {prompt} prompt tokens)")
 
 
 # subcommand -> (help, add_arguments, handler); train / report register here

@@ -83,3 +83,16 @@ def test_plan_unknown_flag_suggests_the_right_one(capsys):
     assert main(["plan", "--preset", "cpu", "--max_completion_lenght", "64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown flag --max_completion_lenght; did you mean --max_completion_length?")
+
+
+def test_plan_find_max_t_grows_with_the_gpu_and_names_the_context(capsys):
+    import re
+
+    found = {}
+    for gib in (40, 80):
+        assert main(["plan", "--preset", "h100_110k", "--find-max-t", "--gpu-mem-gib", str(gib),
+                     "--host-mem-gib", "120"]) == 0
+        out = capsys.readouterr().out
+        found[gib] = int(re.search(r"longest completion that fits .*: (\d+) tokens", out).group(1))
+        assert "context caps it at 130560 tokens" in out or found[gib] <= 130560
+    assert 0 < found[40] < found[80] and found[80] % 128 == 0
