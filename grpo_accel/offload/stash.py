@@ -98,6 +98,8 @@ class _Entry:
                     buf, freed = self.stash.pool.take(self.host[i], self.device[i])
                     if side is not None and freed is not None:
                         side.wait_event(freed)  # its last reader (an earlier layer's re-run) has run
+                    elif side is not None:  # new from the compute stream's pool: its queued work may still touch it
+                        side.wait_stream(torch.cuda.current_stream(self.device[i]))
                     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                         self.dev[i] = buf.copy_(self.host[i], non_blocking=pin)
                     self.pooled[i] = True
