@@ -140,6 +140,21 @@ def test_offload_copies_and_rerun(tmp_path, monkeypatch):
     assert_same(packed, padded, inputs["completion_mask"].bool())
 
 
+def test_gradient_checkpointing_rerun(tmp_path):
+    """transformers' own checkpointing (as Trainer.train() switches it on): layers re-run in backward with the
+    packed kwargs, after the packed forward's context has closed."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    trainer = make_trainer(tmp_path, gradient_checkpointing=True)
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers and all(m.gradient_checkpointing for m in layers)
+    inputs = unequal_batch(trainer)
+    padded = run_hook(trainer, inputs, padding_free=False)
+    packed = run_hook(trainer, inputs, padding_free=True)
+    assert_same(packed, padded, inputs["completion_mask"].bool())
+
+
 def test_cross_sequence_attention_would_be_caught(tmp_path):
     """The parity above can fail: one causal mask over the packed row (what transformers does when a cache is
     made, use_cache=True) changes every later sequence's log-probs."""

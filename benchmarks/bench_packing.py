@@ -1,0 +1,271 @@
+"""One GRPO step (policy forward + backward, no generation), padded rows vs padding-free packed rows.
+
+    # CPU (fp32, SmolLM2-135M shape, G=8, P<=64, T=256; ~6 min on a busy 2-core host)
+    OMP_NUM_THREADS=1 python benchmarks/bench_packing.py --arch smollm2-135m --num-generations 8 \
+        --prompt-length 64 --completion-length 256 --reps 2
+    # GPU (issue 16): Llama-3.1-8B-shaped LoRA bf16, G=8, T=8192, offload on (the 8B step needs it at T=8K)
+    python benchmarks/bench_packing.py --arch llama-3.1-8b --num-generations 8 --prompt-length 256 \
+        --completion-length 8192 --offload true --reps 2
+
+Batch: G rows; prompt lengths uniform over 50-100% of P (left-padded), completion lengths drawn per `--mixes`:
+  uniform    uniform over 5-100% of T (the issue's spread)
+  long_tail  80% of rows over 5-20% of T, 20% at 60-100% (most stop early, a few run long)
+and one row at exactly T (a completion cut at the limit), which sets the padded width as TRL pads a batch to
+its longest completion; every row's tokens are random ids; fixed old_per_token_logps (-log V) so the loss depends on the log-probs.
+Step: `trainer.compute_loss(model, inputs)` (TRL's `_compute_loss`) + `backward()`, gradient checkpointing on as
+`Trainer.train()` switches it on; same seed, same LoRA init, same batch in both variants:
+  padded   GRPOAccelTrainer, padding_free=False (TRL's [B, T] layout into our fused head)
+  packed   GRPOAccelTrainer, padding_free=True (grpo_accel/packing.py; default token budget: the padded rows)
+Each variant runs in a fresh subprocess (its own allocator state and peak).
+Metrics: step_time_ms (median of --reps after a warm-up), tokens_per_s (real prompt + completion tokens / step
+time), step_cpu_ms and tokens_per_cpu_s (CPU only: the process's CPU time, which a host shared with other jobs
+inflates far less than wall time; with OMP_NUM_THREADS=1 it is the step's compute), peak_step_mem_mib (peak above the built model: CUDA max_memory_allocated, CPU VmHWM RSS with a fixed glibc
+mmap threshold as in bench_step_memory.py), peak_reserved_mib (CUDA), real/padded tokens, loss and lora_grad_norm
+(equal across variants = same computation). Writes benchmarks/results/packing.csv (+ .png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 1 << 20
+VARIANTS = {"padded": False, "packed": True}
+MIXES = ("uniform", "long_tail")
+RESULT_TAG = "RESULT "
+
+
+def completion_lengths(mix: str, G: int, T: int, gen) -> list[int]:
+    import torch
+
+    u = torch.rand(G, generator=gen)
+    if mix == "uniform":
+        frac = 0.05 + 0.95 * u
+    else:
+        long_rows = torch.rand(G, generator=gen) < 0.2
+        frac = torch.where(long_rows, 0.6 + 0.4 * u, 0.05 + 0.15 * u)
+    lengths = [max(1, round(float(f) * T)) for f in frac]
+    lengths[0] = T  # one completion runs to the limit, as in a batch where some are cut at max_completion_length
+    return lengths
+
+
+def make_inputs(mix, G, P, T, V, device):
+    """TRL's layout: prompts left-padded to the longest prompt, completions right-padded to the longest one."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    c_len = completion_lengths(mix, G, T, g)
+    p_len = [max(1, round(P * (0.5 + 0.5 * float(x)))) for x in torch.rand(G, generator=g)]
+    Pw, Tw = max(p_len), max(c_len)
+    cols_p, cols_c = torch.arange(Pw), torch.arange(Tw)
+    prompt_mask = (cols_p[None] >= Pw - torch.tensor(p_len)[:, None]).long()
+    completion_mask = (cols_c[None] < torch.tensor(c_len)[:, None]).long()
+    inputs = dict(
+        prompt_ids=torch.randint(3, V, (G, Pw), generator=g), prompt_mask=prompt_mask,
+        completion_ids=torch.randint(3, V, (G, Tw), generator=g), completion_mask=completion_mask,
+        advantages=torch.randn(G, generator=g), old_per_token_logps=torch.full((G, Tw), -math.log(V)),
+        num_items_in_batch=completion_mask.sum(),
+    )
+    return {k: v.to(device) for k, v in inputs.items()}, sum(p_len) + sum(c_len), G * (Pw + Tw)
+
+
+def worker(a):
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from bench_step_memory import build_model, enable_checkpointing_like_train, synthetic_tokenizer
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.memory import PhaseMemory
+    from grpo_accel.trainer import GRPOAccelTrainer
+
+    cuda = a.device == "cuda"
+    mem = PhaseMemory(a.device)
+    G, T = a.num_generations, a.completion_length
+    with tempfile.TemporaryDirectory() as tmp, mem.phase("load"):
+        model = build_model(a.arch, a.device, torch.bfloat16 if cuda else torch.float32, "none", None)
+        torch.manual_seed(0)  # same LoRA init in both variants
+        args = GRPOAccelConfig(output_dir=tmp, per_device_train_batch_size=G, num_generations=G,
+                               max_completion_length=T, report_to="none", bf16=cuda, use_cpu=not cuda, seed=0,
+                               padding_free=VARIANTS[a.impl], offload_activations=a.offload)
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        trainer = GRPOAccelTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                                   args=args, processing_class=synthetic_tokenizer(),
+                                   train_dataset=Dataset.from_dict({"prompt": ["x"] * G}), peft_config=lora)
+        checkpointing = enable_checkpointing_like_train(trainer)
+    base = mem.records[-1].end_bytes
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    V = model.config.get_text_config().vocab_size
+    inputs, real_tokens, padded_tokens = make_inputs(a.mix, G, a.prompt_length, T, V, a.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(name):
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with mem.phase(name):
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = trainer.compute_loss(model, inputs)
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+            ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+        rec = mem.records[-1]
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params if p.grad is not None]))
+        return dict(ms=ms, cpu_ms=cpu_ms, peak=(rec.peak_bytes - base) / MIB, loss=loss.item(), grad_norm=grad_norm.item(),
+                    reserved=torch.cuda.max_memory_reserved() / MIB if cuda else None)
+
+    try:
+        steps = [step("warmup")] + [step(f"step{i}") for i in range(a.reps)]
+    except torch.OutOfMemoryError as exc:
+        print(RESULT_TAG + json.dumps({"oom": True, "error": str(exc).splitlines()[0][:200]}), flush=True)
+        return
+    measured = steps[1:] or steps
+    out = dict(oom=False, padding_free=trainer.padding_free, checkpointing=checkpointing,
+               time_ms=[s["ms"] for s in measured], cpu_ms=[s["cpu_ms"] for s in measured], peak_mib=max(s["peak"] for s in measured),
+               loss=measured[0]["loss"], grad_norm=measured[0]["grad_norm"], real_tokens=real_tokens,
+               padded_tokens=padded_tokens, base_mib=base / MIB, load_1min=os.getloadavg()[0])
+    if cuda:
+        out["peak_reserved_mib"] = max(s["reserved"] for s in measured)
+    print(RESULT_TAG + json.dumps(out), flush=True)
+
+
+def run_worker(args, impl, mix):
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)  # peak RSS follows live tensors (bench_step_memory.py)
+        if args.offload == "true":
+            env["GRPO_ACCEL_OFFLOAD_FORCE_COPIES"] = "1"
+    cmd = [sys.executable, __file__, "--worker", impl, "--mix", mix, "--arch", args.arch, "--device", args.device,
+           "--num-generations", str(args.num_generations), "--prompt-length", str(args.prompt_length),
+           "--completion-length", str(args.completion_length), "--reps", str(args.reps), "--offload", args.offload]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if not lines:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{impl} {mix} failed (rc {proc.returncode})")
+    return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+def rows_of(res, args, impl, mix):
+    dtype = "bf16" if args.device == "cuda" else "fp32"
+    shape = (f"{args.arch},lora-r16,G={args.num_generations},P<={args.prompt_length},T<={args.completion_length},"
+             f"{mix},{dtype}" + (",offload" if args.offload == "true" else ""))
+    metrics = [("oom", float(res["oom"]), "bool")]
+    if not res["oom"]:
+        ms = statistics.median(res["time_ms"])
+        metrics += [("step_time_ms", ms, "ms"), ("tokens_per_s", res["real_tokens"] / ms * 1e3, "tokens/s"),
+                    ("peak_step_mem_mib", res["peak_mib"], "MiB"), ("real_tokens", res["real_tokens"], "tokens"),
+                    ("padded_tokens", res["padded_tokens"], "tokens"), ("loss", res["loss"], "nats"),
+                    ("lora_grad_norm", res["grad_norm"], "1"), ("load_1min", res["load_1min"], "procs")]
+        if args.device == "cpu":
+            cpu_ms = statistics.median(res["cpu_ms"])
+            metrics += [("step_cpu_ms", cpu_ms, "ms"), ("tokens_per_cpu_s", res["real_tokens"] / cpu_ms * 1e3, "tokens/s")]
+        if "peak_reserved_mib" in res:
+            metrics.append(("peak_reserved_mib", res["peak_reserved_mib"], "MiB"))
+    return [dict(op="grpo_step_fwd_bwd", impl=impl, shape=shape, metric=m, value=f"{v:.6g}", unit=u)
+            for m, v, u in metrics]
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["device"], r["shape"]) for r in rows})
+    panels = [("tokens_per_s", "real tokens / s (wall), one step fwd + bwd"),
+              ("tokens_per_cpu_s", "real tokens / CPU-s (CPU rows)"),
+              ("peak_step_mem_mib", "peak memory of one step above the model (MiB)")]
+    panels = [p for p in panels if any(r["metric"] == p[0] for r in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 2.4 * len(groups) * len(panels) / 2 + 5), 4.8))
+    for ax, (metric, label) in zip(axes, panels):
+        for k, impl in enumerate(VARIANTS):
+            xs, vals = [], []
+            for i, g in enumerate(groups):
+                v = [float(r["value"]) for r in rows if (r["device"], r["shape"]) == g and r["impl"] == impl
+                     and r["metric"] == metric]
+                if v:
+                    xs.append(i + 0.4 * k)
+                    vals.append(v[0])
+            bars = ax.bar(xs, vals, 0.4, label=impl, color=f"C{k}")
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.set_xticks([i + 0.2 for i in range(len(groups))])
+        ax.set_xticklabels(["\n".join([s.split(",")[5], s.split(",")[0], d.split(" (")[0][:24]]) for d, s in groups],
+                           fontsize=7)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("one GRPO step, padded vs padding-free rows: " + "; ".join(sorted({s for _, s in groups})), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", metavar="IMPL", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    p.add_argument("--mix", choices=MIXES, help=argparse.SUPPRESS)
+    p.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
+    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.architectures")
+    p.add_argument("--num-generations", type=int, default=8, help="G: rows in the step")
+    p.add_argument("--prompt-length", type=int, default=64, help="P: longest prompt")
+    p.add_argument("--completion-length", type=int, default=256, help="T: max completion tokens")
+    p.add_argument("--reps", type=int, default=2, help="measured steps after the warm-up; time is their median")
+    p.add_argument("--offload", default="false", choices=["true", "false"], help="offload_activations")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--out", type=Path, default=RESULTS / "packing.csv")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot from the CSV")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        args.impl = args.worker
+        return worker(args)
+    if args.plot_only:
+        import csv
+
+        return plot(list(csv.DictReader(open(args.out))), args.out.with_suffix(".png"))
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    versions, sha, dev = run_meta(args.device, ("torch", "trl", "transformers"))
+    rows = []
+    for mix in args.mixes:
+        results = {impl: run_worker(args, impl, mix) for impl in VARIANTS}
+        for impl, res in results.items():
+            rows += rows_of(res, args, impl, mix)
+        pad, pk = results["padded"], results["packed"]
+        if not (pad["oom"] or pk["oom"]):
+            speed = statistics.median(pad["time_ms"]) / statistics.median(pk["time_ms"])
+            cpu_speed = statistics.median(pad["cpu_ms"]) / statistics.median(pk["cpu_ms"])
+            print(f"{mix}: real/padded tokens {pk['real_tokens']}/{pk['padded_tokens']}, packed step "
+                  f"{speed:.2f}x faster (CPU time {cpu_speed:.2f}x), peak {pk['peak_mib'] / max(pad['peak_mib'], 1e-9):.2f}x of padded; "
+                  f"loss {pad['loss']:.6g} vs {pk['loss']:.6g}, grad norm {pad['grad_norm']:.6g} vs "
+                  f"{pk['grad_norm']:.6g}", flush=True)
+    for r in rows:
+        r.update(device=dev, versions=versions, git_sha=sha, date=datetime.date.today().isoformat())
+    all_rows = merge_csv(rows, args.out)
+    plot(all_rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
