@@ -1,6 +1,6 @@
 """One GRPO step (policy forward + backward, no generation), padded rows vs padding-free packed rows.
 
-    # CPU (fp32, SmolLM2-135M shape, G=8, P<=64, T=256; ~6 min on a busy 2-core host)
+    # CPU (fp32, SmolLM2-135M shape, G=8, P<=64, T=256; 13 min on a busy 2-core host)
     OMP_NUM_THREADS=1 python benchmarks/bench_packing.py --arch smollm2-135m --num-generations 8 \
         --prompt-length 64 --completion-length 256 --reps 2
     # GPU (issue 16): Llama-3.1-8B-shaped LoRA bf16, G=8, T=8192, offload on (the 8B step needs it at T=8K)
