@@ -42,6 +42,39 @@ def test_nan_steps_are_skipped_then_stop(tmp_path):
     assert f"last good checkpoint is {tmp_path / 'checkpoint-1'}" in str(guard.error(str(tmp_path)))
 
 
+def test_deepspeed_guard_counts_skips_and_waits_out_fp16_calibration():
+    """fp16's dynamic loss scaler overflows on purpose while it halves 2^16 down: those skips are counted but do
+    not stop the run; once the scale is 1 (or without fp16) N skips in a row do."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+
+    from grpo_accel.guards import DeepSpeedSkipGuard
+
+    ds_optimizer = SimpleNamespace(loss_scale=2.0**16)
+    accelerator = SimpleNamespace(optimizer_step_was_skipped=True,
+                                  _optimizers=[SimpleNamespace(optimizer=ds_optimizer)])
+    guard, state, control = DeepSpeedSkipGuard(2, accelerator), TrainerState(), TrainerControl()
+    fp16 = SimpleNamespace(fp16=True)
+    for _ in range(5):  # calibrating: 2^16 .. 2^12
+        guard.on_optimizer_step(fp16, state, control)
+        ds_optimizer.loss_scale /= 2
+        state.global_step += 1
+    assert guard.skipped == 5 and guard.stopped_at is None and not control.should_training_stop
+    ds_optimizer.loss_scale = 1.0
+    guard.on_optimizer_step(fp16, state, control)
+    state.global_step += 1
+    accelerator.optimizer_step_was_skipped = False  # a good step resets the run of skips
+    guard.on_optimizer_step(fp16, state, control)
+    state.global_step += 1
+    accelerator.optimizer_step_was_skipped = True
+    for _ in range(2):
+        guard.on_optimizer_step(SimpleNamespace(fp16=False), state, control)
+        state.global_step += 1
+    assert guard.stopped_at == 9 and control.should_training_stop and not control.should_save
+    assert guard.metrics() == {"nonfinite/skipped_steps": 8.0}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_deepspeed_skips_count_and_stop_naming_last_good_checkpoint(tmp_path):
