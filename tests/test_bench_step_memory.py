@@ -64,6 +64,7 @@ def test_find_max_t_first_probe_is_the_planners(monkeypatch):
 
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     import bench_step_memory
+
     from grpo_accel.offload import residency
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=79 << 30))

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 import torch
+from test_offload import FORCED, LAYER_BYTES, B, T, V, tiny_llama
 
 from grpo_accel.architectures import model_shape
 from grpo_accel.memory import GIB, find_max_completion_length, fit_host, plan_memory
-from test_offload import FORCED, LAYER_BYTES, B, T, V, tiny_llama
 
 
 @pytest.mark.parametrize("kept_layers", [0, 1, 3])

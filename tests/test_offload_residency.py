@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 import torch
+from test_offload import FORCED, LAYER_BYTES, B, T, V, tiny_llama
 
 from grpo_accel.offload import SavedActivationTracker, install_activation_offload
 from grpo_accel.offload.residency import HostMemoryError, check_host_memory, host_available_bytes
-from test_offload import FORCED, LAYER_BYTES, B, T, V, tiny_llama
 
 L = 6
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_offload import H, V, tiny_llama
 
 from grpo_accel.offload import OffloadConfig, SavedActivationTracker, install_activation_offload, tiled
-from test_offload import H, V, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 T = 32

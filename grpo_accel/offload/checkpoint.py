@@ -46,11 +46,14 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
             raise RuntimeError("offloaded checkpoint is reentrant-style: use loss.backward(), "
                                "not torch.autograd.grad() or backward(inputs=...)")
         inputs = [t.detach().requires_grad_(r) for t, r in zip(ctx.stash.load(ctx.entry), ctx.requires)]
-        if ctx.groups:
-            in_grads = rerun._grouped_rerun(ctx, inputs, grads)
-        else:
-            rerun._rerun(ctx, inputs, grads)
-            in_grads = [t.grad if r else None for t, r in zip(inputs, ctx.requires)]
+        # Several pieces under several processes: parameter grads handed back once (DDP / ZeRO hooks fire per backward)
+        pieces = bool(ctx.groups) or bool(getattr(ctx, "tiles", None))
+        with rerun.deferred_param_grads(rerun._module_of(ctx.run), pieces and rerun.several_processes()):
+            if ctx.groups:
+                in_grads = rerun._grouped_rerun(ctx, inputs, grads)
+            else:
+                rerun._rerun(ctx, inputs, grads)
+                in_grads = [t.grad if r else None for t, r in zip(inputs, ctx.requires)]
         ctx.stash.release(ctx.entry)
         flat_grads = [None] * len(ctx.flat)
         for i, g in zip(ctx.idx, in_grads):
@@ -59,7 +62,7 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
 
 
 def _run_forward(ctx, run, args, kwargs, preserve_rng: bool):
-    """The layer under no_grad: in sequence tiles when one row is longer than recompute_tokens (tiled.py), else whole."""
+    """The layer under no_grad: in sequence tiles when a row is longer than recompute_tokens (tiled.py), else whole."""
     module = rerun._module_of(run)
     ctx.tiles, ctx.tile_rng = None, None
     if rerun._shared_params(module) is False:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Where saved tensors go. `None` fields mean "decide per tensor": copy, pin and use a side
@@ -30,10 +31,10 @@ class OffloadConfig:
     host_budget_bytes: int | None = None
 
     @classmethod
-    def from_plan(cls, plan, host_budget_bytes: int | None = None, **overrides) -> "OffloadConfig":
+    def from_plan(cls, plan, host_budget_bytes: int | None = None, **overrides) -> OffloadConfig:
         """The stash settings a grpo_accel.memory plan assumed: its piece size (recompute_tokens) and device
         budget (offload_device_budget_bytes, e.g. chosen by memory.fit_host); `host_budget_bytes` caps the host
-        side (what the start-up check found available), so a wrong plan stops with HostMemoryError, not the OOM killer."""
+        side (what the start-up check found available): a wrong plan stops with HostMemoryError, not the OOM killer."""
         inp = plan.inputs
         return cls(recompute_tokens=inp.get("recompute_tokens", cls.recompute_tokens),
                    device_budget_bytes=int(inp.get("offload_device_budget_bytes", 0)),

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .checkpoint import OffloadedCheckpoint
 from .config import OffloadConfig
 
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """PeftModel -> base transformers model; DDP / DeepSpeedEngine -> .module."""
     for _ in range(8):

@@ -4,6 +4,7 @@ exist for one group only."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -11,6 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import tiled
 from .replay import _replay
+
 
 def _has_rows(x, rows: int) -> bool:
     """Whether `x` is batched along dim 0 with `rows` rows. 1-D tensors never are (cache_position is [T])."""
@@ -81,8 +83,9 @@ def _row_groups(function, tensors, outs, recompute_tokens) -> list[slice] | None
 
     Whole when: the first input is not [B, T, ...] with B > 1 rows of more than one group; an output is not
     batched along dim 0; the module is unknown or has live dropout (a grouped re-run draws other random masks
-    than the forward did); its parameters are ZeRO-3 partitions (each re-run would gather them again); or more
-    than one process trains (DDP / DeepSpeed fire a parameter's gradient hook once per backward, not per group).
+    than the forward did); or its parameters are ZeRO-3 partitions (each re-run would gather them again). Under
+    several processes the groups' parameter grads are summed off to the side and handed back once
+    (`deferred_param_grads`), as DDP / DeepSpeed expect.
     """
     if not recompute_tokens or not tensors or tensors[0].ndim < 3 or not tensors[0].is_floating_point():
         return None
@@ -110,12 +113,39 @@ def _live_dropout(module: torch.nn.Module) -> bool:
 
 
 def _shared_params(module: torch.nn.Module | None) -> bool | None:
-    """Whether a re-run in pieces would upset parameter hooks: ZeRO-3 partitions (each piece gathers them again),
-    or several processes (DDP / DeepSpeed fire a parameter's gradient hook once per backward, not per piece).
-    None when the module is unknown."""
+    """Whether a re-run in pieces would upset parameter hooks: ZeRO-3 partitions (each piece gathers them again
+    and the hooks need them gathered when the grads land). None when the module is unknown. Several processes
+    (DDP / ZeRO-1/2) no longer count: `deferred_param_grads` hands each parameter's grad back once per backward."""
     if module is None:
         return None
-    if any(hasattr(p, "ds_tensor") for p in module.parameters()):
-        return True
+    return any(hasattr(p, "ds_tensor") for p in module.parameters())
+
+
+def several_processes() -> bool:
     return bool(torch.distributed.is_available() and torch.distributed.is_initialized()
                 and torch.distributed.get_world_size() > 1)
+
+
+@contextlib.contextmanager
+def deferred_param_grads(module: torch.nn.Module | None, enabled: bool = True):
+    """Inside: `module`'s trainable parameters are replaced by hook-free aliases (same storage, fresh leaves), so
+    the re-run's row groups / tiles accumulate into the aliases' .grad; on exit one `torch.autograd.backward` of the
+    parameters with the summed grads: each AccumulateGrad (and the DDP / ZeRO-1/2 hook on it) fires once per
+    backward. Cost: one extra grad buffer for this layer's trainable parameters (LoRA: KBs; full fine-tune: one
+    layer's parameters) while its backward runs."""
+    if not enabled or module is None:
+        yield
+        return
+    slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+             if p is not None and p.requires_grad]
+    aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for _, _, p in slots]
+    for (m, name, _), a in zip(slots, aliases):
+        m._parameters[name] = a
+    try:
+        yield
+    finally:
+        for m, name, p in slots:
+            m._parameters[name] = p
+    pairs = [(p, a.grad) for (_, _, p), a in zip(slots, aliases) if a.grad is not None]
+    if pairs:
+        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])

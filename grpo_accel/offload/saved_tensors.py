@@ -11,6 +11,7 @@ import torch
 from .config import OffloadConfig
 from .stash import _Entry, _policy
 
+
 @contextlib.contextmanager
 def offload_saved_tensors(min_bytes: int = 1 << 20, config: OffloadConfig | None = None, keep=()):
     """Saved-tensor hooks that hold large saved tensors on the host until backward.

@@ -33,9 +33,9 @@ import contextlib
 import functools
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import get_device_states, set_device_states
+
+from .tile_attention import _attend
 
 # attention-interface kwargs a tiled call may ignore; any other kwarg with a value makes the layer untileable
 _IGNORED_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values"}
@@ -103,29 +103,6 @@ class _Tiling:
         return o_leaf, None
 
 
-def _attend(q, k, v, mask, start: int, dropout: float, scale, segments=None):
-    """softmax(q k^T * scale + causal / `mask` rows start:start+Tq) v for a query tile at `start`; memory-linear:
-    no mask is built on CUDA (lower-right causal bias), a [Tq, e] bool mask on CPU (its flash kernel takes one).
-    `segments` (0, n0, n0+n1, ..., N): packed sequences, each query attends causally within its own only."""
-    if segments is not None:
-        end, outs = start + q.shape[2], []
-        for lo, hi in zip(segments[:-1], segments[1:]):
-            a, b = max(lo, start), min(hi, end)  # this sequence's queries in the tile, keys lo:b
-            if a < b:
-                outs.append(_attend(q[:, :, a - start:b - start], k[:, :, lo:b], v[:, :, lo:b], None, a - lo,
-                                    dropout, scale))
-        return torch.cat(outs, dim=2)
-    gqa = q.shape[1] != k.shape[1]
-    if mask is not None:
-        mask = mask[..., start:start + q.shape[2], :k.shape[2]]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
-    if start == 0:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
-                                              enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
-                                          dropout_p=dropout, scale=scale, enable_gqa=gqa)
-
-
 def seq_tiles(function, args, kwargs, recompute_tokens: int | None, module) -> list[slice] | None:
     """Tiles of <= recompute_tokens tokens along dim 1 when `function` is a HF decoder layer called on one long
     [B, T, H] input (`layer(x, **bound)` as GradientCheckpointingLayer calls it); None = run it whole."""
@@ -172,7 +149,7 @@ def forward(run, x: torch.Tensor, tiles: list[slice], record_rng: bool):
     state, rng = _Tiling(x.shape[1], "forward"), [] if record_rng else None
     y = None
     with _attention_hook(state.hook):
-        for i, sl in enumerate(tiles):
+        for sl in tiles:
             if rng is not None:
                 rng.append(_rng_state(x))
             state.sl, state.calls = sl, 0
