@@ -28,10 +28,16 @@ G=8, T=8192: step peak 23981 -> 10470 MiB, TRL 1.16 38279 MiB; time 1.02x the sa
 Without an accelerator the same function keeps inputs where they are (plain reentrant checkpointing:
 the no-op twin). `OffloadConfig(device_copies=True, use_streams=False, pin_memory=False)` forces the
 real copy path on CPU for tests; `SavedActivationTracker` reports where the saved bytes live.
-Parts: config.py (OffloadConfig, resolve_offload), stash.py (host copies, double buffer), checkpoint.py (the
-autograd function), replay.py (RNG / autocast replay), rerun.py (whole and row-grouped re-run), install.py (on a
+A row longer than `recompute_tokens` runs in sequence tiles, forward and re-run (tiled.py): one 8K-token SmolLM2
+row's re-run falls 5x in RSS with 512-token tiles; the same tiles bound one 110K-token Qwen3-8B row's re-run (33 GiB
+whole). Layer inputs stay on the device up to `device_budget_bytes`, the host side is capped by `host_budget_bytes`
+(HostMemoryError names the fix), reloads reuse two pooled buffers (residency.py).
+
+Parts: config.py (OffloadConfig, resolve_offload, from_plan), stash.py (host copies, double buffer), residency.py
+(device / host budgets, buffer pool), checkpoint.py (the autograd function), replay.py (RNG / autocast replay),
+rerun.py (whole and row-grouped re-run), tiled.py + tile_attention.py (sequence tiles), install.py (on a
 transformers model), saved_tensors.py (the head's saved tensors), tracker.py (where the saved bytes live).
-Tests: `OMP_NUM_THREADS=1 pytest tests/test_offload.py`.
+Tests: `OMP_NUM_THREADS=1 pytest tests/test_offload.py tests/test_offload_tiled.py tests/test_offload_residency.py`.
 """
 
 from .checkpoint import OffloadedCheckpoint, _OffloadedCheckpointFn, offloaded_checkpoint  # noqa: F401 (tests patch)
