@@ -74,7 +74,7 @@ def cmd_plan(args, train_flags: list[str]) -> int:
     print(plan.format())
     planned_gpu = preset.is_gpu or args.gpu_mem_gib is not None
     failures = run_checks(spec, model_config(spec, prefer_named=True), preset.max_prompt_length,
-                          gpu_bytes if planned_gpu else None)
+                          gpu_bytes if planned_gpu else None, host_bytes(args, gpu) if planned_gpu else None)
     if not planned_gpu:
         print("CPU preset: the peak is host RAM beyond the Python interpreter; no GPU verdict.")
     else:
@@ -99,8 +99,9 @@ def host_bytes(args, gpu) -> int | None:
         return int(args.host_mem_gib * GIB)
     if gpu is None:
         return None  # planning for another machine: its host memory is unknown
-    with open("/proc/meminfo") as f:
-        return int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    from .startup_checks import host_memory_bytes
+
+    return host_memory_bytes()
 
 
 def print_max_completion(spec, plan, gpu_bytes: int, host: int | None) -> None:

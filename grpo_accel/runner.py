@@ -184,11 +184,12 @@ def train_from_argv(argv: list[str]) -> int:
 
 def startup(spec, tokenizer, train_ds) -> int:
     """Every check that needs no weights, before any load; returns the longest prompt (it sizes the engine)."""
-    from .startup_checks import model_config, raise_on_failure, run_checks
+    from .startup_checks import host_memory_bytes, model_config, raise_on_failure, run_checks
 
     longest = max(prompt_lengths(tokenizer, train_ds["prompt"]))
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes))
+    host_bytes = host_memory_bytes() if gpu_bytes is not None else None
+    raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes, host_bytes))
     if gpu_bytes is not None:
         log(f"memory plan: {spec.plan().peak_gib:.1f} GiB predicted peak per GPU of {gpu_bytes / 2**30:.0f} GiB")
     return longest

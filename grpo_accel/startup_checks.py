@@ -134,18 +134,41 @@ def check_engine(spec) -> str | None:
     return None
 
 
-def check_memory(spec, gpu_bytes: int | None) -> str | None:
+def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None) -> str | None:
+    """The planner's verdict on this GPU; with `host_bytes`, offloaded layer inputs the host cannot hold are
+    planned on the device (`fit_host`), and a host too small even then is named."""
+    from .memory import fit_host
+
     if gpu_bytes is None:
         return None
-    verdict = spec.plan().verdict(gpu_bytes)
-    return None if verdict.fits else f"memory: this run {verdict}"
+    planned = spec.plan()
+    plan = fit_host(planned, host_bytes)
+    verdict = plan.verdict(gpu_bytes)
+    if verdict.fits:
+        return None
+    if plan is not planned and planned.verdict(gpu_bytes).fits:
+        wanted = sum(planned.host.values())
+        return (f"host memory: this run offloads {wanted / GIB:.1f} GiB of layer inputs, this machine has "
+                f"{host_bytes / GIB:.1f} GiB; the rest on the GPU makes the peak {plan.peak_gib:.1f} GiB of "
+                f"{gpu_bytes / GIB:.1f}. Fix: a shorter --max_completion_length (`grpo-accel plan --find-max-t` names "
+                f"the longest that fits), or a host with more memory.")
+    return f"memory: this run {verdict}"
 
 
-def run_checks(spec, config, prompt_tokens: int, gpu_bytes: int | None) -> list[str]:
+def run_checks(spec, config, prompt_tokens: int, gpu_bytes: int | None, host_bytes: int | None = None) -> list[str]:
     """Every check's failure message (empty: the run can start)."""
     found = [check_context(spec, config, prompt_tokens), check_attention_mask(spec, config, prompt_tokens),
-             check_engine(spec), check_memory(spec, gpu_bytes)]
+             check_engine(spec), check_memory(spec, gpu_bytes, host_bytes)]
     return [f for f in found if f]
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's total memory (Linux /proc/meminfo), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def raise_on_failure(failures: list[str]) -> None:

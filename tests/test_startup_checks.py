@@ -52,3 +52,17 @@ def test_rope_parameters_without_theta_is_refused():
                              '{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}'], for_plan=True)
     with pytest.raises(UserError, match="no rope_theta"):
         model_config(spec, prefer_named=True)
+
+
+def test_host_memory_is_checked_before_any_load():
+    """36 layers x 110K tokens of Qwen3-8B inputs go to host memory (29.5 GiB): a small host pushes them back onto
+    the GPU, which an 80 GB GPU absorbs and a 60 GB one does not."""
+    assert failures(["--preset", "h100_110k"], gpu_gib=79.1) == []
+    spec = resolve_run_spec(["--preset", "h100_110k"], for_plan=True)
+    from grpo_accel.startup_checks import check_memory
+
+    assert check_memory(spec, int(79.1 * GIB), int(120 * GIB)) is None
+    assert check_memory(spec, int(79.1 * GIB), int(2 * GIB)) is None  # the GPU can keep what the host cannot
+    assert check_memory(spec, int(60 * GIB), int(120 * GIB)) is None
+    found = check_memory(spec, int(60 * GIB), int(2 * GIB))
+    assert found and found.startswith("host memory:") and "--find-max-t" in found
