@@ -10,6 +10,7 @@ skips into the same metric and stops the run the same way. Cost there: none (rea
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -17,10 +18,9 @@ import torch
 from transformers import TrainerCallback
 
 from .console import log
-from .errors import UserError
 
 
-class NonFiniteStepsError(UserError, RuntimeError):
+class NonFiniteStepsError(RuntimeError):
     pass
 
 
@@ -37,6 +37,7 @@ class _SkipCounter(TrainerCallback):
         self.in_a_row = 0
         self.skipped = 0
         self.stopped_at: int | None = None
+        self.applied_nonfinite = False  # DeepSpeed only: a non-finite step it applied instead of skipping
 
     def _count(self, skipped: bool, state, control, why: str, towards_stop: bool = True) -> None:
         if not skipped:
@@ -63,10 +64,12 @@ class _SkipCounter(TrainerCallback):
         where = (f"The last good checkpoint is {good}" if good else
                  f"No checkpoint was saved before it (none in {output_dir})")
         then = "--resume_from_checkpoint latest" if good else "start again"
+        what = (f"step {self.stopped_at} applied non-finite gradients (DeepSpeed did not skip it: set "
+                f"bf16.check_grad_overflow true in its config)" if self.applied_nonfinite else
+                f"{self.max_in_a_row} steps in a row had non-finite gradients (skipped, never applied)")
         return NonFiniteStepsError(
-            f"stopped at step {self.stopped_at}: {self.max_in_a_row} steps in a row had non-finite gradients "
-            f"(skipped, never applied). {where}. Fix: lower --learning_rate, check the reward functions and data, "
-            f"then {then}.")
+            f"stopped at step {self.stopped_at}: {what}. {where}. Fix: lower --learning_rate, check the reward "
+            f"functions and data, then {then}.")
 
 
 def last_checkpoint(output_dir: str) -> str | None:
@@ -98,6 +101,16 @@ class DeepSpeedSkipGuard(_SkipCounter):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         skipped = bool(self.accelerator.optimizer_step_was_skipped)
+        if not skipped and not math.isfinite(self._grad_norm()):
+            # Applied anyway (bf16 ZeRO-1/2 with DeepSpeed's `check_grad_overflow` off, or a DeepSpeed without it):
+            # the weights are no longer finite, so no later checkpoint may be written. Stop now.
+            self.applied_nonfinite = True
+            self.skipped += 1
+            self.stopped_at = state.global_step + 1
+            control.should_training_stop, control.should_save = True, False
+            log(f"step {self.stopped_at}: DeepSpeed applied a step with a non-finite gradient norm; stopping "
+                f"without saving")
+            return
         scale = None
         if skipped:
             ds_optimizer = getattr(self.accelerator._optimizers[0], "optimizer", None) if \
@@ -106,3 +119,8 @@ class DeepSpeedSkipGuard(_SkipCounter):
         calibrating = bool(args.fp16) and scale is not None and scale > 1
         why = f"DeepSpeed skipped the step (non-finite gradients{f', loss scale {scale:g}' if scale else ''})"
         self._count(skipped, state, control, why, towards_stop=not calibrating)
+
+    def _grad_norm(self) -> float:
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        norm = wrapped.engine.get_global_grad_norm() if wrapped is not None else None
+        return 0.0 if norm is None else float(norm)

@@ -74,6 +74,16 @@ def test_deepspeed_guard_counts_skips_and_waits_out_fp16_calibration():
     assert guard.stopped_at == 9 and control.should_training_stop and not control.should_save
     assert guard.metrics() == {"nonfinite/skipped_steps": 8.0}
 
+    # A step DeepSpeed applied although its gradient norm was not finite (bf16 without check_grad_overflow):
+    # the weights are poisoned, the run stops at once, and the error says so.
+    engine = SimpleNamespace(get_global_grad_norm=lambda: float("nan"))
+    accelerator.optimizer_step_was_skipped = False
+    accelerator.deepspeed_engine_wrapped = SimpleNamespace(engine=engine)
+    guard, control = DeepSpeedSkipGuard(3, accelerator), TrainerControl()
+    guard.on_optimizer_step(SimpleNamespace(fp16=False), state, control)
+    assert guard.stopped_at == state.global_step + 1 and control.should_training_stop and not control.should_save
+    assert "applied non-finite gradients" in str(guard.error("/nonexistent"))
+
 
 @pytest.mark.distributed
 @pytest.mark.slow
