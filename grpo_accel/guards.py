@@ -18,9 +18,10 @@ import torch
 from transformers import TrainerCallback
 
 from .console import log
+from .errors import UserError
 
 
-class NonFiniteStepsError(RuntimeError):
+class NonFiniteStepsError(UserError, RuntimeError):
     pass
 
 
