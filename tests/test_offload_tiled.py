@@ -301,3 +301,19 @@ def test_cuda_max_memory_allocated_falls_with_offload_and_tiles():
     for name in ("offload", "offload+tiles"):
         rel = ((grads[name] - grads["checkpoint"]).norm() / grads["checkpoint"].norm()).item()
         assert rel < 2e-2, (name, rel)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("rows,tokens", [(4, T), (2, 8)], ids=["row-groups", "groups-and-tiles"])
+def test_forward_runs_in_the_rerun_pieces(rows, tokens):
+    """The checkpointed forward (no grad) runs each layer in the pieces its re-run uses, so its transient tensors
+    (the MLP's [tokens, I] ones) are bounded too: no MLP call sees more than recompute_tokens tokens; same grads."""
+    ids = torch.randint(0, V, (rows, T), generator=torch.Generator().manual_seed(10))
+    _, ref = step(tiny_llama(), ids)
+    model = tiny_llama()
+    seen = []
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(lambda m, inp, out: seen.append(inp[0].shape[:2].numel()))
+    _, got = step(model, ids, forced(tokens))
+    assert_close_rel(ref, got)
+    assert seen and max(seen) <= tokens, seen

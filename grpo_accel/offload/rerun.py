@@ -50,18 +50,22 @@ def _grouped_rerun(ctx, inputs, grads) -> list:
     n = ctx.rows
     batched = [_has_rows(t, n) for t in inputs]
     in_grads = [torch.zeros_like(t) if r and b else None for t, r, b in zip(inputs, ctx.requires, batched)]
-    run = ctx.run
     for rows in ctx.groups:
-        if isinstance(ctx.run, functools.partial):
-            leaves, spec = tree_flatten(ctx.run.keywords)
-            run = functools.partial(ctx.run.func, *ctx.run.args,
-                                    **tree_unflatten([_rows_of(x, rows, n) for x in leaves], spec))
+        run = _rows_partial(ctx.run, rows, n)
         part = [t.detach()[rows].requires_grad_(r) if b else t for t, r, b in zip(inputs, ctx.requires, batched)]
         _rerun(ctx, part, [g[rows] if g is not None else None for g in grads], run)
         for k, (t, b) in enumerate(zip(part, batched)):
             if in_grads[k] is not None and t.grad is not None:
                 in_grads[k][rows] = t.grad
     return [g if b else (t.grad if r else None) for g, t, r, b in zip(in_grads, inputs, ctx.requires, batched)]
+
+
+def _rows_partial(run, rows: slice, n: int):
+    """`run` with the tensors bound in its partial that have `n` rows sliced to `rows` (masks, RoPE tables)."""
+    if not isinstance(run, functools.partial):
+        return run
+    leaves, spec = tree_flatten(run.keywords)
+    return functools.partial(run.func, *run.args, **tree_unflatten([_rows_of(x, rows, n) for x in leaves], spec))
 
 
 def _module_of(function) -> torch.nn.Module | None:
