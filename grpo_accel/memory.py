@@ -308,30 +308,31 @@ def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
         return Verdict(True, p, gpu, (), f"fits: {head} ({(gpu - p) / GIB:.1f} GiB headroom)")
     toggles = []
     if inp["gradient_checkpointing"] and not inp["offload_activations"]:
-        toggles.append(("turn on offload_activations", dict(offload_activations=True)))
+        toggles.append(("--offload_activations true", dict(offload_activations=True)))
     if not inp["gradient_checkpointing"]:
-        toggles.append(("turn on gradient_checkpointing", dict(gradient_checkpointing=True)))
+        toggles.append(("--gradient_checkpointing true", dict(gradient_checkpointing=True)))
     if inp["logprob_impl"] in ("naive", "trl"):
-        toggles.append(("use logprob_impl='auto' (fused head)", dict(logprob_impl="auto")))
+        toggles.append(("--logprob_impl auto (fused head)", dict(logprob_impl="auto")))
     if inp["use_vllm"] and not inp["vllm_share_weights"] and inp["lora_r"] > 0:
-        toggles.append(("share the base weights with vLLM (vllm_share_weights)", dict(vllm_share_weights=True)))
-    if inp["use_vllm"] and not inp["vllm_sleep"]:
-        toggles.append(("put vLLM to sleep while training (vllm_sleep)", dict(vllm_sleep=True)))
+        toggles.append(("--vllm_share_weights true", dict(vllm_share_weights=True)))
+    if inp["use_vllm"]:
+        toggles.append(("--use_vllm false (generate with transformers)", dict(use_vllm=False)))
     if inp["quantization"] == "none" and inp["lora_r"] > 0:
-        toggles.append(("use a QLoRA preset (quantization='4bit')", dict(quantization="4bit")))
+        toggles.append(("--quantization 4bit (QLoRA)", dict(quantization="4bit")))
     if inp["lora_r"] <= 0:
-        toggles.append(("train LoRA adapters instead of all weights (lora_r=16)", dict(lora_r=16)))
+        toggles.append(("--lora_r 16 (LoRA instead of all weights)", dict(lora_r=16)))
     fixes = [(text, plan.replan(**chg).peak_bytes) for text, chg in toggles]
     if inp["per_device_train_batch_size"] > 1:
         b = _largest_fitting(plan, "per_device_train_batch_size", inp["per_device_train_batch_size"], gpu)
         if b:
-            fixes.append((f"lower per_device_train_batch_size to {b}", plan.replan(per_device_train_batch_size=b).peak_bytes))
+            fixes.append((f"--per_device_train_batch_size {b}", plan.replan(per_device_train_batch_size=b).peak_bytes))
     t = _largest_fitting(plan, "max_completion_length", inp["max_completion_length"], gpu, step=128)
     if t:
-        fixes.append((f"lower max_completion_length to {t}", plan.replan(max_completion_length=t).peak_bytes))
+        fixes.append((f"--max_completion_length {t}", plan.replan(max_completion_length=t).peak_bytes))
     combined = plan.replan(**{k: v for _, chg in toggles for k, v in chg.items()}) if toggles else None
     fixes = [(text, peak, peak <= gpu) for text, peak in sorted(fixes, key=lambda f: f[1])]
     parts = [f"{text} (-> {peak / GIB:.1f} GiB{', fits' if ok else ''})" for text, peak, ok in fixes]
+    # each fix is a launch/train.py flag (tests/test_cli.py holds them to the parser)
     msg = f"does not fit: {head}, short by {(p - gpu) / GIB:.1f} GiB. Fixes, each alone: " + "; ".join(parts)
     if combined is not None and not any(ok for *_, ok in fixes):
         msg += f". All switches together: {combined.peak_gib:.1f} GiB" + (

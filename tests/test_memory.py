@@ -148,13 +148,13 @@ def test_verdict_names_fixes_and_bisection_is_tight():
                        max_completion_length=110_000, offload_activations=False, use_vllm=True)
     gpu = int(79.1 * GIB)
     v = plan.verdict(gpu)
-    assert not v.fits and "turn on offload_activations" in v.message
+    assert not v.fits and "--offload_activations true" in v.message
     fix = dict((text, ok) for text, _, ok in v.fixes)
-    assert fix["turn on offload_activations"] and plan.replan(offload_activations=True).verdict(gpu).fits
-    t = int(next(text for text in fix if text.startswith("lower max_completion_length")).split()[-1])
+    assert fix["--offload_activations true"] and plan.replan(offload_activations=True).verdict(gpu).fits
+    t = int(next(text for text in fix if text.startswith("--max_completion_length")).split()[-1])
     assert plan.replan(max_completion_length=t).peak_bytes <= gpu < plan.replan(max_completion_length=t + 128).peak_bytes
     bf16 = plan_memory("llama-3.1-8b", dtype="bf16", lora_r=16, per_device_train_batch_size=1, max_completion_length=4096)
-    assert "use a QLoRA preset" in bf16.verdict(12 * GIB).message
+    assert "--quantization 4bit" in bf16.verdict(12 * GIB).message
     assert bf16.verdict(80 * GIB).fits and "fits" in str(bf16.verdict(80 * GIB))
 
 
