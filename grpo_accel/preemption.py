@@ -105,6 +105,7 @@ class Preemption(TrainerCallback):
             self.stopped_at = state.global_step
             control.should_save = True
             control.should_training_stop = True
+            control.should_log = True  # the steps since the last log (logging_steps > 1) go into the checkpoint too
 
     def on_save(self, args, state, control, **kwargs):
         if self.stopped_at is not None:  # the scheduler may cut power right after: flush this rank's files

@@ -5,6 +5,7 @@ one line says how to resume, exit 0; `--resume_from_checkpoint latest` then logs
 """
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -42,7 +43,7 @@ def test_sigterm_mid_step_finishes_it_saves_and_stops(tmp_path):
 
     model, tokenizer = load_model("tiny-llama")
     args = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                           max_completion_length=6, report_to="none", max_steps=6, save_steps=100, logging_steps=1,
+                           max_completion_length=6, report_to="none", max_steps=6, save_steps=100, logging_steps=5,
                            seed=0, disable_tqdm=True)
     trainer = GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
                                train_dataset=arithmetic_dataset("train", 24), peft_config=LoraConfig(r=4),
@@ -52,8 +53,11 @@ def test_sigterm_mid_step_finishes_it_saves_and_stops(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
     assert trainer.preemption.preempted and trainer.preemption.stopped_at == 2
     assert trainer.state.global_step == 2
+    # logging_steps 5: steps 1-2 were not due for a log, the stop logs them before the save.
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [2]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
-    assert (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [h["step"] for h in saved["log_history"] if "loss" in h] == [2]
     assert "--resume_from_checkpoint latest" in trainer.preemption.resume_line(str(tmp_path))
 
 
