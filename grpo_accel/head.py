@@ -33,7 +33,11 @@ class HeadOutput(ModelOutput):  # a ModelOutput, so ZeRO-3's hooks can see the t
 
 def causal_lm_of(model):
     """The HF *ForCausalLM under PEFT / DDP / DeepSpeed wrappers."""
-    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
+    from transformers import PreTrainedModel
+
+    # DeepSpeed's engine forwards attribute lookups to the model inside (get_output_embeddings included) but its
+    # `.config` is DeepSpeed's dict: unwrap by type, not by attribute
+    while hasattr(model, "module") and not isinstance(model, PreTrainedModel) and not hasattr(model, "get_base_model"):
         model = model.module
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()

@@ -323,7 +323,9 @@ def main_guarded(fn, *args) -> int:
     try:
         return fn(*args)
     except UserError as exc:
-        print(f"\nerror: {exc}", file=sys.stderr, flush=True)  # newline: a progress bar may be mid-line
+        # one line per launch: every rank meets the same user error, rank 0 says it
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"\nerror: {exc}", file=sys.stderr, flush=True)  # newline: a progress bar may be mid-line
         return 2
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
