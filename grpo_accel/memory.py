@@ -122,8 +122,8 @@ def engine_shares_weights(use_vllm: bool, lora_r: int, quantization: str, vllm_s
 
 def _rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pieces: bool, tokens) -> float:
     """One layer's backward re-run (its saved tensors + backward transients, `per_token` bytes each). With offload
-    on one process without ZeRO-3 it runs in pieces of <= `tokens` tokens (OffloadConfig.recompute_tokens): row
-    groups while a row fits (grpo_accel.offload.rerun), sequence tiles past that (grpo_accel.offload.tiled), whose
+    and without ZeRO-3 (any number of processes: rerun.deferred_param_grads) it runs in pieces of <= `tokens`
+    tokens (OffloadConfig.recompute_tokens): row groups while a row fits (grpo_accel.offload.rerun), sequence tiles past that (grpo_accel.offload.tiled), whose
     full-length tensors stay: d(out) and d(in) [H], K and V [kv_dim] in the compute dtype, dK and dV in fp32."""
     if not pieces or not tokens:
         return B * T * per_token
@@ -185,7 +185,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
         on_device = min(2 + max(kept, 0), L + 1) * layer_input if offload_activations else ckpt
         dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
         dev["recompute_working_set"] = _rerun_bytes(shape, a, B, T, saved + transient, offload_activations and
-                                                    num_processes <= 1 and deepspeed_stage < 3, recompute_tokens)
+                                                    deepspeed_stage < 3, recompute_tokens)
     else:
         dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
         dev["recompute_working_set"] = n_tok * transient

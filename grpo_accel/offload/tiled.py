@@ -23,8 +23,9 @@ fp32 dK, dV [kv_dim each] per token, instead of the whole layer's saved tensors.
 recorded in the forward and replayed, so the re-run draws the forward's masks (the masks differ from an untiled
 layer's: a tiled layer is its own, exactly differentiated, function). Not tiled (whole re-run instead): attention
 other than sdpa / eager (flash varlen reads packed sequences from position ids; grpo_accel.packing's segments), calls
-this hook does not understand (sliding windows, soft-capping, sinks, caches, BlockMasks, 2-D masks), several
-processes or ZeRO-3 partitions (a parameter's gradient hook would fire once per tile), rows of <= the tile.
+this hook does not understand (sliding windows, soft-capping, sinks, caches, BlockMasks, 2-D masks),
+ZeRO-3 partitions (each tile would gather them again), rows of <= the tile. Several processes (DDP, ZeRO-1/2):
+tiled, each parameter's grad summed over the tiles and handed back once (rerun.deferred_param_grads).
 """
 
 from __future__ import annotations
