@@ -11,17 +11,19 @@ Batch: G rows; prompt lengths uniform over 50-100% of P (left-padded), completio
   uniform    uniform over 5-100% of T (the issue's spread)
   long_tail  80% of rows over 5-20% of T, 20% at 60-100% (most stop early, a few run long)
 and one row at exactly T (a completion cut at the limit), which sets the padded width as TRL pads a batch to
-its longest completion; every row's tokens are random ids; fixed old_per_token_logps (-log V) so the loss depends on the log-probs.
+its longest completion. Token ids are random; old_per_token_logps is fixed (-log V) so the loss depends on
+the log-probs.
 Step: `trainer.compute_loss(model, inputs)` (TRL's `_compute_loss`) + `backward()`, gradient checkpointing on as
 `Trainer.train()` switches it on; same seed, same LoRA init, same batch in both variants:
   padded   GRPOAccelTrainer, padding_free=False (TRL's [B, T] layout into our fused head)
   packed   GRPOAccelTrainer, padding_free=True (grpo_accel/packing.py; default token budget: the padded rows)
 Each variant runs in a fresh subprocess (its own allocator state and peak).
 Metrics: step_time_ms (median of --reps after a warm-up), tokens_per_s (real prompt + completion tokens / step
-time), step_cpu_ms and tokens_per_cpu_s (CPU only: the process's CPU time, which a host shared with other jobs
-inflates far less than wall time; with OMP_NUM_THREADS=1 it is the step's compute), peak_step_mem_mib (peak above the built model: CUDA max_memory_allocated, CPU VmHWM RSS with a fixed glibc
-mmap threshold as in bench_step_memory.py), peak_reserved_mib (CUDA), real/padded tokens, loss and lora_grad_norm
-(equal across variants = same computation). Writes benchmarks/results/packing.csv (+ .png).
+time), step_cpu_ms and tokens_per_cpu_s (CPU only: the process's CPU time, which other jobs on the host
+inflate far less than wall time; with OMP_NUM_THREADS=1 it is the step's compute), peak_step_mem_mib (peak
+above the built model: CUDA max_memory_allocated, CPU VmHWM RSS with a fixed glibc mmap threshold as in
+bench_step_memory.py), peak_reserved_mib (CUDA), real/padded tokens, loss and lora_grad_norm (equal across
+variants = same computation). Writes benchmarks/results/packing.csv (+ .png).
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ def worker(a):
             ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
         rec = mem.records[-1]
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params if p.grad is not None]))
-        return dict(ms=ms, cpu_ms=cpu_ms, peak=(rec.peak_bytes - base) / MIB, loss=loss.item(), grad_norm=grad_norm.item(),
+        return dict(ms=ms, cpu_ms=cpu_ms, peak=(rec.peak_bytes - base) / MIB, loss=loss.item(),
+                    grad_norm=grad_norm.item(),
                     reserved=torch.cuda.max_memory_reserved() / MIB if cuda else None)
 
     try:
@@ -139,7 +142,8 @@ def worker(a):
         return
     measured = steps[1:] or steps
     out = dict(oom=False, padding_free=trainer.padding_free, checkpointing=checkpointing,
-               time_ms=[s["ms"] for s in measured], cpu_ms=[s["cpu_ms"] for s in measured], peak_mib=max(s["peak"] for s in measured),
+               time_ms=[s["ms"] for s in measured], cpu_ms=[s["cpu_ms"] for s in measured],
+               peak_mib=max(s["peak"] for s in measured),
                loss=measured[0]["loss"], grad_norm=measured[0]["grad_norm"], real_tokens=real_tokens,
                padded_tokens=padded_tokens, base_mib=base / MIB, load_1min=os.getloadavg()[0])
     if cuda:
@@ -177,7 +181,8 @@ def rows_of(res, args, impl, mix):
                     ("lora_grad_norm", res["grad_norm"], "1"), ("load_1min", res["load_1min"], "procs")]
         if args.device == "cpu":
             cpu_ms = statistics.median(res["cpu_ms"])
-            metrics += [("step_cpu_ms", cpu_ms, "ms"), ("tokens_per_cpu_s", res["real_tokens"] / cpu_ms * 1e3, "tokens/s")]
+            metrics += [("step_cpu_ms", cpu_ms, "ms"),
+                        ("tokens_per_cpu_s", res["real_tokens"] / cpu_ms * 1e3, "tokens/s")]
         if "peak_reserved_mib" in res:
             metrics.append(("peak_reserved_mib", res["peak_reserved_mib"], "MiB"))
     return [dict(op="grpo_step_fwd_bwd", impl=impl, shape=shape, metric=m, value=f"{v:.6g}", unit=u)
@@ -196,7 +201,7 @@ def plot(rows, path):
               ("peak_step_mem_mib", "peak memory of one step above the model (MiB)")]
     panels = [p for p in panels if any(r["metric"] == p[0] for r in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 2.4 * len(groups) * len(panels) / 2 + 5), 4.8))
-    for ax, (metric, label) in zip(axes, panels):
+    for ax, (metric, label) in zip(axes, panels, strict=True):
         for k, impl in enumerate(VARIANTS):
             xs, vals = [], []
             for i, g in enumerate(groups):
@@ -257,7 +262,8 @@ def main():
             speed = statistics.median(pad["time_ms"]) / statistics.median(pk["time_ms"])
             cpu_speed = statistics.median(pad["cpu_ms"]) / statistics.median(pk["cpu_ms"])
             print(f"{mix}: real/padded tokens {pk['real_tokens']}/{pk['padded_tokens']}, packed step "
-                  f"{speed:.2f}x faster (CPU time {cpu_speed:.2f}x), peak {pk['peak_mib'] / max(pad['peak_mib'], 1e-9):.2f}x of padded; "
+                  f"{speed:.2f}x faster (CPU time {cpu_speed:.2f}x), "
+                  f"peak {pk['peak_mib'] / max(pad['peak_mib'], 1e-9):.2f}x of padded; "
                   f"loss {pad['loss']:.6g} vs {pk['loss']:.6g}, grad norm {pad['grad_norm']:.6g} vs "
                   f"{pk['grad_norm']:.6g}", flush=True)
     for r in rows:

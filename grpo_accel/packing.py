@@ -47,7 +47,7 @@ def segment_sdpa(module, query, key, value, attention_mask, **kwargs):
     kwargs.pop("is_causal", None)
     outs = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
                                    is_causal=True, **kwargs)[0]
-            for s, e in zip(bounds[:-1], bounds[1:])]
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
     return torch.cat(outs, dim=1), None  # [1, N, heads, head_dim], as sdpa_attention_forward returns
 
 
@@ -131,6 +131,21 @@ def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
         else:
             groups[fit].append(row)
             totals[fit] += n
+    return groups
+
+
+def split_to_count(groups: list[list[int]], count: int) -> list[list[int]]:
+    """`groups` split (the one with most rows, halved, each time) until there are `count`. With several processes
+    every rank must run the same number of forwards: ZeRO-3 all-gathers parameters in each forward (and again for
+    a checkpointed re-run) and DDP broadcasts buffers, so a rank with fewer forwards would hang the others. Each
+    rank has the same rows, so `count` (the most forwards any rank planned) is never more than the rows."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        g = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[g]) < 2:
+            raise ValueError(f"cannot split {len(groups)} single-row groups into {count}")
+        rows = groups.pop(g)
+        groups[g:g] = [rows[::2], rows[1::2]]  # rows are longest first: alternate for balanced halves
     return groups
 
 

@@ -28,7 +28,7 @@ from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
 from .ops.logprobs import triton_usable
 from .packing import (ATTN_NAME, SEGMENTS_KWARG, default_token_budget, enable_packed_attention, pack_rows,
                       packable_lengths, packed_forward_context, packing_unsupported_reason, plan_micro_batches,
-                      unpack)
+                      split_to_count, unpack)
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .guards import DeepSpeedSkipGuard, NonFiniteGuard
 from .learning_signal import LearningSignalWatch
@@ -116,14 +116,15 @@ class GRPOAccelTrainer(GRPOTrainer):
         """Whether the log-prob passes pack rows (packing.py); one line saying why not when asked for and impossible."""
         if not getattr(self.args, "padding_free", False):
             return False
-        models = [m for m in (self.model, self.ref_model) if m is not None]
+        # unwrapped: under DeepSpeed TRL has already wrapped the reference model in an engine
+        models = [causal_lm_of(self.accelerator.unwrap_model(m)) for m in (self.model, self.ref_model) if m is not None]
         reason = ("logprob_impl='trl' (TRL's head is fed padded rows by TRL's hook)" if self.logprob_impl == "trl"
-                  else next(filter(None, (packing_unsupported_reason(causal_lm_of(m)) for m in models)), None))
+                  else next(filter(None, map(packing_unsupported_reason, models)), None))
         if reason:
             log(f"padding_free falls back to padded rows: {reason}.")
             return False
         for m in models:
-            enable_packed_attention(causal_lm_of(m))
+            enable_packed_attention(m)
         log("padding_free: log-prob passes run on packed rows of real tokens (no padding).")
         return True
 
@@ -187,17 +188,25 @@ class GRPOAccelTrainer(GRPOTrainer):
         """As the padded loop, one packed row of real tokens per forward, <= logprob_token_budget tokens each;
         None (padded) when a row's tokens are not one block."""
         lengths, ok = packable_lengths(attention_mask)
+        recompute_tokens = self.offload_config.recompute_tokens if self.offload_enabled else None
+        budget = (getattr(self.args, "logprob_token_budget", None)
+                  or default_token_budget(rows_per_forward, input_ids.size(1), recompute_tokens))
+        groups = plan_micro_batches(lengths, budget) if ok else []
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:  # same forwards on every rank: see split_to_count
+            plan = torch.tensor([len(groups), int(not ok)], device=self.accelerator.device)
+            torch.distributed.all_reduce(plan, op=torch.distributed.ReduceOp.MAX)
+            ok = ok and not plan[1]
+            groups = split_to_count(groups, int(plan[0])) if ok else []
         if not ok:
             if not getattr(self, "_padding_free_warned", False):
                 log("padding_free: a batch has a row whose attention mask has holes or no tokens; it runs padded.")
                 self._padding_free_warned = True
             return None
-        recompute_tokens = self.offload_config.recompute_tokens if self.offload_enabled else None
-        budget = (getattr(self.args, "logprob_token_budget", None)
-                  or default_token_budget(rows_per_forward, input_ids.size(1), recompute_tokens))
-        segment_kwarg = causal_lm_of(model).config._attn_implementation == ATTN_NAME
+        # `model` may be a DeepSpeed engine / DDP wrapper here (whose .config is not the model's)
+        segment_kwarg = causal_lm_of(self.accelerator.unwrap_model(model)).config._attn_implementation == ATTN_NAME
         outs = []
-        for rows in plan_micro_batches(lengths, budget):
+        for rows in groups:
             p = pack_rows(input_ids, attention_mask, logits_to_keep, rows)
             extra = {SEGMENTS_KWARG: p.segments} if segment_kwarg else {}
             with self.accelerator.autocast(), packed_forward_context():

@@ -8,18 +8,19 @@ line; a 2-step launch/train.py run logs the same loss and gradient norm either w
 """
 
 import csv
+import os
 
 import pytest
 import torch
+from launch_utils import ROOT, TINY_ARGS, run_train
 from peft import LoraConfig
+from rewards_for_tests import length_reward
 
 from grpo_accel.config import GRPOAccelConfig
 from grpo_accel.data import arithmetic_dataset
 from grpo_accel.models import load_model
-from grpo_accel.packing import pack_rows, plan_micro_batches, unpack
+from grpo_accel.packing import pack_rows, plan_micro_batches, split_to_count, unpack
 from grpo_accel.trainer import GRPOAccelTrainer
-from launch_utils import TINY_ARGS, run_train
-from rewards_for_tests import length_reward
 
 ROWS, K = 8, 10  # rows of the batch, max completion tokens
 
@@ -183,6 +184,16 @@ def test_plan_micro_batches_longest_first_under_budget():
     assert plan_micro_batches([50, 3], token_budget=10) == [[0], [1]]  # too long for the budget: alone
 
 
+def test_split_to_count_gives_every_rank_the_same_forwards():
+    groups = plan_micro_batches([50, 40, 30, 20, 10, 5], token_budget=100)
+    assert len(groups) == 2
+    split = split_to_count(groups, 4)
+    assert len(split) == 4 and sorted(r for g in split for r in g) == list(range(6)) and all(split)
+    assert split_to_count(groups, 2) == groups
+    with pytest.raises(ValueError):
+        split_to_count([[0], [1]], 3)
+
+
 @pytest.mark.parametrize("attn,impl,reason", [("eager", "chunked", "attention implementation 'eager'"),
                                               (None, "trl", "logprob_impl='trl'")])
 def test_unsupported_falls_back_with_one_line(tmp_path, capsys, attn, impl, reason):
@@ -192,6 +203,7 @@ def test_unsupported_falls_back_with_one_line(tmp_path, capsys, attn, impl, reas
     assert len(lines) == 1 and "falls back to padded rows" in lines[0] and reason in lines[0], lines
 
 
+@pytest.mark.slow
 def test_launch_padding_free_true_and_false_log_the_same_loss(tmp_path):
     runs = {}
     for flag in ("true", "false"):
@@ -202,6 +214,28 @@ def test_launch_padding_free_true_and_false_log_the_same_loss(tmp_path):
         assert ("padding_free: log-prob passes run on packed rows" in result.stdout) == (flag == "true")
         runs[flag] = list(csv.DictReader(open(out / "metrics.csv")))
     assert [r["step"] for r in runs["true"]] == [r["step"] for r in runs["false"]] and len(runs["true"]) == 2
-    for packed, padded in zip(runs["true"], runs["false"]):
+    for packed, padded in zip(runs["true"], runs["false"], strict=True):
+        for key in ("loss", "grad_norm", "reward"):
+            assert float(packed[key]) == pytest.approx(float(padded[key]), rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_two_processes_packed_matches_padded(tmp_path):
+    """DeepSpeed ZeRO-3 over gloo, 2 processes: the hook sees the engine (not the model), and with a budget of
+    about two rows each rank plans its own forwards, made equal across ranks (ZeRO-3 gathers per forward)."""
+    accelerate = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
+    config = os.path.join(ROOT, "accelerate_configs", "cpu_zero3.yaml")
+    runs = {}
+    for flag in ("true", "false"):
+        out = tmp_path / flag
+        result = run_train([*TINY_ARGS, "--output_dir", str(out), "--eval_size", "0", "--seed", "3",
+                            "--padding_free", flag, "--logprob_token_budget", "110", "--gradient_checkpointing",
+                            "true", "--rewards", "rewards_for_tests:length_reward"],
+                           launcher=[accelerate, "launch", "--config_file", config], timeout=400)
+        assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+        runs[flag] = list(csv.DictReader(open(out / "metrics.csv")))
+    assert len(runs["true"]) == len(runs["false"]) == 2
+    for packed, padded in zip(runs["true"], runs["false"], strict=True):
         for key in ("loss", "grad_norm", "reward"):
             assert float(packed[key]) == pytest.approx(float(padded[key]), rel=1e-4, abs=1e-7), key
