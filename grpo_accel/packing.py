@@ -22,6 +22,7 @@ use_cache=True silently turns the mask into one causal mask over all N tokens); 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import dataclass
 
@@ -96,18 +97,15 @@ def enable_packed_attention(causal_lm) -> None:
             cfg._attn_implementation = ATTN_NAME
 
 
+@contextlib.contextmanager
 def packed_forward_context():
-    """Context for one packed forward: `_segment_sdpa_mask` returns no mask inside it."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        token = _PACKED.set(True)
-        try:
-            yield
-        finally:
-            _PACKED.reset(token)
-    return ctx()
+    """Around one packed forward: `_segment_sdpa_mask` builds no mask inside it (the mask is made once, in the
+    model's top-level forward; a checkpointed layer's re-run in backward gets the one bound at forward time)."""
+    token = _PACKED.set(True)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
 
 
 def default_token_budget(rows_per_forward: int, seq_len: int, recompute_tokens: int | None = None) -> int:
