@@ -71,10 +71,13 @@ def packing_unsupported_reason(causal_lm) -> str | None:
     rope_types = {(r or {}).get("rope_type") for r in (rope.values() if _per_layer_type(rope) else [rope])}
     if not rope_types <= set(_ROPE_TYPES_OK):
         return f"rope_type {sorted(map(str, rope_types))} depends on the sequence length"
-    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} or (getattr(cfg, "use_sliding_window", False)
-                                             and getattr(cfg, "sliding_window", None)):
-        return f"layers with {sorted(layer_types - {'full_attention'}) or 'a sliding window'} attention"
+    # Models with layer_types (Qwen2/3, Gemma) say which layers slide; older ones (Mistral) only set sliding_window,
+    # which SDPA's mask applies and `segment_sdpa`'s is_causal would not.
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and set(layer_types) != {"full_attention"}:
+        return f"layers with {sorted(set(layer_types) - {'full_attention'})} attention"
+    if layer_types is None and getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return f"a sliding attention window ({cfg.sliding_window} tokens)"
     if getattr(cfg, "attn_logit_softcapping", None):
         return "attention logit softcapping (eager only)"
     return None

@@ -194,6 +194,25 @@ def test_split_to_count_gives_every_rank_the_same_forwards():
         split_to_count([[0], [1]], 3)
 
 
+@pytest.mark.parametrize("config,reason", [
+    (dict(model_type="llama"), None), (dict(model_type="qwen2"), None),
+    (dict(model_type="mistral", sliding_window=4096), "sliding attention window (4096 tokens)"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1), "sliding_attention"),
+    (dict(model_type="llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "dynamic"),
+])
+def test_unsupported_reasons(config, reason):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from grpo_accel.packing import packing_unsupported_reason
+
+    cfg = AutoConfig.for_model(**config, num_hidden_layers=2)
+    cfg._attn_implementation = "sdpa"
+    got = packing_unsupported_reason(SimpleNamespace(config=cfg))
+    assert (got is None) if reason is None else (reason in (got or "")), got
+
+
 @pytest.mark.parametrize("attn,impl,reason", [("eager", "chunked", "attention implementation 'eager'"),
                                               (None, "trl", "logprob_impl='trl'")])
 def test_unsupported_falls_back_with_one_line(tmp_path, capsys, attn, impl, reason):
