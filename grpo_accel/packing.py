@@ -59,10 +59,11 @@ def _segment_sdpa_mask(*args, **kwargs):
     return None if _PACKED.get() else sdpa_mask(*args, **kwargs)
 
 
-def packing_unsupported_reason(causal_lm) -> str | None:
-    """Why this model's forward cannot take packed rows, or None."""
-    cfg = causal_lm.config.get_text_config()
-    impl = getattr(cfg, "_attn_implementation", None)
+def packing_unsupported_reason(model_or_config) -> str | None:
+    """Why this model's forward cannot take packed rows, or None. Takes a loaded model or, for checks before any
+    weights load, its config (no attention implementation chosen yet reads as transformers' default, sdpa)."""
+    cfg = getattr(model_or_config, "config", model_or_config).get_text_config()
+    impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
     if impl not in ("sdpa", ATTN_NAME, *NATIVE_VARLEN):
         return f"attention implementation {impl!r} has no packed path here (sdpa or flash_attention_2/3 do)"
     rope = getattr(cfg, "rope_parameters", None)

@@ -208,9 +208,12 @@ def test_unsupported_reasons(config, reason):
     from grpo_accel.packing import packing_unsupported_reason
 
     cfg = AutoConfig.for_model(**config, num_hidden_layers=2)
-    cfg._attn_implementation = "sdpa"
-    got = packing_unsupported_reason(SimpleNamespace(config=cfg))
+    got = packing_unsupported_reason(cfg)  # before any weights load: the config alone
     assert (got is None) if reason is None else (reason in (got or "")), got
+    cfg._attn_implementation = "sdpa"
+    assert packing_unsupported_reason(SimpleNamespace(config=cfg)) == got  # a model (anything with .config)
+    cfg._attn_implementation = "eager"
+    assert "'eager'" in packing_unsupported_reason(cfg)
 
 
 @pytest.mark.parametrize("attn,impl,reason", [("eager", "chunked", "attention implementation 'eager'"),
