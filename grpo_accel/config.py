@@ -48,10 +48,27 @@ class GRPOAccelConfig(GRPOConfig):
         metadata={"help": "Offload checkpointed layer inputs to pinned host memory: 'true', 'false' or 'auto' "
                           "(on with a CUDA device and gradient checkpointing)."},
     )
+    offload_recompute_tokens: int = field(
+        default=16384,
+        metadata={"help": "Offload's backward re-run (and checkpointed forward) in pieces of at most this many tokens: "
+                          "row groups, and sequence tiles within a longer row. Smaller: less memory, more launches."},
+    )
+    offload_device_budget_gib: float = field(
+        default=0.0,
+        metadata={"help": "Layer inputs kept on the GPU instead of host memory, GiB (set from the planner when the "
+                          "host cannot hold them all; 0 = offload every one)."},
+    )
     vllm_share_weights: bool = field(
         default=True,
         metadata={"help": "Colocated vLLM with LoRA: the engine and the trainer use one copy of the frozen base "
                           "weights (checked at start-up; falls back to two copies with a warning)."},
+    )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Ulysses sequence parallelism: each sequence of the log-prob passes is split along its "
+                          "length over this many processes holding the same batch, attention through DeepSpeed's "
+                          "all-to-all (grpo_accel/sequence_parallel.py); per-GPU activations fall by this factor. "
+                          "1 = off. Needs several processes, SDPA attention and logprob_impl other than 'trl'."},
     )
     max_nonfinite_steps: int = field(
         default=3,
@@ -83,7 +100,7 @@ class GRPOAccelConfig(GRPOConfig):
         """Each numeric flag that cannot work, named as the user typed it, with the fix."""
         for name, low in (("max_completion_length", 1), ("per_device_train_batch_size", 1),
                           ("gradient_accumulation_steps", 1), ("num_generations", 2), ("logging_steps", 1),
-                          ("save_steps", 1), ("max_nonfinite_steps", 1)):
+                          ("save_steps", 1), ("max_nonfinite_steps", 1), ("sequence_parallel_size", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
                 why = " (GRPO compares each completion with the others of its prompt)" if name == "num_generations" else ""

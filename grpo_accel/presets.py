@@ -100,6 +100,8 @@ class Preset:
             vllm_kv_seqs=1, vllm_sleep=bool(f["use_vllm"] and f["lora_r"] == 0 and cuda),
             deepspeed_stage=self.deepspeed_stage, num_processes=int(os.environ.get("WORLD_SIZE", self.num_processes)),
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
+            recompute_tokens=f.get("offload_recompute_tokens") or 16384,
+            offload_device_budget_bytes=int((f.get("offload_device_budget_gib") or 0) * GIB),
             device="cuda" if cuda else "cpu")
 
     def training_overrides(self) -> dict:

@@ -190,6 +190,14 @@ def startup(spec, tokenizer, train_ds) -> int:
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     host_bytes = host_memory_bytes() if gpu_bytes is not None else None
     raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes, host_bytes))
+    if host_bytes is not None:
+        from .memory import GIB, fit_host
+
+        fitted = fit_host(spec.plan(), host_bytes)
+        budget = fitted.inputs["offload_device_budget_bytes"]
+        if budget > spec.config.offload_device_budget_gib * GIB:  # the host cannot hold every layer input
+            spec.config.offload_device_budget_gib = budget / GIB
+            log(f"host memory {host_bytes / GIB:.0f} GiB: {budget / GIB:.1f} GiB of layer inputs stay on the GPU")
     if gpu_bytes is not None:
         log(f"memory plan: {spec.plan().peak_gib:.1f} GiB predicted peak per GPU of {gpu_bytes / 2**30:.0f} GiB")
     return longest

@@ -30,6 +30,7 @@ from .packing import (ATTN_NAME, SEGMENTS_KWARG, default_token_budget, enable_pa
                       packable_lengths, packed_forward_context, packing_unsupported_reason, plan_micro_batches,
                       split_to_count, unpack)
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
+from .offload.residency import host_available_bytes
 from .guards import DeepSpeedSkipGuard, NonFiniteGuard
 from .learning_signal import LearningSignalWatch
 from .hook_leak import dedupe_input_require_grads
@@ -81,7 +82,9 @@ class GRPOAccelTrainer(GRPOTrainer):
         if self.offload_enabled:
             install_activation_offload(self.model, self.offload_config)
         self.logprob_impl = self._install_logprob_head()
-        self.padding_free = self._install_padding_free()
+        self.sequence_parallel = self._install_sequence_parallel()
+        # SP shards carry their own positions through Ulysses' SDPA: no packed rows under it
+        self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
 
     @staticmethod
     def _start_engine(model, args, kwargs):
@@ -112,6 +115,16 @@ class GRPOAccelTrainer(GRPOTrainer):
                                      offload=self.offload_config if m is self.model else None)
         return impl
 
+    def _install_sequence_parallel(self):
+        """Ulysses SP for the log-prob passes (sequence_parallel.py) when sequence_parallel_size > 1, else None."""
+        sp = getattr(self.args, "sequence_parallel_size", 1) or 1
+        if sp <= 1:
+            return None
+        from . import sequence_parallel
+
+        log(f"sequence parallelism: Ulysses over {sp} processes for the log-prob passes")
+        return sequence_parallel.enable(self, sp)
+
     def _install_padding_free(self) -> bool:
         """Whether the log-prob passes pack rows (packing.py); one line saying why not when asked for and impossible."""
         if not getattr(self.args, "padding_free", False):
@@ -134,9 +147,13 @@ class GRPOAccelTrainer(GRPOTrainer):
         device = self.accelerator.device
         if not resolve_offload(setting, device, gradient_checkpointing=self.args.gradient_checkpointing):
             return None
+        sizing = dict(recompute_tokens=getattr(self.args, "offload_recompute_tokens", 16384),
+                      device_budget_bytes=int(getattr(self.args, "offload_device_budget_gib", 0) * 2**30))
         if os.environ.get(FORCE_OFFLOAD_COPIES_ENV) == "1":
-            return OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0)
-        return OffloadConfig()
+            return OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, **sizing)
+        host = host_available_bytes() if torch.device(device).type == "cuda" else None
+        # 90% of what the host has free now: a wrong plan stops with HostMemoryError, not the OOM killer
+        return OffloadConfig(host_budget_bytes=int(0.9 * host) if host else None, **sizing)
 
     def _generate(self, prompts):
         with self.telemetry.phase("generation"):
@@ -164,6 +181,9 @@ class GRPOAccelTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
+        if getattr(self, "sequence_parallel", None) is not None:
+            return (*self.sequence_parallel.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                compute_entropy, self.accelerator.autocast), None)
         if self.padding_free:
             packed = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                       compute_entropy)

@@ -17,10 +17,12 @@ import os
 
 import torch
 
+from ..errors import UserError
+
 GIB = 1 << 30
 
 
-class HostMemoryError(ValueError):
+class HostMemoryError(UserError, ValueError):
     """Offloaded activations would not fit in host memory. The message names the fix."""
 
 
