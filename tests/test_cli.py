@@ -71,12 +71,14 @@ def test_plan_reads_the_flags_train_reads(capsys):
     base = resolve_run_spec(["--preset", "h100_110k"], for_plan=True).plan()
     for flag, value, term in [("--quantization", "none", "weights"), ("--offload_activations", "false",
                               "activations_checkpointed"), ("--logprob_impl", "trl", "logprob_workspace"),
-                              ("--per_device_train_batch_size", "2", "activations_checkpointed")]:
+                              ("--per_device_train_batch_size", "2", "activations_checkpointed"),
+                              ("--offload_recompute_tokens", "65536", "recompute_working_set"),
+                              ("--offload_device_budget_gib", "4", "activations_checkpointed")]:
         changed = resolve_run_spec(["--preset", "h100_110k", flag, value], for_plan=True).plan()
         assert changed.device[term] > base.device[term], flag
         assert main(["plan", "--preset", "h100_110k", flag, value, "--gpu-mem-gib", "80"]) in (0, 1)
         assert f"{term}" in capsys.readouterr().out
-    assert changed.inputs["per_device_train_batch_size"] == 2
+    assert changed.inputs["offload_device_budget_bytes"] == 4 * 2**30
 
 
 def test_plan_unknown_flag_suggests_the_right_one(capsys):
