@@ -31,6 +31,7 @@ tiled, each parameter's grad summed over the tiles and handed back once (rerun.d
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 
 import torch
@@ -104,11 +105,25 @@ class _Tiling:
         return o_leaf, None
 
 
+_NO_TILES = contextvars.ContextVar("grpo_accel_no_tiles", default=False)
+
+
+@contextlib.contextmanager
+def tiles_off():
+    """Forwards inside run their layers untiled (Ulysses SP shards: a shard's attention needs the other ranks' keys,
+    which a tile's own K/V do not hold; grpo_accel.sequence_parallel)."""
+    token = _NO_TILES.set(True)
+    try:
+        yield
+    finally:
+        _NO_TILES.reset(token)
+
+
 def seq_tiles(function, args, kwargs, recompute_tokens: int | None, module) -> list[slice] | None:
     """Tiles of <= recompute_tokens tokens along dim 1 when `function` is a HF decoder layer called on one long
     [B, T, H] input (`layer(x, **bound)` as GradientCheckpointingLayer calls it); None = run it whole."""
-    if (not recompute_tokens or not isinstance(function, functools.partial) or len(args) != 1 or kwargs
-            or not isinstance(args[0], torch.Tensor) or module is None or not hasattr(module, "self_attn")):
+    if (_NO_TILES.get() or not recompute_tokens or not isinstance(function, functools.partial) or len(args) != 1
+            or kwargs or not isinstance(args[0], torch.Tensor) or module is None or not hasattr(module, "self_attn")):
         return None
     x, bound = args[0], function.keywords
     if x.ndim != 3 or not x.is_floating_point() or x.shape[1] <= recompute_tokens:

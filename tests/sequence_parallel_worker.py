@@ -1,0 +1,91 @@
+"""Worker for tests/test_sequence_parallel.py: each of 2 processes builds the same tiny-llama LoRA trainer, generates
+the same batch and computes log-probs, TRL's loss and LoRA grads on one process (the reference); then, over gloo,
+the same with Ulysses SP = 2 (each row split along T between the two), grads averaged over the ranks as the
+data-parallel engine does. Rank 0 writes both.
+
+    python tests/sequence_parallel_worker.py --out /tmp/sp.pt [--offload]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+
+def rank_main(rank, world, out, port, offload):
+    torch.set_num_threads(1)
+    import tempfile
+
+    from test_trainer_parity import grads_of, make_trainer, one_batch
+
+    from grpo_accel import sequence_parallel
+    from grpo_accel.cpu_distributed import prepare_cpu_processes
+    from grpo_accel.trainer import FORCE_OFFLOAD_COPIES_ENV
+
+    os.environ[FORCE_OFFLOAD_COPIES_ENV] = "1" if offload else "0"
+    from pathlib import Path
+
+    # gradient checkpointing with offload: the layers' re-run in backward goes through Ulysses again
+    extra = dict(offload_activations="true", gradient_checkpointing=True) if offload else {}
+    trainer = make_trainer(Path(tempfile.mkdtemp()), "chunked", **extra)
+    if offload:
+        trainer.offload_config = trainer.offload_config.__class__(**{**trainer.offload_config.__dict__,
+                                                                     "recompute_tokens": 8})
+    torch.manual_seed(2)  # LoRA B starts at 0 (A's grads would be 0): give every adapter weight a value
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    inputs = one_batch(trainer)
+    # completions of unequal length (right padding, as TRL masks after EOS)
+    for i in range(inputs["completion_mask"].shape[0]):
+        inputs["completion_mask"][i, inputs["completion_mask"].shape[1] - 2 * i:] = 0
+    # the tiny model's rewards tie within a group (advantages 0, no gradient): fixed non-zero advantages instead
+    inputs["advantages"] = torch.linspace(-1.0, 1.0, inputs["advantages"].numel()).view_as(inputs["advantages"])
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    k = inputs["completion_ids"].size(1)
+
+    def measure():
+        with torch.no_grad():
+            lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k, compute_entropy=True)
+        loss, grads = grads_of(trainer, inputs)
+        return {"logps": lp, "entropy": ent, "loss": loss, "grads": grads}
+
+    ref = measure()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    prepare_cpu_processes()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    trainer.sequence_parallel = sequence_parallel.enable(trainer, world)
+    calls, shards = [], []
+    sp_obj = trainer.sequence_parallel
+    real, attend = sp_obj.logps_and_entropies, sp_obj.uattn.forward
+    sp_obj.logps_and_entropies = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    sp_obj.uattn.forward = lambda module, q, *a, **k: (shards.append(q.shape[2]), attend(module, q, *a, **k))[1]
+    sp = measure()
+    sp["sp_calls"], sp["shard_lengths"] = len(calls), shards
+    for g in sp["grads"].values():  # the data-parallel engine's mean over dp x sp ranks
+        torch.distributed.all_reduce(g)
+        g /= world
+    if rank == 0:
+        torch.save({"ref": ref, "sp": sp, "mask": inputs["completion_mask"], "row_tokens": mask.sum(1)}, out)
+    torch.distributed.barrier()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--port", type=int, default=29523)
+    ap.add_argument("--offload", action="store_true")
+    a = ap.parse_args()
+    mp.spawn(rank_main, args=(2, a.out, a.port, a.offload), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
