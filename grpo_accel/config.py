@@ -26,8 +26,8 @@ class GRPOAccelConfig(GRPOConfig):
         default=True,
         metadata={"help": "Log-prob passes (policy, old, reference) run on packed rows of real tokens only, with "
                           "per-sequence position ids, unpacked to TRL's layout (same numbers, no padding compute). "
-                          "Falls back to padded rows with one log line where the model cannot (eager attention, "
-                          "sliding windows, no RoPE) or with logprob_impl='trl'."},
+                          "Works with either head (logprob_impl). Falls back to padded rows with one log line "
+                          "where the model cannot (eager attention, sliding windows, length-dependent or no RoPE)."},
     )
     logprob_token_budget: int | None = field(
         default=None,

@@ -131,8 +131,7 @@ class GRPOAccelTrainer(GRPOTrainer):
             return False
         # unwrapped: under DeepSpeed TRL has already wrapped the reference model in an engine
         models = [causal_lm_of(self.accelerator.unwrap_model(m)) for m in (self.model, self.ref_model) if m is not None]
-        reason = ("logprob_impl='trl' (TRL's head is fed padded rows by TRL's hook)" if self.logprob_impl == "trl"
-                  else next(filter(None, map(packing_unsupported_reason, models)), None))
+        reason = next(filter(None, map(packing_unsupported_reason, models)), None)
         if reason:
             log(f"padding_free falls back to padded rows: {reason}.")
             return False
@@ -177,18 +176,20 @@ class GRPOAccelTrainer(GRPOTrainer):
                              compute_entropy, compute_aux_loss, **multimodal):
         batch_size = getattr(self.args, "logprob_mini_batch", None) or batch_size or input_ids.size(0)
         multimodal_inputs = any(v is not None for v in multimodal.values())
-        if self.logprob_impl == "trl" or compute_aux_loss or multimodal_inputs:
+        trl_head = self.logprob_impl == "trl"
+        sequence_parallel = getattr(self, "sequence_parallel", None)
+        if self.padding_free and sequence_parallel is None and not (compute_aux_loss or multimodal_inputs):
+            packed = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                      compute_entropy, trl_head)
+            if packed is not None:
+                return packed
+        if trl_head or compute_aux_loss or multimodal_inputs:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
-        if getattr(self, "sequence_parallel", None) is not None:
-            return (*self.sequence_parallel.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                                compute_entropy, self.accelerator.autocast), None)
-        if self.padding_free:
-            packed = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                                      compute_entropy)
-            if packed is not None:
-                return packed
+        if sequence_parallel is not None:
+            return (*sequence_parallel.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                           compute_entropy, self.accelerator.autocast), None)
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
@@ -204,9 +205,10 @@ class GRPOAccelTrainer(GRPOTrainer):
         return torch.cat(all_logps), entropies, None
 
     def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, rows_per_forward,
-                                    compute_entropy):
-        """As the padded loop, one packed row of real tokens per forward, <= logprob_token_budget tokens each;
-        None (padded) when a row's tokens are not one block."""
+                                    compute_entropy, trl_head=False):
+        """As the padded loop, one packed row of real tokens per forward, <= logprob_token_budget tokens each,
+        through our head or TRL's (`trl_head`: same label shift, same [1, N-1] outputs); None (padded) when a
+        row's tokens are not one block."""
         lengths, ok = packable_lengths(attention_mask)
         recompute_tokens = self.offload_config.recompute_tokens if self.offload_enabled else None
         budget = (getattr(self.args, "logprob_token_budget", None)
@@ -229,9 +231,10 @@ class GRPOAccelTrainer(GRPOTrainer):
         for rows in groups:
             p = pack_rows(input_ids, attention_mask, logits_to_keep, rows)
             extra = {SEGMENTS_KWARG: p.segments} if segment_kwarg else {}
+            extra.update(dict(labels=p.labels, fused_lm_head=True) if trl_head
+                         else dict(accel_labels=p.labels, accel_entropy=compute_entropy))
             with self.accelerator.autocast(), packed_forward_context():
-                out = model(input_ids=p.input_ids, position_ids=p.position_ids, accel_labels=p.labels,
-                            accel_entropy=compute_entropy, **extra)
+                out = model(input_ids=p.input_ids, position_ids=p.position_ids, **extra)
             outs.append((p, out.log_probs, out.entropy))
         rows = input_ids.size(0)
         logps = unpack([(p, lp) for p, lp, _ in outs], rows, logits_to_keep)

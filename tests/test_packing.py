@@ -79,7 +79,8 @@ def count_packed_forwards(trainer, monkeypatch):
     real = type(trainer.model).__call__
 
     def spy(self, *a, **kw):
-        if kw.get("position_ids") is not None and kw.get("attention_mask") is None and "accel_labels" in kw:
+        if kw.get("position_ids") is not None and kw.get("attention_mask") is None and (
+                "accel_labels" in kw or kw.get("fused_lm_head")):
             calls.append(kw["input_ids"].shape)
         return real(self, *a, **kw)
 
@@ -99,12 +100,15 @@ def assert_same(packed, padded, valid):
         assert rel <= 1e-5, f"{name}: relative gradient error {rel:.2e}"
 
 
-@pytest.mark.parametrize("model_name,peft,loss_type", [
-    ("tiny-llama", True, "dapo"), ("tiny-llama", True, "grpo"), ("tiny-llama", True, "dr_grpo"),
-    ("tiny-llama", False, "bnpo"), ("tiny-qwen2", True, "dapo"),
+@pytest.mark.parametrize("model_name,peft,loss_type,impl", [
+    ("tiny-llama", True, "dapo", "chunked"), ("tiny-llama", True, "grpo", "chunked"),
+    ("tiny-llama", True, "dr_grpo", "chunked"), ("tiny-llama", False, "bnpo", "chunked"),
+    ("tiny-qwen2", True, "dapo", "chunked"), ("tiny-llama", True, "dapo", "trl"),
 ])
-def test_packed_equals_padded(tmp_path, monkeypatch, model_name, peft, loss_type):
-    trainer = make_trainer(tmp_path, model_name, peft, loss_type=loss_type)
+def test_packed_equals_padded(tmp_path, monkeypatch, model_name, peft, loss_type, impl):
+    """impl="trl": TRL's own fused head on the packed rows, against TRL's own hook on the padded ones."""
+    trainer = make_trainer(tmp_path, model_name, peft, loss_type=loss_type, logprob_impl=impl)
+    assert trainer.logprob_impl == impl
     assert trainer.padding_free
     inputs = unequal_batch(trainer)
     padded = run_hook(trainer, inputs, padding_free=False)
@@ -216,10 +220,10 @@ def test_unsupported_reasons(config, reason):
     assert "'eager'" in packing_unsupported_reason(cfg)
 
 
-@pytest.mark.parametrize("attn,impl,reason", [("eager", "chunked", "attention implementation 'eager'"),
-                                              (None, "trl", "logprob_impl='trl'")])
-def test_unsupported_falls_back_with_one_line(tmp_path, capsys, attn, impl, reason):
-    trainer = make_trainer(tmp_path, attn=attn, logprob_impl=impl)
+@pytest.mark.parametrize("impl", ["chunked", "trl"])
+def test_unsupported_falls_back_with_one_line(tmp_path, capsys, impl):
+    reason = "attention implementation 'eager'"
+    trainer = make_trainer(tmp_path, attn="eager", logprob_impl=impl)
     assert not trainer.padding_free
     lines = [line for line in capsys.readouterr().out.splitlines() if "padding_free" in line]
     assert len(lines) == 1 and "falls back to padded rows" in lines[0] and reason in lines[0], lines
