@@ -43,10 +43,11 @@ PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the
 
 # Device-side terms; "peak" is their sum. Generation-only terms are released during training with vllm_sleep.
 DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "activations_checkpointed",
-                "recompute_working_set", "logprob_workspace", "vllm_weights", "vllm_kv_cache", "vllm_runtime",
-                "allocator_margin")
+                "recompute_working_set", "sp_all_to_all", "logprob_workspace", "vllm_weights", "vllm_kv_cache",
+                "vllm_runtime", "allocator_margin")
 GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime")
-TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_working_set", "logprob_workspace")
+TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_working_set", "sp_all_to_all",
+                            "logprob_workspace")
 
 
 def layer_saved_bytes_per_token(shape: ModelShape, act_bytes: int, lora_r: int) -> float:
@@ -138,7 +139,8 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
                 offload_activations=False, logprob_impl="auto", logprob_chunk_size=None, use_vllm=False,
                 vllm_share_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
-                recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0) -> "MemoryPlan":
+                recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
+                sequence_parallel_size=1) -> "MemoryPlan":
     """Predicted per-device bytes of one GRPO training step (see the module docstring)."""
     inputs = {k: v for k, v in locals().items() if k != "shape"}
     shape = model_shape(shape)
@@ -151,7 +153,11 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     a = DTYPE_BYTES[dtype]  # weights of non-quantized parts and activations use the compute dtype
     B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
     T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
-    n_tok, n_c = B * T, B * max_completion_length  # tokens through the layers / scored by the log-prob head
+    # Ulysses SP (grpo_accel.sequence_parallel): each GPU holds 1/sp of every sequence through the layers and the
+    # head, one row per forward (re-run whole: no row groups, no tiles); the KV cache of generation stays whole
+    sp = max(int(sequence_parallel_size or 1), 1)
+    T_gpu = -(-T // sp)
+    n_tok, n_c = B * T_gpu, B * -(-max_completion_length // sp)  # tokens through the layers / scored by the head
     world = max(num_processes, 1) if deepspeed_stage else 1
     dev, host = {}, {}
 
@@ -185,11 +191,16 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
         kept = min(L - 1, int(offload_device_budget_bytes // layer_input)) if offload_activations else 0
         on_device = min(2 + max(kept, 0), L + 1) * layer_input if offload_activations else ckpt
         dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
-        dev["recompute_working_set"] = _rerun_bytes(shape, a, B, T, saved + transient, offload_activations and
-                                                    deepspeed_stage < 3, recompute_tokens)
+        dev["recompute_working_set"] = _rerun_bytes(shape, a, B if sp == 1 else 1, T_gpu, saved + transient,
+                                                    offload_activations and deepspeed_stage < 3 and sp == 1,
+                                                    recompute_tokens)
     else:
         dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
         dev["recompute_working_set"] = n_tok * transient
+    # Ulysses all-to-all: q, k, v and the attention output of one layer, each once as sent and once as received
+    # ([T/sp, all heads] <-> [T, heads/sp]: the same bytes); kv heads repeated up to sp when fewer (DeepSpeed)
+    kv_dim = max(shape.kv_heads, sp) * shape.head_dim
+    dev["sp_all_to_all"] = 2 * T_gpu * (2 * shape.heads * shape.head_dim + 2 * kv_dim) * a if sp > 1 else 0
     head_trainable = lora_r <= 0
     dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_size,
                                                   head_trainable)

@@ -70,19 +70,25 @@ def unsupported_reason(causal_lm, sp: int) -> str | None:
     return None
 
 
-def enable(trainer, sp: int) -> "SequenceParallel":
-    """Ulysses SP on a GRPOAccelTrainer whose log-prob head is installed; an error naming the fix otherwise."""
+def enable(trainer, sp: int) -> "SequenceParallel | None":
+    """Ulysses SP on a GRPOAccelTrainer whose log-prob head is installed; an error naming the fix otherwise. One
+    process has nothing to split over: None, with one line (the presets' scaled-down CPU steps run that way)."""
+    from .console import log
     from .errors import ConfigError
 
     if trainer.logprob_impl == "trl":
         raise ConfigError(f"--sequence_parallel_size {sp} needs grpo_accel's log-prob head. Fix: --logprob_impl auto.")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:
+        log(f"sequence_parallel_size={sp} with one process: sequence parallelism off (launch {sp} processes)")
+        return None
     if world % sp:
         raise ConfigError(f"--sequence_parallel_size {sp} must divide the {world} process(es). Fix: launch a "
                           f"multiple of {sp} processes (accelerate_configs/cpu_ulysses2.yaml: 2 over gloo).")
     reason = unsupported_reason(causal_lm_of(trainer.model), sp)
     if reason:
         raise ConfigError(f"--sequence_parallel_size {sp}: {reason}. Fix: --sequence_parallel_size 1.")
+    log(f"sequence parallelism: Ulysses over {sp} processes for the log-prob passes")
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
     off = trainer.offload_config if trainer.offload_enabled else None
     return SequenceParallel(models, sp, temperature=trainer.temperature, impl=trainer.logprob_impl,

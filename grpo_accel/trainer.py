@@ -122,7 +122,6 @@ class GRPOAccelTrainer(GRPOTrainer):
             return None
         from . import sequence_parallel
 
-        log(f"sequence parallelism: Ulysses over {sp} processes for the log-prob passes")
         return sequence_parallel.enable(self, sp)
 
     def _install_padding_free(self) -> bool:
