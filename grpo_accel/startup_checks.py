@@ -105,16 +105,24 @@ def check_context(spec, config, prompt_tokens: int) -> str | None:
 
 def check_attention_mask(spec, config, prompt_tokens: int) -> str | None:
     """Padded rows at long T make transformers build a [B, 1, T, T] mask for SDPA/eager attention."""
+    from .packing import packing_unsupported_reason
+
     impl = (spec.config.model_init_kwargs or {}).get("attn_implementation") or "sdpa"
-    if impl in MASK_FREE_ATTENTION or getattr(spec.config, "padding_free", False):
+    if impl in MASK_FREE_ATTENTION:
         return None
+    why_padded = "--padding_free is off"
+    if spec.config.padding_free:
+        config._attn_implementation = impl if impl != "sdpa" else None  # the kernel the run will load
+        why_padded = packing_unsupported_reason(config)
+        if why_padded is None:
+            return None  # packed rows: no mask at all
     T = prompt_tokens + spec.config.max_completion_length
     mask_bytes = spec.config.per_device_train_batch_size * T * T
     if mask_bytes <= MAX_MASK_BYTES:
         return None
-    return (f"attention mask: padded rows of {T} tokens make {impl} attention build a [B, 1, T, T] mask of "
-            f"{mask_bytes / GIB:.1f} GiB per micro-batch. Fix: --padding_free true (packed rows, no mask), or "
-            f"--model_init_kwargs '{{\"attn_implementation\": \"flash_attention_2\"}}'.")
+    return (f"attention mask: padded rows of {T} tokens ({why_padded}) make {impl} attention build a [B, 1, T, T] "
+            f"mask of {mask_bytes / GIB:.1f} GiB per micro-batch. Fix: --padding_free true (packed rows, no mask) "
+            f"where the model allows it, or --model_init_kwargs '{{\"attn_implementation\": \"flash_attention_2\"}}'.")
 
 
 def check_engine(spec) -> str | None:

@@ -28,7 +28,11 @@ def test_every_preset_passes_its_startup_checks(name):
 @pytest.mark.parametrize("argv, expected", [
     (["--preset", "h100_110k", "--model_init_kwargs", "{}"], r"context: 512 prompt \+ 110000 .* context of 40960"),
     (["--preset", "h100_110k", "--padding_free", "false"], r"attention mask: .* 11\.4 GiB .* --padding_free true"),
+    (["--preset", "h100_110k", "--model_init_kwargs", '{"attn_implementation": "eager", "rope_parameters": '
+      '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}}'],
+     r"attention mask: .*attention implementation 'eager' has no packed path"),  # packing would fall back
     (["--preset", "8xh100_zero3", "--use_vllm", "true"], r"colocated vLLM under DeepSpeed ZeRO-3"),
+    (["--preset", "a100_40gb_lora", "--vllm_tensor_parallel_size", "2"], r"does not support vllm_tensor_parallel"),
     (["--preset", "a100_40gb_lora", "--max_completion_length", "120000"], r"memory: this run does not fit"),
 ])
 def test_each_check_can_fail(argv, expected):
