@@ -1,6 +1,6 @@
 # The README's commands. Each sets itself up on a fresh machine (venv, CPU torch where there is no CUDA).
 #   make demo   GRPO-train the embedded SmolLM2-135M-Instruct on held-out arithmetic, ~20 min on 2 CPU cores
-#   make test   the CPU test tier (unit + tiny-model GRPO through launch/train.py + 2-process DeepSpeed)
+#   make test   ruff, then the CPU test tier (unit + tiny-model GRPO through launch/train.py + 2-process DeepSpeed)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -29,6 +29,7 @@ demo: setup
 		launch/train.py --run_name $(RUN) $(DEMO_ARGS)
 
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
 	$(PY) -m pytest -q -m "not gpu and not vllm" --timeout 900
 

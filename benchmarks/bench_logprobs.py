@@ -68,7 +68,8 @@ def worker(impl, n, h, v, dtype_name, device):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 
-    def trl(hidden, weight, targets):  # as GRPOTrainer's add_fused_lm_head calls it (all labels valid here, so no compaction)
+    # as GRPOTrainer's add_fused_lm_head calls it (all labels valid here, so no compaction)
+    def trl(hidden, weight, targets):
         logp, entropy, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0,
                                                          _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
                                                          ("log_probs", "entropy"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from .memory import GIB, kv_cache_sequences, vllm_memory_fraction
 

@@ -129,13 +129,15 @@ def resolve_model_path(name: str) -> str:
         return str(embedded_model_dir())
     if os.path.isdir(name):
         if not os.path.exists(os.path.join(name, "config.json")):
-            raise ModelNotFoundError(f"{name} is a directory without config.json. Fix: point --model at a saved HF model.")
+            raise ModelNotFoundError(f"{name} is a directory without config.json. Fix: point --model at a saved HF "
+                                     f"model.")
         return name
     if os.path.exists(name):
         raise ModelNotFoundError(f"{name} is a file; --model takes a directory holding config.json (a saved HF model) "
                                  f"or a hub id such as Qwen/Qwen2.5-1.5B-Instruct. Fix: pass the model's directory.")
     if not looks_like_hub_id(name):
-        raise ModelNotFoundError(f"model path {name!r} does not exist. Fix: check the path, or use --model {DEFAULT_MODEL}.")
+        raise ModelNotFoundError(f"model path {name!r} does not exist. Fix: check the path, or use --model "
+                                 f"{DEFAULT_MODEL}.")
     try:
         from huggingface_hub import snapshot_download
 

@@ -58,7 +58,7 @@ class Preemption(TrainerCallback):
         self.stopped_at: int | None = None  # the step whose end saved and stopped
         self._previous = {}
 
-    def install(self) -> "Preemption":
+    def install(self) -> Preemption:
         import threading
 
         if threading.current_thread() is not threading.main_thread():

@@ -16,7 +16,6 @@ import torch
 from .console import log
 from .data import prompt_lengths, train_eval_datasets
 from .errors import ConfigError, UserError
-from .guards import NonFiniteStepsError
 from .models import ModelLoadError, load_model, load_tokenizer
 from .report import plot_reward_curve, step_rows, write_json, write_metrics_csv
 from .rewards import resolve_rewards
@@ -133,7 +132,8 @@ def check_lora_targets(model, script_args) -> None:
     linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     missing = sorted(wanted - linear)
     if missing:
-        raise ModelLoadError(f"LoRA target modules {missing} are not in {script_args.model}. Fix: --lora_target_modules "
+        raise ModelLoadError(f"LoRA target modules {missing} are not in {script_args.model}. Fix: "
+                             f"--lora_target_modules "
                              f"with some of {sorted(linear - {'lm_head'})}, or all-linear.")
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from . import vllm_colocate as vc
-from .errors import UserError
 from .console import log as console_log
+from .errors import UserError
 
 TRL_DEFAULT_MEMORY_FRACTION = 0.3  # GRPOConfig.vllm_gpu_memory_utilization's default: means "not chosen"
 MIN_MODEL_LEN = 64
@@ -129,8 +129,10 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: b
         return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
     plan = plan_memory(shape, dtype=dtype_name,
                        quantization="4bit" if quantized else "none", lora_r=lora_r,
-                       num_generations=args.num_generations, max_prompt_length=max(model_len - args.max_completion_length, 1),
-                       max_completion_length=args.max_completion_length, per_device_train_batch_size=args.per_device_train_batch_size,
+                       num_generations=args.num_generations,
+                       max_prompt_length=max(model_len - args.max_completion_length, 1),
+                       max_completion_length=args.max_completion_length,
+                       per_device_train_batch_size=args.per_device_train_batch_size,
                        gradient_checkpointing=bool(args.gradient_checkpointing), use_vllm=True,
                        vllm_share_weights=shared, vllm_kv_seqs=1, vllm_sleep=cfg.sleep, device="cuda")
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -184,7 +186,8 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     lora_r = int(peft_config.r) if peft_config is not None else 0
     quantized = is_4bit(model)
-    share = engine_shares_weights(True, lora_r, "4bit" if quantized else "none", getattr(args, "vllm_share_weights", True))
+    share = engine_shares_weights(True, lora_r, "4bit" if quantized else "none",
+                                  getattr(args, "vllm_share_weights", True))
     model_len = max_model_len(args, hf_config, train_dataset, tokenizer, longest_prompt)
     cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, shared=share, quantized=quantized,
                                 model_len=model_len)
@@ -202,5 +205,6 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     return engine, model
 
 
-__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "fallback_reason", "generations_per_rank", "max_model_len",
+__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "fallback_reason", "generations_per_rank",
+           "max_model_len",
            "model_directory", "start_colocated_engine"]

@@ -5,10 +5,10 @@ import os
 import re
 
 import pytest
+from launch_utils import TINY_ARGS, error_line, run_train
 
 from grpo_accel.report import atomic_write_text
 from grpo_accel.runner import main_guarded
-from launch_utils import TINY_ARGS, error_line, run_train
 
 
 def tiny_model_without_chat_template(tmp_path):
@@ -30,10 +30,12 @@ CASES = {
                        r"not valid YAML.*line"),
     "malformed_jsonl": (lambda d: ["--dataset", write(d / "d.jsonl", '{"question": "1+1", "answer": "2"}\n{oops\n')],
                         r"d\.jsonl:2: not valid JSON"),
-    "generation_batch": (lambda d: ["--generation_batch_size", "10"], r"generation_batch_size \(10\) must be divisible by the global batch size \(8\)"),
+    "generation_batch": (lambda d: ["--generation_batch_size", "10"],
+                         r"generation_batch_size \(10\) must be divisible by the global batch size \(8\)"),
     "lora_targets": (lambda d: ["--lora_target_modules", "q_proj,not_a_module"],
                      r"\['not_a_module'\] are not in tiny-llama.*Fix"),
-    "prompt_too_long": (lambda d: ["--max_completion_length", "4000"], r"exceed tiny-llama's context of 2048 tokens.*Fix: lower --max_completion_length"),
+    "prompt_too_long": (lambda d: ["--max_completion_length", "4000"],
+                        r"exceed tiny-llama's context of 2048 tokens.*Fix: lower --max_completion_length"),
     "output_not_writable": (lambda d: ["--output_dir", os.path.join(write(d / "a_file", "x"), "run")],
                             r"not writable.*Fix"),
     "no_chat_template": (lambda d: ["--model", tiny_model_without_chat_template(d)], r"no chat template.*Fix"),

@@ -1,12 +1,17 @@
 import json
+import os
 
 import pytest
 
 from grpo_accel.data import (
-    DatasetError, LEVELS, _problems, arithmetic_rows, load_dataset_by_name, prompt_lengths, train_eval_datasets,
+    LEVELS,
+    DatasetError,
+    _problems,
+    arithmetic_rows,
+    load_dataset_by_name,
+    prompt_lengths,
+    train_eval_datasets,
 )
-
-import os
 
 # The real GSM8K files live beside the checkout (../shared), on developer machines and in CI.
 GSM8K = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "gsm8k")

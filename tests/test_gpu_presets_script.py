@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launch_utils import ROOT, child_env
 
 

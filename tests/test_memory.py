@@ -15,7 +15,11 @@ import torch
 
 from grpo_accel.architectures import ARCHITECTURES, get_architecture, list_architectures, model_shape
 from grpo_accel.memory import (
-    GIB, PhaseMemory, auto_logprob_block, kv_cache_sequences, plan_memory, vllm_memory_fraction,
+    GIB,
+    PhaseMemory,
+    kv_cache_sequences,
+    plan_memory,
+    vllm_memory_fraction,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,8 +156,10 @@ def test_verdict_names_fixes_and_bisection_is_tight():
     fix = dict((text, ok) for text, _, ok in v.fixes)
     assert fix["--offload_activations true"] and plan.replan(offload_activations=True).verdict(gpu).fits
     t = int(next(text for text in fix if text.startswith("--max_completion_length")).split()[-1])
-    assert plan.replan(max_completion_length=t).peak_bytes <= gpu < plan.replan(max_completion_length=t + 128).peak_bytes
-    bf16 = plan_memory("llama-3.1-8b", dtype="bf16", lora_r=16, per_device_train_batch_size=1, max_completion_length=4096)
+    assert plan.replan(max_completion_length=t).peak_bytes <= gpu
+    assert gpu < plan.replan(max_completion_length=t + 128).peak_bytes
+    bf16 = plan_memory("llama-3.1-8b", dtype="bf16", lora_r=16, per_device_train_batch_size=1,
+                       max_completion_length=4096)
     assert "--quantization 4bit" in bf16.verdict(12 * GIB).message
     assert bf16.verdict(80 * GIB).fits and "fits" in str(bf16.verdict(80 * GIB))
 
@@ -281,7 +287,8 @@ def test_planner_matches_measured_cpu_step():
     rows = []
     for T in (64, 128, 256):
         measured = _measure(B, P, T)
-        predicted = plan_memory("smollm2-135m", dtype="fp32", lora_r=16, per_device_train_batch_size=B, max_prompt_length=P,
+        predicted = plan_memory("smollm2-135m", dtype="fp32", lora_r=16, per_device_train_batch_size=B,
+                                max_prompt_length=P,
                                 max_completion_length=T, gradient_checkpointing=True, logprob_impl="naive",
                                 device="cpu").peak_bytes
         rows.append((T, measured, predicted))

@@ -11,7 +11,6 @@ import os
 import re
 
 import pytest
-
 from launch_utils import ROOT, TINY_ARGS, error_line, run_train
 
 spec = importlib.util.spec_from_file_location("train_script", os.path.join(ROOT, "launch", "train.py"))
@@ -109,7 +108,8 @@ def test_config_yaml_run_name_and_model_choose_the_directory(tmp_path, monkeypat
     assert spec.config.output_dir == os.path.join("runs", "my_exp") and spec.script.model == "tiny-qwen2"
     assert spec.config.max_steps == 3 and spec.preset.name == "cpu" and "--config" in spec.preset_why
     (tmp_path / "model.yaml").write_text("model: tiny-qwen2\n")
-    assert resolve_run_spec(["--config", "model.yaml"]).config.output_dir == os.path.join("runs", "tiny-qwen2-arithmetic")
+    by_model = resolve_run_spec(["--config", "model.yaml"]).config.output_dir
+    assert by_model == os.path.join("runs", "tiny-qwen2-arithmetic")
     assert resolve_run_spec(["--config", "run.yaml", "--run_name", "flag_wins"]).config.run_name == "flag_wins"
 
 

@@ -411,7 +411,8 @@ for peft in (False, True):
     model(input_ids=ids, labels=ids).loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model = make(peft)
-    engine, *_ = deepspeed.initialize(model=model, config=DS, model_parameters=[p for p in model.parameters() if p.requires_grad])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, config=DS, model_parameters=trainable)
     ckpt = install_activation_offload(engine, FORCED)  # unwraps DeepSpeedEngine (and PeftModel)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad}

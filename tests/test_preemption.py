@@ -13,10 +13,9 @@ import sys
 import time
 
 import pytest
+from launch_utils import ROOT, TINY_ARGS, child_env, run_train
 from peft import LoraConfig
 from transformers import TrainerCallback
-
-from launch_utils import ROOT, TINY_ARGS, child_env, run_train
 
 ARGS = [*TINY_ARGS, "--max_steps", "6", "--save_steps", "2", "--eval_size", "0", "--save_total_limit", "3",
         "--rewards", "rewards_for_tests:length_reward"]
@@ -30,11 +29,12 @@ def rows(out):
 def test_sigterm_mid_step_finishes_it_saves_and_stops(tmp_path):
     """In-process: a SIGTERM during step 2's generation; step 2 completes, checkpoint-2 is complete, training stops,
     and the process's own SIGTERM handler is back once train() returns."""
+    from rewards_for_tests import length_reward
+
     from grpo_accel.config import GRPOAccelConfig
     from grpo_accel.data import arithmetic_dataset
     from grpo_accel.models import load_model
     from grpo_accel.trainer import GRPOAccelTrainer
-    from rewards_for_tests import length_reward
 
     class SigtermInStep2(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -154,6 +154,7 @@ def test_sigterm_to_a_one_process_accelerate_launch_reaches_the_trainer(tmp_path
            os.path.join(ROOT, "launch", "train.py"), *ARGS, "--output_dir", str(out)]
     rc, stdout, stderr = sigterm_after(cmd, out / "checkpoint-2" / "trainer_state.json", child_env())
     assert rc == -signal.SIGTERM  # the launcher; communicate() returned once the trainer closed its pipes too
-    assert "SIGTERM received" in stderr and "--resume_from_checkpoint latest" in stdout, (stdout[-2000:], stderr[-2000:])
+    assert "SIGTERM received" in stderr and "--resume_from_checkpoint latest" in stdout, (
+        stdout[-2000:], stderr[-2000:])
     stopped = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     assert 2 < stopped < 6 and (out / f"checkpoint-{stopped}" / "trainer_state.json").exists()

@@ -11,10 +11,18 @@ from unittest import mock
 
 import pytest
 
-from grpo_accel.memory import GIB
 from grpo_accel.presets import (
-    CONFIG_DIR, GPUProps, PRESETS, PresetError, check_preset_fits_gpu, detect_preset, get_preset, launching_yaml,
-    list_presets, preset_for_yaml, select_preset,
+    CONFIG_DIR,
+    PRESETS,
+    GPUProps,
+    PresetError,
+    check_preset_fits_gpu,
+    detect_preset,
+    get_preset,
+    launching_yaml,
+    list_presets,
+    preset_for_yaml,
+    select_preset,
 )
 
 GIB_BYTES = 1 << 30
@@ -47,7 +55,8 @@ def test_yaml_loads_with_accelerate_and_matches_preset(name):
 
     preset = get_preset(name)
     text = preset.yaml_path.read_text()
-    assert text.startswith("# ") and f"accelerate launch --config_file accelerate_configs/{preset.yaml} launch/train.py" in text
+    launch = f"accelerate launch --config_file accelerate_configs/{preset.yaml} launch/train.py"
+    assert text.startswith("# ") and launch in text
     cfg = load_config_from_file(str(preset.yaml_path))  # raises on unknown keys
     assert isinstance(cfg, ClusterConfig)
     assert cfg.num_processes == preset.num_processes
@@ -197,8 +206,8 @@ def test_launching_yaml_walks_the_real_parent_processes(tmp_path):
     if not os.path.exists("/proc/self/cmdline"):
         pytest.skip("needs /proc")
     repo = str(CONFIG_DIR.parent)
-    child = ("import sys; sys.path.insert(0, %r); from grpo_accel.presets import select_preset; "
-             "p, why = select_preset(None, gpu_props=None); print(p.name, '|', why)" % repo)
+    child = (f"import sys; sys.path.insert(0, {repo!r}); from grpo_accel.presets import select_preset; "
+             "p, why = select_preset(None, gpu_props=None); print(p.name, '|', why)")
     # the parent: a python process with `--config_file ...cpu_zero2.yaml` in its argv, like accelerate launch
     parent = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', sys.argv[3]]))"
     out = subprocess.run([sys.executable, "-c", parent, "--config_file", "accelerate_configs/cpu_zero2.yaml", child],

@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from launch_utils import ROOT, TINY_ARGS, child_env, run_train
 
 pytestmark = pytest.mark.slow

@@ -77,13 +77,14 @@ def child(steps: int, out: str, device: str, leak_bytes: int) -> None:
 
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
+    from rewards_for_tests import length_reward
+
     from grpo_accel.config import GRPOAccelConfig
     from grpo_accel.data import arithmetic_dataset
     from grpo_accel.hook_leak import input_embedding_hooks
     from grpo_accel.memory import _rss_bytes
     from grpo_accel.models import load_model
     from grpo_accel.trainer import GRPOAccelTrainer
-    from rewards_for_tests import length_reward
 
     torch.manual_seed(0)
     cuda = device == "cuda"
@@ -155,6 +156,7 @@ def test_no_forward_hook_per_generation(tmp_path):
     """TRL turns checkpointing off and on around each generate(); transformers re-registers an input-embedding hook
     each time and (PEFT-wrapped) never removes it: +2 hooks per step before grpo_accel.hook_leak."""
     from peft import LoraConfig
+    from rewards_for_tests import length_reward
     from transformers import TrainerCallback
 
     from grpo_accel.config import GRPOAccelConfig
@@ -162,7 +164,6 @@ def test_no_forward_hook_per_generation(tmp_path):
     from grpo_accel.hook_leak import input_embedding_hooks
     from grpo_accel.models import load_model
     from grpo_accel.trainer import GRPOAccelTrainer
-    from rewards_for_tests import length_reward
 
     counts = []
 

@@ -7,10 +7,10 @@ import os
 import re
 
 import pytest
+from launch_utils import TINY_ARGS, error_line, run_train
 from safetensors.torch import load_file
 
 from grpo_accel.tracking import read_wandb_history
-from launch_utils import TINY_ARGS, error_line, run_train
 
 
 @pytest.fixture(scope="module")

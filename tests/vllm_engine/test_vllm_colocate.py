@@ -14,8 +14,9 @@ import torch
 pytest.importorskip("vllm.sampling_params")  # a real vLLM, not a folder that shadows it
 pytestmark = pytest.mark.vllm
 
-from grpo_accel import vllm_colocate as vc  # noqa: E402
 from conftest import report  # noqa: E402
+
+from grpo_accel import vllm_colocate as vc  # noqa: E402
 
 FIXED = "Question: what is 17 + 25? Think step by step, then answer.\nAnswer: 17 + 25 = 42. The answer is 42."
 

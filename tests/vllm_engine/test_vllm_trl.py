@@ -6,8 +6,9 @@ pytest.importorskip("vllm.sampling_params")
 pytest.importorskip("trl")
 pytestmark = pytest.mark.vllm
 
-from grpo_accel import vllm_colocate as vc  # noqa: E402
 from conftest import report  # noqa: E402
+
+from grpo_accel import vllm_colocate as vc  # noqa: E402
 
 
 def test_grpo_step_generates_through_shared_engine(engine, tokenizer, tmp_path):
