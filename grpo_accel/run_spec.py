@@ -240,11 +240,12 @@ def resolve_run_spec(argv: list[str], cmdline=None, gpu_props="current", for_pla
         raise SystemExit(0)
     argv, config_path = split_config_flag(list(argv))
     from_yaml = parser.yaml_values(config_path) if config_path else {}
-    explicit = {**from_yaml, **parser.explicit(argv)}
+    from_flags = parser.explicit(argv)
+    explicit = {**from_yaml, **from_flags}
     preset, why = select_preset(explicit.get("preset"), cmdline=cmdline, gpu_props=gpu_props)
     if not for_plan:  # before the config is built: a GPU preset on the wrong machine names the preset that fits
         presets.check_preset_fits_gpu(preset, gpu_props)
-    if "preset" in from_yaml and "preset" not in parser.explicit(argv):
+    if "preset" in from_yaml and "preset" not in from_flags:
         why = f"preset: {preset.name} in --config {config_path}"
     model = explicit.get("model", preset.training_overrides()["model"])
     run_name = explicit.get("run_name") or default_run_name(model, explicit.get("dataset", "arithmetic"))
