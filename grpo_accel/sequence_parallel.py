@@ -1,18 +1,20 @@
 """Ulysses sequence parallelism for the policy / old / reference log-prob passes (DeepSpeed's `ulysses_sp`).
 
 Naive equivalent: `model(input_ids=row)` on one process, the whole row's activations on one GPU. Here the SP group
-(`sequence_parallel_size` ranks holding the same batch) splits each row along T: rank r runs the model on tokens
+(`sequence_parallel_size` consecutive ranks) splits each row along T: rank r runs the model on tokens
 [r·T/sp, (r+1)·T/sp) with their global position ids; everything in a layer but attention is token-local, and
 attention goes through DeepSpeed's `UlyssesSPAttentionHF`: an all-to-all turns [T/sp tokens, all heads] into
 [all T tokens, heads/sp], the core attention (SDPA, causal) runs on whole sequences, a second all-to-all turns it
 back. The head scores each rank's tokens against targets shifted *before* the split (the last token of shard r
-predicts the first of shard r+1), and the per-token log-probs are all-gathered into TRL's [B, logits_to_keep]
-layout, so TRL's loss and its normalisation run unchanged, identically on every rank of the group.
+predicts the first of shard r+1), and the per-token log-probs are all-gathered.
 
-Gradients: every rank computes the same loss on the gathered log-probs, so the gather's backward sums the
-(identical) full gradients over the group and keeps this rank's slice: sp × its tokens' share. The engine's
-data-parallel mean over all dp·sp ranks then gives each parameter the group's gradient (the sum over shards),
-averaged over the dp groups, as without SP.
+Data stay data-parallel: every rank generates and scores its own rows as in plain TRL; in each log-prob pass the
+group exchanges its rows (real tokens only) and works through all of them, one row per SP forward, each rank
+keeping the log-probs of its own rows in TRL's [B, logits_to_keep] layout. So TRL's sampler, generation, loss and
+normalisation are untouched, and the gradients are data-parallel ones: the gather's backward sums the group's
+gradients (each rank's loss reaches only its own rows) and keeps this rank's slice; the engine's mean over all
+ranks then gives mean_r d(loss_r), as without SP. Cost of that choice: each rank runs sp·B row-shards of T/sp
+tokens per pass (the same FLOPs as B whole rows) and holds their checkpointed layer inputs until backward.
 
 Rows are unpadded first (TRL left-pads prompts, right-pads completions; Ulysses discards masks and attends
 causally) and padded at the end to a multiple of sp, which causal attention never lets a real token see.
@@ -41,8 +43,8 @@ SP_KWARG = "accel_sp"
 
 
 class _GatherSeq(torch.autograd.Function):
-    """[B, L] shards -> [B, sp·L] in rank order; backward: the full gradient summed over the group, this rank's
-    slice (an all-reduce of B·sp·L floats per pass: nothing next to the layers' all-to-alls)."""
+    """[B, L] shards -> [B, sp·L] in rank order; backward: the full gradient summed over the group (each rank's loss
+    reaches its own rows only), this rank's slice. An all-reduce of B·sp·L floats: nothing next to the all-to-alls."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -141,50 +143,92 @@ class SequenceParallel:
 
     def logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep: int, compute_entropy: bool,
                             autocast=contextlib.nullcontext):
-        """TRL's hook's result, ([B, logits_to_keep] log-probs, entropies or None), one row per SP forward."""
+        """TRL's hook's result for this rank's rows, ([B, logits_to_keep] log-probs, entropies or None). The group
+        runs every rank's rows, one row per SP forward, in the same order on every rank."""
         B, T = input_ids.shape
-        K, sp = logits_to_keep, self.sp
-        self._check_same_batch(input_ids, attention_mask)
-        rows_lp, rows_ent = [], []
+        K = logits_to_keep
+        mine, c0s = [], []
         for i in range(B):
             real = attention_mask[i].nonzero().flatten()
             if real.numel() == 0 or real[-1] - real[0] + 1 != real.numel():
                 raise ValueError("sequence parallelism needs each row's real tokens in one block (TRL's layout)")
-            start, n = int(real[0]), real.numel()
-            L = -(-n // sp)  # shard length; the row is padded at the end to sp·L
-            ids = input_ids.new_zeros(sp * L)
-            ids[:n] = input_ids[i, start:start + n]
-            # target of position k is token k+1, scored only where k+1 is a completion token (TRL's window)
-            tgt = torch.full_like(ids, -100)
-            k = torch.arange(n - 1, device=ids.device)
-            keep = (start + k + 1) >= T - K
-            tgt[k[keep]] = ids[k[keep] + 1]
-            sl = slice(self.rank * L, (self.rank + 1) * L)
-            pos = torch.arange(sl.start, sl.stop, device=ids.device)[None]
-            with autocast(), tiled.tiles_off():
-                out = model(input_ids=ids[None, sl], position_ids=pos, accel_sp_targets=tgt[None, sl],
-                            accel_entropy=compute_entropy, **{SP_KWARG: True})
-            cols = torch.arange(K, device=ids.device)
-            src = T - K + cols - start - 1  # position in the unpadded row whose target is completion token col
+            start = int(real[0])
+            mine.append(input_ids[i, start:start + real.numel()])
+            c0s.append(T - K - start)  # index, in the row's real tokens, of its first completion token
+        own, others = [], []
+        for src_rank, rows in enumerate(self._gather_rows(mine, c0s)):
+            for ids, c0 in rows:
+                out = self._row(model, ids, c0, compute_entropy, autocast)
+                (own if src_rank == self.rank else others).append(out)
+        lps, ents = [], []
+        for i, (lp, ent) in enumerate(own):
+            cols = torch.arange(K, device=input_ids.device)
+            src = cols + c0s[i] - 1  # the position whose target is completion token `col`
             valid = attention_mask[i, T - K:].bool() & (src >= 0)
-            rows_lp.append(_place(_GatherSeq.apply(out.log_probs, self.group)[0], src, valid, K))
+            lps.append(_place(lp, src, valid))
             if compute_entropy:
-                rows_ent.append(_place(_GatherSeq.apply(out.entropy, self.group)[0], src, valid, K))
-        return torch.stack(rows_lp), (torch.stack(rows_ent) if compute_entropy else None)
+                ents.append(_place(ent, src, valid))
+        logps = torch.stack(lps)
+        if torch.is_grad_enabled():  # the other ranks' rows ran here too: their backward must run here as well
+            logps = _Join.apply(logps, *[lp for lp, _ in others if lp.requires_grad])
+        return logps, (torch.stack(ents) if compute_entropy else None)
 
-    def _check_same_batch(self, input_ids, attention_mask) -> None:
-        """Every rank of the group must hold the same rows (they run one sequence between them); a different batch
-        would hang in the all-to-all or silently mix sequences. One all-reduce of 2 numbers per pass."""
-        sig = torch.stack([(input_ids * attention_mask).sum(), torch.tensor(input_ids.numel())]).double()
-        lo, hi = sig.clone(), sig.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
-        if not torch.equal(lo, hi):
-            raise RuntimeError("sequence parallelism: the ranks of one SP group hold different batches; each group "
-                               "must generate once and share its completions (launch with ParallelismConfig sp_size)")
+    def _row(self, model, ids, c0: int, compute_entropy: bool, autocast):
+        """Log-probs (and entropies) [n] of one sequence's real tokens `ids`: position k scores token k+1 where k+1 >=
+        c0; this rank runs shard `rank` of it, the shards' results all-gathered."""
+        n, sp = ids.numel(), self.sp
+        L = -(-n // sp)  # shard length; the row is padded at the end to sp·L
+        padded = ids.new_zeros(sp * L)
+        padded[:n] = ids
+        tgt = torch.full_like(padded, -100)
+        k = torch.arange(max(c0 - 1, 0), n - 1, device=ids.device)
+        tgt[k] = padded[k + 1]
+        sl = slice(self.rank * L, (self.rank + 1) * L)
+        pos = torch.arange(sl.start, sl.stop, device=ids.device)[None]
+        with autocast(), tiled.tiles_off():
+            out = model(input_ids=padded[None, sl], position_ids=pos, accel_sp_targets=tgt[None, sl],
+                        accel_entropy=compute_entropy, **{SP_KWARG: True})
+        lp = _GatherSeq.apply(out.log_probs, self.group)[0, :n]
+        # entropies carry no gradient (TRL logs them and masks by them): gathered outside autograd, so no rank's
+        # backward waits on a gather another rank's loss never reaches
+        ent = _GatherSeq.apply(out.entropy.detach(), self.group)[0, :n] if compute_entropy else None
+        return lp, ent
+
+    def _gather_rows(self, rows, c0s):
+        """Every rank's (real token ids, c0) rows, by rank: two small all-gathers (counts and lengths), one of ids."""
+        dev, sp = rows[0].device, self.sp
+        meta = torch.tensor([[r.numel(), c] for r, c in zip(rows, c0s)], dtype=torch.long, device=dev)
+        count = torch.tensor([len(rows)], device=dev)
+        counts = [torch.zeros_like(count) for _ in range(sp)]
+        dist.all_gather(counts, count, group=self.group)
+        most = int(max(counts))
+        metas = [meta.new_zeros(most, 2) for _ in range(sp)]
+        dist.all_gather(metas, torch.cat([meta, meta.new_zeros(most - len(rows), 2)]), group=self.group)
+        longest = int(max(m[:, 0].max() for m in metas))
+        ids = rows[0].new_zeros(most, longest)
+        for i, r in enumerate(rows):
+            ids[i, :r.numel()] = r
+        all_ids = [torch.empty_like(ids) for _ in range(sp)]
+        dist.all_gather(all_ids, ids, group=self.group)
+        return [[(all_ids[r][i, :int(metas[r][i, 0])], int(metas[r][i, 1])) for i in range(int(counts[r]))]
+                for r in range(sp)]
 
 
-def _place(full: torch.Tensor, src: torch.Tensor, valid: torch.Tensor, K: int) -> torch.Tensor:
+class _Join(torch.autograd.Function):
+    """`own` unchanged; backward also sends zeros into `others`, so this rank's backward runs through the other
+    ranks' rows (whose all-to-alls and gathers the other ranks run in their backward, in the same order)."""
+
+    @staticmethod
+    def forward(ctx, own, *others):
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return own.view_as(own)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, *[torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes])
+
+
+def _place(full: torch.Tensor, src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[K] row of TRL's layout: full[src[j]] where valid, 0 elsewhere (as our head's masked positions)."""
     return torch.where(valid, full[src.clamp(0, full.numel() - 1)], full.new_zeros(()))
 

@@ -1,7 +1,7 @@
-"""Worker for tests/test_sequence_parallel.py: each of 2 processes builds the same tiny-llama LoRA trainer, generates
-the same batch and computes log-probs, TRL's loss and LoRA grads on one process (the reference); then, over gloo,
-the same with Ulysses SP = 2 (each row split along T between the two), grads averaged over the ranks as the
-data-parallel engine does. Rank 0 writes both.
+"""Worker for tests/test_sequence_parallel.py: each of 2 processes builds the same tiny-llama LoRA trainer and its own
+batch (rank 1: rows reversed, other completion lengths and advantages), computes log-probs, TRL's loss and LoRA grads
+alone (the reference); then, over gloo, the same with Ulysses SP = 2 (each row of both ranks split along T between
+the two). Grads are averaged over the ranks, as the data-parallel engine does, for both. Each rank writes OUT.rankR.
 
     python tests/sequence_parallel_worker.py --out /tmp/sp.pt [--offload]
 """
@@ -42,11 +42,16 @@ def rank_main(rank, world, out, port, offload):
             if "lora_B" in name:
                 p.normal_(0, 0.1)
     inputs = one_batch(trainer)
-    # completions of unequal length (right padding, as TRL masks after EOS)
-    for i in range(inputs["completion_mask"].shape[0]):
-        inputs["completion_mask"][i, inputs["completion_mask"].shape[1] - 2 * i:] = 0
+    B = inputs["completion_mask"].shape[0]
+    # each rank its own batch (rows reversed on rank 1), completions of unequal length (right padding, as TRL
+    # masks after EOS)
+    if rank == 1:
+        inputs = {k: v.flip(0) if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == B else v
+                  for k, v in inputs.items()}
+    for i in range(B):
+        inputs["completion_mask"][i, inputs["completion_mask"].shape[1] - 2 * i - rank:] = 0
     # the tiny model's rewards tie within a group (advantages 0, no gradient): fixed non-zero advantages instead
-    inputs["advantages"] = torch.linspace(-1.0, 1.0, inputs["advantages"].numel()).view_as(inputs["advantages"])
+    inputs["advantages"] = torch.linspace(-1.0, 1.0 + rank, inputs["advantages"].numel()).view_as(inputs["advantages"])
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     k = inputs["completion_ids"].size(1)
@@ -70,11 +75,11 @@ def rank_main(rank, world, out, port, offload):
     sp_obj.uattn.forward = lambda module, q, *a, **k: (shards.append(q.shape[2]), attend(module, q, *a, **k))[1]
     sp = measure()
     sp["sp_calls"], sp["shard_lengths"] = len(calls), shards
-    for g in sp["grads"].values():  # the data-parallel engine's mean over dp x sp ranks
+    for g in [*sp["grads"].values(), *ref["grads"].values()]:  # the data-parallel engine's mean over the ranks
         torch.distributed.all_reduce(g)
         g /= world
-    if rank == 0:
-        torch.save({"ref": ref, "sp": sp, "mask": inputs["completion_mask"], "row_tokens": mask.sum(1)}, out)
+    torch.save({"ref": ref, "sp": sp, "mask": inputs["completion_mask"], "row_tokens": mask.sum(1)},
+               f"{out}.rank{rank}")
     torch.distributed.barrier()
 
 
