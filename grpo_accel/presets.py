@@ -173,6 +173,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        deepspeed_stage=2, **_TINY),
     _p(name="cpu_zero3", description="Tiny random model, full fine-tune, DeepSpeed ZeRO-3 over gloo (tests)",
        deepspeed_stage=3, **_TINY),
+    _p(name="cpu_ulysses2", description="Tiny random model, full fine-tune, Ulysses sequence parallelism over 2 "
+       "processes (gloo) with DeepSpeed ZeRO-2 (tests)", deepspeed_stage=2, sequence_parallel_size=2, **_TINY),
     _p(name="t4_qlora", description="1.5B QLoRA in fp16 (T4 has no bf16), 4K-token completions",
        target_gpu="NVIDIA T4 16GB", min_gpu_mem_gib=14, min_compute_capability=_FP16,
        model="Qwen/Qwen2.5-1.5B-Instruct", architecture="qwen2.5-1.5b", dtype="fp16", quantization="4bit",

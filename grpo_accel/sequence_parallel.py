@@ -134,6 +134,7 @@ class SequenceParallel:
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
             if not kwargs.pop(SP_KWARG, False):  # generation, evaluation: each rank holds whole rows
                 return plain(module, query, key, value, attention_mask, *args, **kwargs)
+            self._batch(query.shape[0])  # the rows of this call (all the group's, or a re-run's row group)
             return self.uattn(module, query, key, value, None, *args, **kwargs)  # causal; masks are per shard
 
         ALL_ATTENTION_FUNCTIONS[core] = attention  # replaces plain SDPA (and accelerate's wrapper, if any)
@@ -141,12 +142,21 @@ class SequenceParallel:
             _install_sp_head(m, temperature=temperature, impl=impl, chunk_size=chunk_size, vocab_tile=vocab_tile,
                              offload=offload)
 
+    def _batch(self, rows: int) -> None:
+        """DeepSpeed's module checks a fixed batch size; ours varies per call (the sequence length already may)."""
+        u = self.uattn
+        u.batch_size = rows
+        for name in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
+            shape = getattr(u, name)
+            setattr(u, name, torch.Size([shape[0], rows, *shape[2:]]))
+
     def logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep: int, compute_entropy: bool,
                             autocast=contextlib.nullcontext):
         """TRL's hook's result for this rank's rows, ([B, logits_to_keep] log-probs, entropies or None). The group
-        runs every rank's rows, one row per SP forward, in the same order on every rank."""
+        runs every rank's rows in one forward (each parameter used once: DDP / ZeRO reduce its grad once), every
+        row padded at its end to the longest, split into sp shards; trailing padding is never attended (causal)."""
         B, T = input_ids.shape
-        K = logits_to_keep
+        K, sp = logits_to_keep, self.sp
         mine, c0s = [], []
         for i in range(B):
             real = attention_mask[i].nonzero().flatten()
@@ -155,44 +165,28 @@ class SequenceParallel:
             start = int(real[0])
             mine.append(input_ids[i, start:start + real.numel()])
             c0s.append(T - K - start)  # index, in the row's real tokens, of its first completion token
-        own, others = [], []
-        for src_rank, rows in enumerate(self._gather_rows(mine, c0s)):
-            for ids, c0 in rows:
-                out = self._row(model, ids, c0, compute_entropy, autocast)
-                (own if src_rank == self.rank else others).append(out)
-        lps, ents = [], []
-        for i, (lp, ent) in enumerate(own):
-            cols = torch.arange(K, device=input_ids.device)
-            src = cols + c0s[i] - 1  # the position whose target is completion token `col`
-            valid = attention_mask[i, T - K:].bool() & (src >= 0)
-            lps.append(_place(lp, src, valid))
-            if compute_entropy:
-                ents.append(_place(ent, src, valid))
-        logps = torch.stack(lps)
-        if torch.is_grad_enabled():  # the other ranks' rows ran here too: their backward must run here as well
-            logps = _Join.apply(logps, *[lp for lp, _ in others if lp.requires_grad])
-        return logps, (torch.stack(ents) if compute_entropy else None)
-
-    def _row(self, model, ids, c0: int, compute_entropy: bool, autocast):
-        """Log-probs (and entropies) [n] of one sequence's real tokens `ids`: position k scores token k+1 where k+1 >=
-        c0; this rank runs shard `rank` of it, the shards' results all-gathered."""
-        n, sp = ids.numel(), self.sp
-        L = -(-n // sp)  # shard length; the row is padded at the end to sp·L
-        padded = ids.new_zeros(sp * L)
-        padded[:n] = ids
-        tgt = torch.full_like(padded, -100)
-        k = torch.arange(max(c0 - 1, 0), n - 1, device=ids.device)
-        tgt[k] = padded[k + 1]
+        by_rank = self._gather_rows(mine, c0s)
+        first = sum(len(r) for r in by_rank[:self.rank])
+        rows = [row for r in by_rank for row in r]
+        L = -(-max(ids.numel() for ids, _ in rows) // sp)  # shard length
+        ids = input_ids.new_zeros(len(rows), sp * L)
+        tgt = torch.full_like(ids, -100)
+        for j, (row, c0) in enumerate(rows):  # position k scores token k+1 where k+1 >= c0 (TRL's window)
+            ids[j, :row.numel()] = row
+            tgt[j, max(c0 - 1, 0):row.numel() - 1] = row[max(c0, 1):]
         sl = slice(self.rank * L, (self.rank + 1) * L)
-        pos = torch.arange(sl.start, sl.stop, device=ids.device)[None]
+        pos = torch.arange(sl.start, sl.stop, device=ids.device).expand(len(rows), L)
         with autocast(), tiled.tiles_off():
-            out = model(input_ids=padded[None, sl], position_ids=pos, accel_sp_targets=tgt[None, sl],
+            out = model(input_ids=ids[:, sl], position_ids=pos, accel_sp_targets=tgt[:, sl],
                         accel_entropy=compute_entropy, **{SP_KWARG: True})
-        lp = _GatherSeq.apply(out.log_probs, self.group)[0, :n]
-        # entropies carry no gradient (TRL logs them and masks by them): gathered outside autograd, so no rank's
-        # backward waits on a gather another rank's loss never reaches
-        ent = _GatherSeq.apply(out.entropy.detach(), self.group)[0, :n] if compute_entropy else None
-        return lp, ent
+        own = slice(first, first + B)
+        lp = _GatherSeq.apply(out.log_probs, self.group)[own]
+        # entropies carry no gradient (TRL logs them and masks by them): gathered outside autograd
+        ent = _GatherSeq.apply(out.entropy.detach(), self.group)[own] if compute_entropy else None
+        src = torch.arange(K, device=ids.device) + torch.tensor(c0s, device=ids.device)[:, None] - 1  # [B, K]
+        valid = attention_mask[:, T - K:].bool() & (src >= 0)
+        place = lambda x: torch.where(valid, x.gather(1, src.clamp(0, x.shape[1] - 1)), x.new_zeros(()))  # noqa
+        return place(lp), (place(ent) if compute_entropy else None)
 
     def _gather_rows(self, rows, c0s):
         """Every rank's (real token ids, c0) rows, by rank: two small all-gathers (counts and lengths), one of ids."""
@@ -212,25 +206,6 @@ class SequenceParallel:
         dist.all_gather(all_ids, ids, group=self.group)
         return [[(all_ids[r][i, :int(metas[r][i, 0])], int(metas[r][i, 1])) for i in range(int(counts[r]))]
                 for r in range(sp)]
-
-
-class _Join(torch.autograd.Function):
-    """`own` unchanged; backward also sends zeros into `others`, so this rank's backward runs through the other
-    ranks' rows (whose all-to-alls and gathers the other ranks run in their backward, in the same order)."""
-
-    @staticmethod
-    def forward(ctx, own, *others):
-        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
-        return own.view_as(own)
-
-    @staticmethod
-    def backward(ctx, g):
-        return (g, *[torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes])
-
-
-def _place(full: torch.Tensor, src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[K] row of TRL's layout: full[src[j]] where valid, 0 elsewhere (as our head's masked positions)."""
-    return torch.where(valid, full[src.clamp(0, full.numel() - 1)], full.new_zeros(()))
 
 
 def _install_sp_head(model, *, temperature, impl, chunk_size, vocab_tile, offload) -> None:
