@@ -153,11 +153,12 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     a = DTYPE_BYTES[dtype]  # weights of non-quantized parts and activations use the compute dtype
     B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
     T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
-    # Ulysses SP (grpo_accel.sequence_parallel): each GPU holds 1/sp of every sequence through the layers and the
-    # head, one row per forward (re-run whole: no row groups, no tiles); the KV cache of generation stays whole
+    # Ulysses SP (grpo_accel.sequence_parallel): data stay data-parallel, so each GPU runs 1/sp of each of the
+    # group's sp·B rows: as many tokens as without SP (B·T), in rows of T/sp (row groups, never tiles); the KV cache
+    # of generation stays whole. What SP buys here is shorter rows, not fewer tokens per GPU.
     sp = max(int(sequence_parallel_size or 1), 1)
-    T_gpu = -(-T // sp)
-    n_tok, n_c = B * T_gpu, B * -(-max_completion_length // sp)  # tokens through the layers / scored by the head
+    T_gpu, rows = -(-T // sp), B * sp
+    n_tok, n_c = rows * T_gpu, B * max_completion_length  # tokens through the layers / scored by the head
     world = max(num_processes, 1) if deepspeed_stage else 1
     dev, host = {}, {}
 
@@ -191,16 +192,20 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
         kept = min(L - 1, int(offload_device_budget_bytes // layer_input)) if offload_activations else 0
         on_device = min(2 + max(kept, 0), L + 1) * layer_input if offload_activations else ckpt
         dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
-        dev["recompute_working_set"] = _rerun_bytes(shape, a, B if sp == 1 else 1, T_gpu, saved + transient,
-                                                    offload_activations and deepspeed_stage < 3 and sp == 1,
-                                                    recompute_tokens)
+        pieces = offload_activations and deepspeed_stage < 3
+        tokens = recompute_tokens if sp == 1 or not recompute_tokens else max(recompute_tokens, T_gpu)  # no tiles
+        dev["recompute_working_set"] = _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, tokens)
     else:
         dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
         dev["recompute_working_set"] = n_tok * transient
-    # Ulysses all-to-all: q, k, v and the attention output of one layer, each once as sent and once as received
-    # ([T/sp, all heads] <-> [T, heads/sp]: the same bytes); kv heads repeated up to sp when fewer (DeepSpeed)
+    # Ulysses all-to-all: q, k, v and the attention output of one layer call, each once as sent and once as received
+    # ([T/sp, all heads] <-> [T, heads/sp]: the same bytes), for the rows of one re-run piece (all rows without
+    # offload); kv heads repeated up to sp when fewer (DeepSpeed)
     kv_dim = max(shape.kv_heads, sp) * shape.head_dim
-    dev["sp_all_to_all"] = 2 * T_gpu * (2 * shape.heads * shape.head_dim + 2 * kv_dim) * a if sp > 1 else 0
+    piece_rows = min(rows, max(1, (recompute_tokens or n_tok) // T_gpu)) if gradient_checkpointing and \
+        offload_activations and deepspeed_stage < 3 else rows
+    dev["sp_all_to_all"] = (2 * piece_rows * T_gpu * (2 * shape.heads * shape.head_dim + 2 * kv_dim) * a
+                            if sp > 1 else 0)
     head_trainable = lora_r <= 0
     dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_size,
                                                   head_trainable)

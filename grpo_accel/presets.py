@@ -136,9 +136,6 @@ GPU_RECIPE = dict(
     logging_steps=1, save_steps=50, save_total_limit=3, report_to="none", seed=42, disable_tqdm=False,
 )
 # Qwen3 past its native 32K: YaRN, factor 4 over 32,768 positions = 131,072 tokens (the model card's setting).
-# Qwen3 at 8x its original 32K (262,144 positions) for sequence-parallel runs: past the card's validated factor 4.
-QWEN3_YARN_262K = {"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32768,
-                                      "rope_theta": 1000000.0}}
 QWEN3_YARN = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
                                   "rope_theta": 1000000.0}}
 _COMMON = dict(quantization="none", lora_r=16, lora_alpha=32, max_prompt_length=512, gradient_checkpointing=True,
@@ -225,13 +222,6 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        "address and machine_rank in the YAML)", target_gpu="2 nodes x 8 NVIDIA H100 80GB",
        model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b", max_completion_length=32768,
        **_ZERO3, **{**_8B_FULL, "num_processes": 16}),
-    _p(name="8xh100_sp8", description="Qwen3-8B-class QLoRA, 240K-token completions, each sequence split over 8 GPUs "
-       "(Ulysses SP = 8, ZeRO-2; YaRN factor 8, past the card's validated 4)", target_gpu="8x NVIDIA H100 80GB",
-       min_gpu_mem_gib=75, min_compute_capability=_BF16, model="Qwen/Qwen3-8B", architecture="qwen3-8b",
-       dtype="bf16", quantization="4bit", max_completion_length=240_000, num_generations=8,
-       per_device_train_batch_size=1, gradient_accumulation_steps=8, offload_activations=True,
-       vllm_share_weights=False, deepspeed_stage=2, num_processes=8, sequence_parallel_size=8,
-       model_init_kwargs=QWEN3_YARN_262K),
 ]}
 
 
