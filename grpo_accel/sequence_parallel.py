@@ -9,15 +9,19 @@ back. The head scores each rank's tokens against targets shifted *before* the sp
 predicts the first of shard r+1), and the per-token log-probs are all-gathered.
 
 Data stay data-parallel: every rank generates and scores its own rows as in plain TRL; in each log-prob pass the
-group exchanges its rows (real tokens only) and works through all of them, one row per SP forward, each rank
-keeping the log-probs of its own rows in TRL's [B, logits_to_keep] layout. So TRL's sampler, generation, loss and
-normalisation are untouched, and the gradients are data-parallel ones: the gather's backward sums the group's
-gradients (each rank's loss reaches only its own rows) and keeps this rank's slice; the engine's mean over all
-ranks then gives mean_r d(loss_r), as without SP. Cost of that choice: each rank runs sp·B row-shards of T/sp
-tokens per pass (the same FLOPs as B whole rows) and holds their checkpointed layer inputs until backward.
+group exchanges its rows (real tokens only) and runs all of them in one forward (each parameter used once, so
+DDP / ZeRO reduce its gradient once), each rank keeping the log-probs of its own rows in TRL's [B, logits_to_keep]
+layout. So TRL's sampler, generation, loss and normalisation are untouched, and the gradients are data-parallel
+ones: the gather's backward sums the group's gradients (each rank's loss reaches only its own rows) and keeps this
+rank's slice; the engine's mean over all ranks gives mean_r d(loss_r), as without SP.
+What that layout costs: each rank runs sp·B rows of T/sp tokens per pass, as many tokens as B whole rows, so SP
+here shortens rows (row groups instead of sequence tiles in the re-run, attention over heads/sp) but does not cut
+activation bytes per GPU. Cutting them needs a group-shared layout (one sequence per SP group: the sampler over
+world/sp data-parallel ranks, completions generated once per group), which this module does not do yet.
 
 Rows are unpadded first (TRL left-pads prompts, right-pads completions; Ulysses discards masks and attends
-causally) and padded at the end to a multiple of sp, which causal attention never lets a real token see.
+causally) and padded at their end to sp·L, L the longest row's shard; causal attention never lets a real token see
+that padding.
 
 Cost per layer: 4 all-to-alls of T/sp·(q + 2·kv + o dims) activations forward (again in backward and in the
 checkpoint re-run); the core attention holds whole sequences of heads/sp heads. Needs: attention heads and kv
