@@ -55,7 +55,7 @@ class Preset:
     logprob_chunk_size: int | None  # None = chosen from free memory
     offload_activations: bool
     use_vllm: bool
-    vllm_share_weights: bool
+    vllm_share_weights: bool  # share the base weights with colocated vLLM where possible (LoRA on unquantized)
     deepspeed_stage: int  # 0 = no DeepSpeed
     offload_optimizer: bool
     offload_params: bool
@@ -80,7 +80,8 @@ class Preset:
         """The planner's prediction for one process of this preset run with `fields` (flag names, e.g. a resolved
         run's) over the preset's own values; `overrides`: plan_memory arguments (shape=, vllm_kv_seqs=, ...)."""
         f = {**self.training_overrides(), **(fields or {})}
-        shape = overrides.pop("shape", None) or model_shape(self.architecture if f["model"] == self.model else f["model"])
+        named = self.architecture if f["model"] == self.model else f["model"]
+        shape = overrides.pop("shape", None) or model_shape(named)
         return plan_memory(shape, **{**self.plan_inputs(f), **overrides})
 
     def plan_inputs(self, f: dict) -> dict:
@@ -152,9 +153,9 @@ def _p(**kw) -> Preset:
 _TINY = dict(target_gpu="none (CPU, 2 processes over gloo)", min_gpu_mem_gib=0, min_compute_capability=_CPU,
              num_processes=2, model="tiny-llama", architecture="tiny-llama", dtype="fp32", lora_r=0, lora_alpha=0,
              max_prompt_length=64, max_completion_length=16, num_generations=4, per_device_train_batch_size=4,
-             gradient_checkpointing=False, use_vllm=False, vllm_share_weights=False, recipe=DEMO_RECIPE)
+             gradient_checkpointing=False, use_vllm=False, recipe=DEMO_RECIPE)
 _8B_FULL = dict(min_gpu_mem_gib=75, min_compute_capability=_BF16, num_processes=8, dtype="bf16", lora_r=0,
-                lora_alpha=0, vllm_share_weights=False, num_generations=8, per_device_train_batch_size=1,
+                lora_alpha=0, num_generations=8, per_device_train_batch_size=1,
                 gradient_accumulation_steps=8, offload_activations=True)
 # Colocated vLLM under ZeRO-3 would gather the whole model on every rank to push it (vllm_setup refuses it):
 # those presets generate with transformers' generate() (or a vLLM server, vllm_mode="server").
@@ -196,7 +197,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        "scaling, factor 4, past 32K)", target_gpu="NVIDIA H100 80GB", min_gpu_mem_gib=75,
        min_compute_capability=_BF16, model="Qwen/Qwen3-8B", architecture="qwen3-8b", dtype="bf16",
        quantization="4bit", max_completion_length=110_000, num_generations=8, per_device_train_batch_size=1,
-       gradient_accumulation_steps=8, offload_activations=True, vllm_share_weights=False,
+       gradient_accumulation_steps=8, offload_activations=True,
        model_init_kwargs=QWEN3_YARN),
     _p(name="h200_200k", description="7B bf16 LoRA, 200K-token completions (Qwen2.5-7B-Instruct-1M: 1M context)",
        target_gpu="NVIDIA H200 141GB", min_gpu_mem_gib=130, min_compute_capability=_BF16,
@@ -295,8 +296,9 @@ def _detect(gpu) -> tuple[Preset, str]:
           and p.num_processes <= gpu.count and p.name != "multinode_zero3"]
     if not ok:
         smallest = min((p for p in PRESETS.values() if p.is_gpu), key=lambda p: p.min_gpu_mem_gib)
+        sm = "".join(map(str, smallest.min_compute_capability))
         return PRESETS["cpu"], (f"{_describe(gpu)} is below every GPU preset (smallest: {smallest.name}, "
-                                f"≥ {smallest.min_gpu_mem_gib:g} GiB, sm{''.join(map(str, smallest.min_compute_capability))}+): cpu")
+                                f"≥ {smallest.min_gpu_mem_gib:g} GiB, sm{sm}+): cpu")
     model = _gpu_model(gpu.name)
     # most processes used, then most memory, then the preset made for this GPU model (A100 vs H100 at 80 GB)
     best = max(ok, key=lambda p: (p.num_processes, p.min_gpu_mem_gib,

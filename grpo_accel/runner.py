@@ -162,8 +162,9 @@ def load_training_model(spec, tokenizer, longest_prompt: int):
     init_kwargs = {k: v for k, v in (config.model_init_kwargs or {}).items() if k not in ("dtype", "device_map")}
     route, _ = colocated_route(script.model, config, script.quantization)
     if route == "from_path":
-        return start_colocated_engine(script.model, config, peft_config=lora_config(script),
-                                      longest_prompt=longest_prompt, dtype=getattr(torch, script.model_dtype))
+        engine, model = start_colocated_engine(script.model, config, peft_config=lora_config(script),
+                                               longest_prompt=longest_prompt, dtype=getattr(torch, script.model_dtype))
+        return model, engine
     # Otherwise (no vLLM, a 4-bit or tiny model) the trainer starts an unshared engine or says why it cannot.
     model, _ = load_model(script.model, dtype=script.model_dtype, quantization=script.quantization, **init_kwargs)
     return model, None

@@ -1,12 +1,18 @@
-from fractions import Fraction
-
 import math
+from fractions import Fraction
 
 import pytest
 
 from grpo_accel.rewards import (
-    RewardFunctionError, accuracy, correctness_reward, extract_answer, format_reward, guarded, has_strict_format,
-    parse_number, resolve_rewards,
+    RewardFunctionError,
+    accuracy,
+    correctness_reward,
+    extract_answer,
+    format_reward,
+    guarded,
+    has_strict_format,
+    parse_number,
+    resolve_rewards,
 )
 
 
