@@ -100,13 +100,17 @@ class GRPOAccelConfig(GRPOConfig):
         """Each numeric flag that cannot work, named as the user typed it, with the fix."""
         for name, low in (("max_completion_length", 1), ("per_device_train_batch_size", 1),
                           ("gradient_accumulation_steps", 1), ("num_generations", 2), ("logging_steps", 1),
-                          ("save_steps", 1), ("max_nonfinite_steps", 1), ("sequence_parallel_size", 1)):
+                          ("save_steps", 1), ("max_nonfinite_steps", 1), ("sequence_parallel_size", 1),
+                          ("offload_recompute_tokens", 1), ("offload_device_budget_gib", 0)):
             value = getattr(self, name)
             if value is not None and value < low:
-                why = " (GRPO compares each completion with the others of its prompt)" if name == "num_generations" else ""
-                raise ConfigError(f"--{name} {value} must be ≥ {low}{why}. Fix: --{name} {max(low, 2 if name == 'num_generations' else 1)} or more.")
+                why = " (GRPO compares each completion with the others of its prompt)" if name == "num_generations" \
+                    else ""
+                raise ConfigError(f"--{name} {value} must be ≥ {low}{why}. Fix: --{name} "
+                                  f"{max(low, 2 if name == 'num_generations' else 1)} or more.")
         if self.temperature is not None and self.temperature <= 0:
-            raise ConfigError(f"--temperature {self.temperature} must be > 0 (GRPO samples). Fix: --temperature 0.7 to 1.0.")
+            raise ConfigError(f"--temperature {self.temperature} must be > 0 (GRPO samples). Fix: --temperature 0.7 "
+                              f"to 1.0.")
         if self.learning_rate < 0:
             raise ConfigError(f"--learning_rate {self.learning_rate} must be ≥ 0. Fix: e.g. --learning_rate 1e-5.")
         if self.max_steps == 0 or self.max_steps < -1:

@@ -140,7 +140,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
                 vllm_share_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
-                sequence_parallel_size=1) -> "MemoryPlan":
+                sequence_parallel_size=1) -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring)."""
     inputs = {k: v for k, v in locals().items() if k != "shape"}
     shape = model_shape(shape)
@@ -258,7 +258,7 @@ class MemoryPlan:
         shared = self.device["weights"] if self.inputs["use_vllm"] and self.inputs["vllm_share_weights"] else 0
         return int(shared + sum(self.device[k] for k in ("vllm_weights", "vllm_kv_cache", "vllm_runtime")))
 
-    def replan(self, **changes) -> "MemoryPlan":
+    def replan(self, **changes) -> MemoryPlan:
         return plan_memory(self.shape, **{**self.inputs, **changes})
 
     def format(self) -> str:

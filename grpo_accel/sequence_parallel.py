@@ -76,7 +76,7 @@ def unsupported_reason(causal_lm, sp: int) -> str | None:
     return None
 
 
-def enable(trainer, sp: int) -> "SequenceParallel | None":
+def enable(trainer, sp: int) -> SequenceParallel | None:
     """Ulysses SP on a GRPOAccelTrainer whose log-prob head is installed; an error naming the fix otherwise. One
     process has nothing to split over: None, with one line (the presets' scaled-down CPU steps run that way)."""
     from .console import log
@@ -109,12 +109,11 @@ class SequenceParallel:
 
     def __init__(self, models, sp: int, *, temperature: float, impl: str, chunk_size=None, vocab_tile=None,
                  offload=None, group=None):
+        import deepspeed
         from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        import deepspeed
 
         if not deepspeed.comm.is_initialized():  # Ulysses talks through deepspeed.comm (accelerate + DeepSpeed did it)
             deepspeed.init_distributed(dist_backend=dist.get_backend())

@@ -24,16 +24,26 @@ from trl import GRPOTrainer
 
 from .config import GRPOAccelConfig
 from .console import log
+from .guards import DeepSpeedSkipGuard, NonFiniteGuard
 from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
-from .ops.logprobs import triton_usable
-from .packing import (ATTN_NAME, SEGMENTS_KWARG, default_token_budget, enable_packed_attention, pack_rows,
-                      packable_lengths, packed_forward_context, packing_unsupported_reason, plan_micro_batches,
-                      split_to_count, unpack)
+from .hook_leak import dedupe_input_require_grads
+from .learning_signal import LearningSignalWatch
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
 from .offload.residency import host_available_bytes
-from .guards import DeepSpeedSkipGuard, NonFiniteGuard
-from .learning_signal import LearningSignalWatch
-from .hook_leak import dedupe_input_require_grads
+from .ops.logprobs import triton_usable
+from .packing import (
+    ATTN_NAME,
+    SEGMENTS_KWARG,
+    default_token_budget,
+    enable_packed_attention,
+    pack_rows,
+    packable_lengths,
+    packed_forward_context,
+    packing_unsupported_reason,
+    plan_micro_batches,
+    split_to_count,
+    unpack,
+)
 from .preemption import Preemption
 from .rewards import guarded
 from .telemetry import PhaseTelemetry

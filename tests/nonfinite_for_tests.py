@@ -6,7 +6,6 @@ of a launch (a global forward hook, installed when the launch imports this modul
 import os
 
 import torch
-
 from rewards_for_tests import length_reward
 
 _calls = [0]

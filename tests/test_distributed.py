@@ -7,7 +7,6 @@ import math
 import os
 
 import pytest
-
 from launch_utils import ROOT, run_train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

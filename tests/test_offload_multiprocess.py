@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from launch_utils import ROOT, child_env, free_port, run_process_group
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

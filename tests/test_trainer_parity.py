@@ -10,13 +10,13 @@ import inspect
 import pytest
 import torch
 from peft import LoraConfig
+from rewards_for_tests import length_reward
 from trl import GRPOTrainer
 
 from grpo_accel.config import GRPOAccelConfig
 from grpo_accel.data import arithmetic_dataset
 from grpo_accel.models import load_model
 from grpo_accel.trainer import GRPOAccelTrainer
-from rewards_for_tests import length_reward
 
 HOOK_PARAMS = ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
                "compute_aux_loss"]

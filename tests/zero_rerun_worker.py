@@ -59,6 +59,7 @@ def rank_main(rank, world, stage, out, port, refs):
 
     prepare_cpu_processes()
     import deepspeed
+
     from grpo_accel.offload import rerun
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -54,7 +54,7 @@ def _grouped_rerun(ctx, inputs, grads) -> list:
         run = _rows_partial(ctx.run, rows, n)
         part = [t.detach()[rows].requires_grad_(r) if b else t for t, r, b in zip(inputs, ctx.requires, batched)]
         _rerun(ctx, part, [g[rows] if g is not None else None for g in grads], run)
-        for k, (t, b) in enumerate(zip(part, batched)):
+        for k, t in enumerate(part):
             if in_grads[k] is not None and t.grad is not None:
                 in_grads[k][rows] = t.grad
     return [g if b else (t.grad if r else None) for g, t, r, b in zip(in_grads, inputs, ctx.requires, batched)]
