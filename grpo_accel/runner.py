@@ -190,6 +190,8 @@ def startup(spec, tokenizer, train_ds) -> int:
     longest = max(prompt_lengths(tokenizer, train_ds["prompt"]))
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     host_bytes = host_memory_bytes() if gpu_bytes is not None else None
+    if host_bytes is not None:  # the plan is per process; the processes of one machine share its memory
+        host_bytes //= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes, host_bytes))
     if host_bytes is not None:
         from .memory import GIB, fit_host
