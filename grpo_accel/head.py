@@ -87,22 +87,36 @@ def install_logprob_head(model, *, temperature: float, impl: str = "auto", chunk
     def forward(*args, accel_labels=None, accel_entropy=False, **kwargs):
         if accel_labels is None:
             return previous(*args, **kwargs)
-        kwargs["use_cache"] = False
-        for key in ("labels", "return_dict", "logits_to_keep", "num_items_in_batch"):  # PEFT passes these as None
-            kwargs.pop(key, None)
-        hidden = causal_lm.base_model(*args, **kwargs).last_hidden_state[:, :-1]
-        labels = accel_labels[:, 1:].to(hidden.device)
-        mask = labels != -100
-        weight = causal_lm.get_output_embeddings().weight
-        keep_on_host = (offload_saved_tensors(min_bytes=offload.min_bytes, config=offload) if offload is not None
-                        else nullcontext())
-        with zero3_gather_ctx(weight), keep_on_host:
-            logp, ent = token_logprobs(hidden[mask], weight, labels[mask], impl=impl, temperature=temperature,
-                                       softcap=softcap, compute_entropy=accel_entropy, chunk_size=chunk_size,
-                                       vocab_tile=vocab_tile, weight_ctx=lambda: zero3_gather_ctx(weight))
-        # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero)
-        scatter = lambda x: None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)  # noqa: E731
-        return HeadOutput(log_probs=scatter(logp), entropy=scatter(ent))
+        hidden = backbone_hidden(causal_lm, args, kwargs)[:, :-1]
+        return score_hidden(causal_lm, hidden, accel_labels[:, 1:], impl=impl, temperature=temperature,
+                            softcap=softcap, compute_entropy=accel_entropy, chunk_size=chunk_size,
+                            vocab_tile=vocab_tile, offload=offload)
 
     forward.__wrapped__ = previous  # generate() validates kwargs against the original signature
     causal_lm.forward = forward
+
+
+def backbone_hidden(causal_lm, args, kwargs):
+    """The backbone's last hidden states [B, T, H] for a forward call's arguments, without the LM head."""
+    kwargs["use_cache"] = False
+    for key in ("labels", "return_dict", "logits_to_keep", "num_items_in_batch"):  # PEFT passes these as None
+        kwargs.pop(key, None)
+    return causal_lm.base_model(*args, **kwargs).last_hidden_state
+
+
+def score_hidden(causal_lm, hidden, labels, *, impl, temperature, softcap, compute_entropy, chunk_size, vocab_tile,
+                 offload) -> HeadOutput:
+    """Log-probs (and entropies) of `labels` [B, T] (aligned with `hidden`'s positions, -100 = unscored) through
+    the fused head, scattered back to [B, T]; `offload` holds the head's saved hidden states in host memory."""
+    labels = labels.to(hidden.device)
+    mask = labels != -100
+    weight = causal_lm.get_output_embeddings().weight
+    keep_on_host = (offload_saved_tensors(min_bytes=offload.min_bytes, config=offload) if offload is not None
+                    else nullcontext())
+    with zero3_gather_ctx(weight), keep_on_host:
+        logp, ent = token_logprobs(hidden[mask], weight, labels[mask], impl=impl, temperature=temperature,
+                                   softcap=softcap, compute_entropy=compute_entropy, chunk_size=chunk_size,
+                                   vocab_tile=vocab_tile, weight_ctx=lambda: zero3_gather_ctx(weight))
+    # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero)
+    scatter = lambda x: None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)  # noqa: E731
+    return HeadOutput(log_probs=scatter(logp), entropy=scatter(ent))

@@ -37,9 +37,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .head import causal_lm_of, zero3_gather_ctx
-from .offload import offload_saved_tensors, tiled
-from .ops.logprobs import token_logprobs
+from .head import backbone_hidden, causal_lm_of, score_hidden
+from .offload import tiled
 
 _CORES = ("sdpa", "grpo_accel_sdpa")  # stock SDPA, or packing.py's (stock SDPA on unpacked calls)
 # forward kwarg carried to every attention call (and bound into the checkpoint's re-run): this call is one shard
@@ -222,23 +221,10 @@ def _install_sp_head(model, *, temperature, impl, chunk_size, vocab_tile, offloa
     def forward(*args, accel_sp_targets=None, accel_entropy=False, **kwargs):
         if accel_sp_targets is None:  # the head's calls (accel_labels) and everything else
             return previous(*args, accel_entropy=accel_entropy, **kwargs)
-        from .head import HeadOutput
-
-        kwargs["use_cache"] = False
-        for key in ("labels", "return_dict", "logits_to_keep", "num_items_in_batch"):
-            kwargs.pop(key, None)
-        hidden = causal_lm.base_model(*args, **kwargs).last_hidden_state
-        labels = accel_sp_targets.to(hidden.device)
-        mask = labels != -100
-        weight = causal_lm.get_output_embeddings().weight
-        keep_on_host = (offload_saved_tensors(min_bytes=offload.min_bytes, config=offload) if offload is not None
-                        else contextlib.nullcontext())
-        with zero3_gather_ctx(weight), keep_on_host:
-            logp, ent = token_logprobs(hidden[mask], weight, labels[mask], impl=impl, temperature=temperature,
-                                       softcap=softcap, compute_entropy=accel_entropy, chunk_size=chunk_size,
-                                       vocab_tile=vocab_tile, weight_ctx=lambda: zero3_gather_ctx(weight))
-        scatter = lambda x: None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)  # noqa: E731
-        return HeadOutput(log_probs=scatter(logp), entropy=scatter(ent))
+        hidden = backbone_hidden(causal_lm, args, kwargs)  # no shift: the targets are aligned with the positions
+        return score_hidden(causal_lm, hidden, accel_sp_targets, impl=impl, temperature=temperature,
+                            softcap=softcap, compute_entropy=accel_entropy, chunk_size=chunk_size,
+                            vocab_tile=vocab_tile, offload=offload)
 
     forward.__wrapped__ = getattr(previous, "__wrapped__", previous)
     causal_lm.forward = forward
