@@ -77,17 +77,6 @@ _SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
         ),
         "Qwen/Qwen2.5-7B",
     ),
-    # Qwen2.5-7B's shapes with a 1,010,000-token context (rope_theta 1e7); its config.json
-    "qwen2.5-7b-1m": (
-        "Qwen2Config",
-        dict(
-            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=1010000, rms_norm_eps=1e-5,
-            tie_word_embeddings=False, use_sliding_window=False, sliding_window=32768, max_window_layers=28,
-            bos_token_id=151643, eos_token_id=151645, rope_parameters=dict(rope_type="default", rope_theta=10000000.0),
-        ),
-        "Qwen/Qwen2.5-7B-Instruct-1M",
-    ),
     "smollm2-135m": (
         "LlamaConfig",
         dict(
@@ -99,6 +88,12 @@ _SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
         "HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
+
+# Qwen2.5-7B's shapes with a 1,010,000-token context (rope_theta 1e7): what its config.json changes
+_SPECS["qwen2.5-7b-1m"] = ("Qwen2Config", {
+    **_SPECS["qwen2.5-7b"][1], "max_position_embeddings": 1010000, "rms_norm_eps": 1e-5, "sliding_window": 32768,
+    "eos_token_id": 151645, "rope_parameters": dict(rope_type="default", rope_theta=10000000.0),
+}, "Qwen/Qwen2.5-7B-Instruct-1M")
 
 # The tiny random test models are defined once, in models.TINY_CONFIGS; here they get SmolLM2's tokenizer ids.
 _SMOLLM2_TOKENS = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
