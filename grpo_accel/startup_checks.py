@@ -172,11 +172,9 @@ def run_checks(spec, config, prompt_tokens: int, gpu_bytes: int | None, host_byt
 
 def host_memory_bytes() -> int | None:
     """This machine's total memory (Linux /proc/meminfo), None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            return int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
-    except (OSError, StopIteration, ValueError):
-        return None
+    from .offload.residency import meminfo_bytes
+
+    return meminfo_bytes("MemTotal")
 
 
 def raise_on_failure(failures: list[str]) -> None:

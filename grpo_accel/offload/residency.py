@@ -26,15 +26,23 @@ class HostMemoryError(UserError, ValueError):
     """Offloaded activations would not fit in host memory. The message names the fix."""
 
 
-def host_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else None."""
+def meminfo_bytes(key: str) -> int | None:
+    """A /proc/meminfo field in bytes ("MemAvailable", "MemTotal"), None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError):
         pass
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else None."""
+    available = meminfo_bytes("MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
