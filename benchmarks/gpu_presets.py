@@ -163,7 +163,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from grpo_accel.presets import PRESETS, check_preset_fits_gpu
+    from grpo_accel.presets import DTYPE_LONG, PRESETS, check_preset_fits_gpu
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.cpu_check:
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
                 print(f"[gpu_presets] {name}: skipped ({exc})", flush=True)
                 continue
         arch = "tiny-llama" if args.cpu_check else preset.architecture
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[preset.dtype]
+        dtype = DTYPE_LONG[preset.dtype]
         model_dir = save_random_model(arch, Path(args.models_dir), dtype)
         completion = min(args.completion_length, preset.max_completion_length)
         flags, ok, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s)

@@ -24,7 +24,8 @@ from .memory import GIB, MemoryPlan, engine_shares_weights, plan_memory
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
 
 
-DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # --model_dtype -> the planner's name
+DTYPE_LONG = {short: long for long, short in DTYPE_SHORT.items()}
 
 
 class PresetError(UserError, ValueError):
@@ -112,7 +113,7 @@ class Preset:
         (the recipe, the model and how to load it, LoRA, lengths, memory savers)."""
         return dict(
             **self.recipe, model_init_kwargs=dict(self.model_init_kwargs) or None,
-            model=self.model, model_dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.dtype],
+            model=self.model, model_dtype=DTYPE_LONG[self.dtype],
             quantization=self.quantization, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
             bf16=self.dtype == "bf16", fp16=self.dtype == "fp16", max_completion_length=self.max_completion_length,
             num_generations=self.num_generations, per_device_train_batch_size=self.per_device_train_batch_size,

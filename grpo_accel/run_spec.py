@@ -193,10 +193,7 @@ class RunSpec:
 
     def plan(self, **overrides):
         """The planner's prediction for this run (one process): the preset's plan with this run's values."""
-        try:
-            return self.preset.plan(self.fields(), **overrides)
-        except (KeyError, FileNotFoundError) as exc:  # a model whose shape cannot be read offline
-            raise ConfigError(str(exc).strip("'\"")) from exc
+        return self.preset.plan(self.fields(), **overrides)  # an unreadable model shape raises ConfigError
 
     def resolved(self) -> dict:
         """What resolved_config.json records: every field, the preset and why it was chosen."""
