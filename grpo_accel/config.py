@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 from .errors import ConfigError
 from .memory import LOGPROB_IMPLS
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
 
 
 @dataclass
@@ -65,10 +70,11 @@ class GRPOAccelConfig(GRPOConfig):
     )
     sequence_parallel_size: int = field(
         default=1,
-        metadata={"help": "Ulysses sequence parallelism: each sequence of the log-prob passes is split along its "
-                          "length over this many processes holding the same batch, attention through DeepSpeed's "
-                          "all-to-all (grpo_accel/sequence_parallel.py); per-GPU activations fall by this factor. "
-                          "1 = off. Needs several processes, SDPA attention and logprob_impl other than 'trl'."},
+        metadata={"help": "Ulysses sequence parallelism: each group of this many processes is one data-parallel "
+                          "rank; they share its rows, split each along its length (attention through DeepSpeed's "
+                          "all-to-all, grpo_accel/sequence_parallel.py), so per-GPU activations fall by this factor. "
+                          "per_device_train_batch_size then counts rows per group. 1 = off. Needs several "
+                          "processes, SDPA attention and logprob_impl other than 'trl'."},
     )
     max_nonfinite_steps: int = field(
         default=3,
@@ -95,6 +101,35 @@ class GRPOAccelConfig(GRPOConfig):
 
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         super().__post_init__()
+        self._share_batches_over_sp_groups()
+
+    def _share_batches_over_sp_groups(self) -> None:
+        """Under sequence parallelism each group of sequence_parallel_size processes is one data-parallel rank
+        (grpo_accel/sequence_parallel.py): TRL's generation batch counts world/sp ranks, and each group's batch must
+        split over its processes for generation and hold whole groups of num_generations (TRL normalises rewards
+        over rows gathered from every process, where each group's rows appear sp times)."""
+        import os
+
+        sp, world = self.sequence_parallel_size, int(os.environ.get("WORLD_SIZE", "1"))
+        if sp <= 1 or world == 1:  # one process: SP is off (sequence_parallel.enable says so)
+            return
+        if world % sp:
+            raise ConfigError(f"--sequence_parallel_size {sp} must divide the {world} processes. Fix: launch a "
+                              f"multiple of {sp} processes, or --sequence_parallel_size {world}.")
+        rows = self.per_device_train_batch_size * self.steps_per_generation  # one group's generation batch
+        if rows % self.num_generations or rows % sp:
+            multiple = _lcm(self.num_generations, sp)
+            steps = multiple // math.gcd(multiple, self.per_device_train_batch_size)
+            raise ConfigError(
+                f"--sequence_parallel_size {sp}: one SP group generates {rows} completions per generation batch "
+                f"(--per_device_train_batch_size {self.per_device_train_batch_size} x steps per generation "
+                f"{self.steps_per_generation}), which must be a multiple of --num_generations {self.num_generations} "
+                f"and of {sp}. Fix: --gradient_accumulation_steps {steps} (or --steps_per_generation), or a "
+                f"--num_generations dividing {rows}.")
+        if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no":
+            raise ConfigError("--sequence_parallel_size > 1 runs TRL's training loop only; its evaluation loop is not "
+                              "wired for SP. Fix: --eval_strategy no (the held-out accuracy of --eval_size still runs).")
+        self.generation_batch_size = rows * (world // sp)
 
     def _check_numbers(self) -> None:
         """Each numeric flag that cannot work, named as the user typed it, with the fix."""

@@ -8,16 +8,22 @@ attention goes through DeepSpeed's `UlyssesSPAttentionHF`: an all-to-all turns [
 back. The head scores each rank's tokens against targets shifted *before* the split (the last token of shard r
 predicts the first of shard r+1), and the per-token log-probs are all-gathered.
 
-Data stay data-parallel: every rank generates and scores its own rows as in plain TRL; in each log-prob pass the
-group exchanges its rows (real tokens only) and runs all of them in one forward (each parameter used once, so
-DDP / ZeRO reduce its gradient once), each rank keeping the log-probs of its own rows in TRL's [B, logits_to_keep]
-layout. So TRL's sampler, generation, loss and normalisation are untouched, and the gradients are data-parallel
-ones: the gather's backward sums the group's gradients (each rank's loss reaches only its own rows) and keeps this
-rank's slice; the engine's mean over all ranks gives mean_r d(loss_r), as without SP.
-What that layout costs: each rank runs sp·B rows of T/sp tokens per pass, as many tokens as B whole rows, so SP
-here shortens rows (row groups instead of sequence tiles in the re-run, attention over heads/sp) but does not cut
-activation bytes per GPU. Cutting them needs a group-shared layout (one sequence per SP group: the sampler over
-world/sp data-parallel ranks, completions generated once per group), which this module does not do yet.
+The SP group is one data-parallel rank: its `sp` processes hold the same rows (group-shared layout), so each GPU
+holds T/sp tokens of each row, and a micro-batch of one row puts T/sp tokens on each GPU. What makes the rows the
+same (GRPOAccelTrainer wires it):
+- `GroupSharedSampler`: TRL's sampler built for world/sp data-parallel ranks, each batch emitted sp times in a row;
+  accelerate deals batch i to process i mod world, so the sp consecutive ranks of a group draw the same prompts.
+- `generate_once`: each rank generates 1/sp of the group's prompts and the group all-gathers the results, so every
+  completion is generated once (and generation runs sp-way parallel); then the group's RNG states are made equal
+  (TRL's shuffle of the generation batch must permute the same way on every rank).
+- Every rank computes the rewards and TRL's loss of the same rows (a reward function runs sp times per completion).
+  TRL's cross-process gathers then see each row sp times: means are unchanged; the advantage groups stay right when
+  each group's generation batch holds whole groups of num_generations (checked in GRPOAccelConfig); TRL's
+  `num_items_in_batch` counts each token sp times and divides by world processes, i.e. by world/sp ranks: right.
+- Gradients: every rank's loss is the group's loss, so its slice of d(log-probs) is exact (no sum over the group);
+  each rank's parameter gradient is its shard's part of the group's gradient, and the data-parallel engine averages
+  over world ranks where data parallelism has world/sp: `_GatherSeq` scales this rank's slice by sp to make up.
+A check per pass (one all-gather of 4 integers) stops the run if the ranks of a group ever hold different rows.
 
 Rows are unpadded first (TRL left-pads prompts, right-pads completions; Ulysses discards masks and attends
 causally) and padded at their end to sp·L, L the longest row's shard; causal attention never lets a real token see
@@ -46,21 +52,55 @@ SP_KWARG = "accel_sp"
 
 
 class _GatherSeq(torch.autograd.Function):
-    """[B, L] shards -> [B, sp·L] in rank order; backward: the full gradient summed over the group (each rank's loss
-    reaches its own rows only), this rank's slice. An all-reduce of B·sp·L floats: nothing next to the all-to-alls."""
+    """[B, L] shards -> [B, sp·L] in rank order; backward: this rank's slice of the gradient, times sp. Every rank
+    of the group computes the same loss from the same rows, so the slice is already the whole gradient there; the
+    factor sp makes the engine's mean over world ranks the mean over world/sp data-parallel ranks."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group, ctx.rank, ctx.L = group, dist.get_rank(group), x.shape[-1]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        ctx.sp, ctx.rank, ctx.L = dist.get_world_size(group), dist.get_rank(group), x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(ctx.sp)]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=-1)
 
     @staticmethod
     def backward(ctx, g):
-        g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
-        return g[..., ctx.rank * ctx.L:(ctx.rank + 1) * ctx.L], None
+        return g[..., ctx.rank * ctx.L:(ctx.rank + 1) * ctx.L] * ctx.sp, None
+
+
+def _concat(parts):
+    """One value from each rank's piece of TRL's `_generate` result, in rank order."""
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return {k: _concat([p[k] for p in parts]) for k in first}
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    return [x for p in parts for x in p]
+
+
+class GroupSharedSampler(torch.utils.data.Sampler):
+    """`base` (TRL's RepeatSampler for world/sp data-parallel ranks) with each run of `chunk` indices (one rank's
+    dataloader batch) repeated `copies` = sp times: accelerate gives batch i to process i mod world, so the sp
+    consecutive ranks of an SP group get the same batch, and the groups get what data-parallel ranks would."""
+
+    def __init__(self, base, chunk: int, copies: int):
+        self.base, self.chunk, self.copies = base, chunk, copies
+
+    def __iter__(self):
+        batch = []
+        for index in self.base:
+            batch.append(index)
+            if len(batch) == self.chunk:
+                for _ in range(self.copies):
+                    yield from batch
+                batch = []
+        for _ in range(self.copies if batch else 0):
+            yield from batch
+
+    def __len__(self):
+        return len(self.base) * self.copies
 
 
 def unsupported_reason(causal_lm, sp: int) -> str | None:
@@ -93,7 +133,13 @@ def enable(trainer, sp: int) -> SequenceParallel | None:
     reason = unsupported_reason(causal_lm_of(trainer.model), sp)
     if reason:
         raise ConfigError(f"--sequence_parallel_size {sp}: {reason}. Fix: --sequence_parallel_size 1.")
-    log(f"sequence parallelism: Ulysses over {sp} processes for the log-prob passes")
+    import datasets
+
+    if isinstance(trainer.train_dataset, (datasets.IterableDataset, torch.utils.data.IterableDataset)):
+        raise ConfigError(f"--sequence_parallel_size {sp} deals batches to SP groups through TRL's sampler, which a "
+                          f"streaming (iterable) dataset does not use. Fix: a map-style dataset (streaming off).")
+    log(f"sequence parallelism: Ulysses over {sp} processes (each group of {sp} shares its rows, "
+        f"{world // sp} data-parallel group(s))")
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
     off = trainer.offload_config if trainer.offload_enabled else None
     return SequenceParallel(models, sp, temperature=trainer.temperature, impl=trainer.logprob_impl,
@@ -154,60 +200,75 @@ class SequenceParallel:
 
     def logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep: int, compute_entropy: bool,
                             autocast=contextlib.nullcontext):
-        """TRL's hook's result for this rank's rows, ([B, logits_to_keep] log-probs, entropies or None). The group
-        runs every rank's rows in one forward (each parameter used once: DDP / ZeRO reduce its grad once), every
-        row padded at its end to the longest, split into sp shards; trailing padding is never attended (causal)."""
+        """TRL's hook's result for the group's rows, ([B, logits_to_keep] log-probs, entropies or None), on every rank
+        of the group: each row padded at its end to sp·L, this rank runs tokens [rank·L, (rank+1)·L) of every row
+        and the group all-gathers the per-token results; trailing padding is never attended (causal)."""
         B, T = input_ids.shape
         K, sp = logits_to_keep, self.sp
-        mine, c0s = [], []
+        self._check_same_rows(input_ids, attention_mask)
+        rows, c0s = [], []
         for i in range(B):
             real = attention_mask[i].nonzero().flatten()
             if real.numel() == 0 or real[-1] - real[0] + 1 != real.numel():
                 raise ValueError("sequence parallelism needs each row's real tokens in one block (TRL's layout)")
             start = int(real[0])
-            mine.append(input_ids[i, start:start + real.numel()])
+            rows.append(input_ids[i, start:start + real.numel()])
             c0s.append(T - K - start)  # index, in the row's real tokens, of its first completion token
-        by_rank = self._gather_rows(mine, c0s)
-        first = sum(len(r) for r in by_rank[:self.rank])
-        rows = [row for r in by_rank for row in r]
-        L = -(-max(ids.numel() for ids, _ in rows) // sp)  # shard length
-        ids = input_ids.new_zeros(len(rows), sp * L)
+        L = -(-max(row.numel() for row in rows) // sp)  # shard length
+        ids = input_ids.new_zeros(B, sp * L)
         tgt = torch.full_like(ids, -100)
-        for j, (row, c0) in enumerate(rows):  # position k scores token k+1 where k+1 >= c0 (TRL's window)
+        for j, (row, c0) in enumerate(zip(rows, c0s)):  # position k scores token k+1 where k+1 >= c0 (TRL's window)
             ids[j, :row.numel()] = row
             tgt[j, max(c0 - 1, 0):row.numel() - 1] = row[max(c0, 1):]
         sl = slice(self.rank * L, (self.rank + 1) * L)
-        pos = torch.arange(sl.start, sl.stop, device=ids.device).expand(len(rows), L)
+        pos = torch.arange(sl.start, sl.stop, device=ids.device).expand(B, L)
         with autocast(), tiled.tiles_off():
             out = model(input_ids=ids[:, sl], position_ids=pos, accel_sp_targets=tgt[:, sl],
                         accel_entropy=compute_entropy, **{SP_KWARG: True})
-        own = slice(first, first + B)
-        lp = _GatherSeq.apply(out.log_probs, self.group)[own]
+        lp = _GatherSeq.apply(out.log_probs, self.group)
         # entropies carry no gradient (TRL logs them and masks by them): gathered outside autograd
-        ent = _GatherSeq.apply(out.entropy.detach(), self.group)[own] if compute_entropy else None
+        ent = _GatherSeq.apply(out.entropy.detach(), self.group) if compute_entropy else None
         src = torch.arange(K, device=ids.device) + torch.tensor(c0s, device=ids.device)[:, None] - 1  # [B, K]
         valid = attention_mask[:, T - K:].bool() & (src >= 0)
         place = lambda x: torch.where(valid, x.gather(1, src.clamp(0, x.shape[1] - 1)), x.new_zeros(()))  # noqa
         return place(lp), (place(ent) if compute_entropy else None)
 
-    def _gather_rows(self, rows, c0s):
-        """Every rank's (real token ids, c0) rows, by rank: two small all-gathers (counts and lengths), one of ids."""
-        dev, sp = rows[0].device, self.sp
-        meta = torch.tensor([[r.numel(), c] for r, c in zip(rows, c0s)], dtype=torch.long, device=dev)
-        count = torch.tensor([len(rows)], device=dev)
-        counts = [torch.zeros_like(count) for _ in range(sp)]
-        dist.all_gather(counts, count, group=self.group)
-        most = int(max(counts))
-        metas = [meta.new_zeros(most, 2) for _ in range(sp)]
-        dist.all_gather(metas, torch.cat([meta, meta.new_zeros(most - len(rows), 2)]), group=self.group)
-        longest = int(max(m[:, 0].max() for m in metas))
-        ids = rows[0].new_zeros(most, longest)
-        for i, r in enumerate(rows):
-            ids[i, :r.numel()] = r
-        all_ids = [torch.empty_like(ids) for _ in range(sp)]
-        dist.all_gather(all_ids, ids, group=self.group)
-        return [[(all_ids[r][i, :int(metas[r][i, 0])], int(metas[r][i, 1])) for i in range(int(counts[r]))]
-                for r in range(sp)]
+    def _check_same_rows(self, input_ids, attention_mask) -> None:
+        """The group-shared layout's invariant, checked on every pass: 4 integers all-gathered (a weighted checksum
+        wraps around in int64 the same way on every rank)."""
+        T = input_ids.shape[1]
+        w = torch.arange(1, T + 1, device=input_ids.device) * 31 + 7
+        rows = torch.arange(1, input_ids.shape[0] + 1, device=input_ids.device)
+        sig = torch.stack([torch.tensor(input_ids.shape, device=input_ids.device).prod(),
+                           torch.tensor(T, device=input_ids.device),
+                           ((input_ids.long() * w).sum(1) * rows).sum(),
+                           ((attention_mask.long() * w).sum(1) * rows).sum()])
+        sigs = [torch.empty_like(sig) for _ in range(self.sp)]
+        dist.all_gather(sigs, sig, group=self.group)
+        if any(not torch.equal(s, sigs[0]) for s in sigs):
+            raise RuntimeError("sequence parallelism: the ranks of one SP group hold different rows, so their shards "
+                               "are not one sequence (GroupSharedSampler and generate_once make them equal in "
+                               "training; TRL's evaluation loop is not wired for SP)")
+
+    def generate_once(self, generate, prompts):
+        """TRL's `_generate(prompts)` for the group's prompts (the same on every rank): this rank generates its 1/sp
+        of them, the group all-gathers the pieces; then every rank takes the group leader's RNG state, so what
+        follows (TRL's shuffle of the generation batch, dropout on the shards) draws the same on every rank."""
+        k, rem = divmod(len(prompts), self.sp)
+        if rem:
+            raise ValueError(f"{len(prompts)} prompts do not split over sequence_parallel_size={self.sp}")
+        piece = generate(prompts[self.rank * k:(self.rank + 1) * k])
+        pieces = [None] * self.sp
+        dist.all_gather_object(pieces, piece, group=self.group)
+        self._sync_rng()
+        return tuple(_concat([p[i] for p in pieces]) for i in range(len(piece)))
+
+    def _sync_rng(self) -> None:
+        states = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
+        dist.broadcast_object_list(states, src=dist.get_global_rank(self.group, 0), group=self.group)
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state(states[1])
 
 
 def _install_sp_head(model, *, temperature, impl, chunk_size, vocab_tile, offload) -> None:

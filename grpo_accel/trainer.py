@@ -165,7 +165,19 @@ class GRPOAccelTrainer(GRPOTrainer):
 
     def _generate(self, prompts):
         with self.telemetry.phase("generation"):
+            if getattr(self, "sequence_parallel", None) is not None and self.model.training:  # once per SP group, split over it
+                return self.sequence_parallel.generate_once(super()._generate, prompts)
             return super()._generate(prompts)
+
+    def _get_train_sampler(self, dataset=None):
+        """TRL's sampler; under SP each batch goes to every rank of an SP group (sequence_parallel.py)."""
+        sampler = super()._get_train_sampler(dataset)
+        if getattr(self, "sequence_parallel", None) is None:
+            return sampler
+        from .sequence_parallel import GroupSharedSampler
+
+        return GroupSharedSampler(sampler, self._train_batch_size * self.args.steps_per_generation,
+                                  self.sequence_parallel.sp)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training:

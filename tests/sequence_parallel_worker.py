@@ -1,7 +1,8 @@
-"""Worker for tests/test_sequence_parallel.py: each of 2 processes builds the same tiny-llama LoRA trainer and its own
-batch (rank 1: rows reversed, other completion lengths and advantages), computes log-probs, TRL's loss and LoRA grads
-alone (the reference); then, over gloo, the same with Ulysses SP = 2 (each row of both ranks split along T between
-the two). Grads are averaged over the ranks, as the data-parallel engine does, for both. Each rank writes OUT.rankR.
+"""Worker for tests/test_sequence_parallel.py: each of 2 processes builds the same tiny-llama LoRA trainer and the same
+batch (completions of unequal length), computes log-probs, TRL's loss and LoRA grads alone (the reference: one
+process, no SP); then, over gloo, the same with Ulysses SP = 2 (the group-shared layout: each row split along T
+between the two). The SP grads are averaged over the ranks, as the data-parallel engine does. Each rank writes
+OUT.rankR.
 
     python tests/sequence_parallel_worker.py --out /tmp/sp.pt [--offload]
 """
@@ -43,15 +44,11 @@ def rank_main(rank, world, out, port, offload):
                 p.normal_(0, 0.1)
     inputs = one_batch(trainer)
     B = inputs["completion_mask"].shape[0]
-    # each rank its own batch (rows reversed on rank 1), completions of unequal length (right padding, as TRL
-    # masks after EOS)
-    if rank == 1:
-        inputs = {k: v.flip(0) if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == B else v
-                  for k, v in inputs.items()}
+    # completions of unequal length (right padding, as TRL masks after EOS)
     for i in range(B):
-        inputs["completion_mask"][i, inputs["completion_mask"].shape[1] - 2 * i - rank:] = 0
+        inputs["completion_mask"][i, inputs["completion_mask"].shape[1] - 2 * i - 1:] = 0
     # the tiny model's rewards tie within a group (advantages 0, no gradient): fixed non-zero advantages instead
-    inputs["advantages"] = torch.linspace(-1.0, 1.0 + rank, inputs["advantages"].numel()).view_as(inputs["advantages"])
+    inputs["advantages"] = torch.linspace(-1.0, 1.5, inputs["advantages"].numel()).view_as(inputs["advantages"])
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     k = inputs["completion_ids"].size(1)
@@ -68,14 +65,15 @@ def rank_main(rank, world, out, port, offload):
     prepare_cpu_processes()
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     trainer.sequence_parallel = sequence_parallel.enable(trainer, world)
-    calls, shards = [], []
+    calls, shards, shard_rows = [], [], []
     sp_obj = trainer.sequence_parallel
     real, attend = sp_obj.logps_and_entropies, sp_obj.uattn.forward
     sp_obj.logps_and_entropies = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-    sp_obj.uattn.forward = lambda module, q, *a, **k: (shards.append(q.shape[2]), attend(module, q, *a, **k))[1]
+    sp_obj.uattn.forward = lambda module, q, *a, **k: (shards.append(q.shape[2]), shard_rows.append(q.shape[0]),
+                                                             attend(module, q, *a, **k))[-1]
     sp = measure()
-    sp["sp_calls"], sp["shard_lengths"] = len(calls), shards
-    for g in [*sp["grads"].values(), *ref["grads"].values()]:  # the data-parallel engine's mean over the ranks
+    sp["sp_calls"], sp["shard_lengths"], sp["shard_rows"] = len(calls), shards, shard_rows
+    for g in sp["grads"].values():  # the data-parallel engine's mean over the ranks
         torch.distributed.all_reduce(g)
         g /= world
     torch.save({"ref": ref, "sp": sp, "mask": inputs["completion_mask"], "row_tokens": mask.sum(1)},

@@ -1,11 +1,12 @@
-"""Ulysses sequence parallelism (grpo_accel/sequence_parallel.py) with SP = 2 over gloo equals data parallelism
-without it: each rank's per-token log-probs, entropies and TRL's loss equal its own batch's on one process, and the
-LoRA gradients averaged over the ranks equal the averaged one-process gradients (fp32, <= 1e-5 relative).
-tiny-llama with LoRA on q/v/down, a different batch per rank, completions of unequal length, layer offload with
-gradient checkpointing (the checkpoint's re-run in backward goes through Ulysses' all-to-all again). Measured:
-log-probs and losses equal to 1e-6 abs, gradients 2.9e-7 relative; with per-shard attention instead of Ulysses
-the gradients are 1.35 relative off."""
+"""Ulysses sequence parallelism (grpo_accel/sequence_parallel.py) with SP = 2 over gloo equals one process without
+it: the group's two ranks hold the same batch, each runs half of every row's tokens, and both get the one-process
+per-token log-probs, entropies and TRL loss; the LoRA gradients averaged over the ranks (as the engine does) equal
+the one-process gradients (fp32, <= 1e-5 relative). tiny-llama with LoRA on q/v/down, completions of unequal length,
+layer offload with gradient checkpointing (the checkpoint's re-run in backward goes through Ulysses' all-to-all
+again). How the ranks come to hold the same rows (sampler, generation split over the group, RNG) is checked by the
+launches below and by test_group_shared_sampler_deals_each_batch_to_one_group."""
 
+import math
 import os
 import sys
 
@@ -31,8 +32,9 @@ def test_sp2_equals_one_process(tmp_path):
     for r in results:
         ref, sp, scored = r["ref"], r["sp"], r["mask"].bool()
         assert sp["sp_calls"] == 2  # the no-grad pass and the loss's policy pass went through SP
-        # all rows of both ranks ran in one forward, padded to the longest, as 2 shards of half its tokens
-        assert set(sp["shard_lengths"]) == halves
+        # the batch's rows ran in one forward, padded to the longest, as 2 shards of half its tokens: B rows per
+        # rank, not the group's 2·B
+        assert set(sp["shard_lengths"]) == halves and max(sp["shard_rows"]) == len(r["row_tokens"])
         assert rel(sp["logps"][scored], ref["logps"][scored]) <= 1e-5
         assert rel(sp["entropy"][scored], ref["entropy"][scored]) <= 1e-5
         assert sp["loss"].item() == pytest.approx(ref["loss"].item(), rel=1e-5) and ref["loss"].abs() > 1e-3
@@ -47,27 +49,56 @@ LAUNCH_ARGS = ["--eval_size", "2", "--eval_max_new_tokens", "4", "--max_steps", 
                "--offload_activations", "true"]
 
 
-def launch(preset, tmp_path):
+def launch(preset, tmp_path, *extra):
     import csv
 
     from launch_utils import run_train
 
     out = tmp_path / preset
     config = os.path.join(ROOT, "accelerate_configs", f"{preset}.yaml")
-    result = run_train([*LAUNCH_ARGS, "--output_dir", str(out)], launcher=[ACCELERATE, "launch", "--config_file",
-                                                                         config], timeout=300)
+    result = run_train([*LAUNCH_ARGS, *extra, "--output_dir", str(out)],
+                       launcher=[ACCELERATE, "launch", "--config_file", config], timeout=300)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     return list(csv.DictReader(open(out / "metrics.csv"))), result.stdout
 
 
 def test_cpu_ulysses2_grpo_steps_equal_data_parallel(tmp_path):
-    """2 GRPO steps through launch/train.py with cpu_ulysses2.yaml (SP = 2, ZeRO-2, offload, checkpointing) log
-    what the same launch without SP (cpu_zero2.yaml) logs: measured equal to the printed digits (15 s a launch)."""
+    """2 GRPO steps through launch/train.py with cpu_ulysses2.yaml: SP = 2, ZeRO-2, offload, checkpointing, 4 rows per
+    SP group, both processes holding each row's halves (the run stops if a group's ranks ever hold different rows).
+    The data-parallel equivalent is cpu_zero2.yaml with 2 rows per process: the same 4 prompts, the same completions
+    (each rank of the group generates the half a data-parallel rank would, from the same seed), so the first step
+    logs the same loss, grad norm, reward and entropy (measured equal to the printed digits). From the second step
+    the completions differ: a data-parallel rank's RNG runs on from its own sampling, an SP group's ranks share one."""
     sp, stdout = launch("cpu_ulysses2", tmp_path)
-    assert "sequence parallelism: Ulysses over 2 processes" in stdout
-    plain, _ = launch("cpu_zero2", tmp_path)
+    assert "sequence parallelism: Ulysses over 2 processes (each group of 2 shares its rows" in stdout
+    plain, _ = launch("cpu_zero2", tmp_path, "--per_device_train_batch_size", "2")
     assert len(sp) == len(plain) == 2
-    for a, b in zip(sp, plain):
-        for key in ("loss", "grad_norm", "reward", "entropy"):
-            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-7), key
-    assert float(sp[0]["grad_norm"]) > 0
+    for key in ("loss", "grad_norm", "reward", "entropy"):
+        assert float(sp[0][key]) == pytest.approx(float(plain[0][key]), rel=1e-5, abs=1e-7), key
+    assert float(sp[0]["grad_norm"]) > 0 and all(math.isfinite(float(row["loss"])) for row in sp)
+    # completions/mean_length counts each completion once (TRL gathers the lengths inside the split generation)
+    assert sp[0]["completions/mean_length"] == plain[0]["completions/mean_length"]
+
+
+def test_group_shared_sampler_deals_each_batch_to_one_group():
+    """accelerate's sharding of GroupSharedSampler over 4 processes with SP = 2: ranks 0-1 and 2-3 draw the same
+    batches, and the two groups draw what 2 data-parallel processes draw from TRL's sampler."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+    from trl.trainer.utils import RepeatSampler
+
+    from grpo_accel.sequence_parallel import GroupSharedSampler
+
+    def base():  # each process builds its own, seeded alike (as TRL's processes do)
+        return RepeatSampler(list(range(40)), mini_repeat_count=4, batch_size=4, repeat_count=2, shuffle=True, seed=3)
+
+    rows = 8  # one group's dataloader batch
+
+    def dealt(sampler, processes):
+        return [list(BatchSamplerShard(BatchSampler(sampler(), rows, False), num_processes=processes,
+                                       process_index=p)) for p in range(processes)]
+
+    sp = dealt(lambda: GroupSharedSampler(base(), rows, 2), 4)
+    dp = dealt(base, 2)
+    assert sp[0] == sp[1] == dp[0] and sp[2] == sp[3] == dp[1] and dp[0] != dp[1] and len(dp[0]) == 20
+    assert len(GroupSharedSampler(base(), rows, 2)) == 2 * len(base())
