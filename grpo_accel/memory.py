@@ -153,12 +153,12 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     a = DTYPE_BYTES[dtype]  # weights of non-quantized parts and activations use the compute dtype
     B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
     T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
-    # Ulysses SP (grpo_accel.sequence_parallel): data stay data-parallel, so each GPU runs 1/sp of each of the
-    # group's sp·B rows: as many tokens as without SP (B·T), in rows of T/sp (row groups, never tiles); the KV cache
-    # of generation stays whole. What SP buys here is shorter rows, not fewer tokens per GPU.
+    # Ulysses SP (grpo_accel.sequence_parallel): an SP group of sp GPUs shares its B rows (per_device_train_batch_size
+    # counts rows per group), each GPU runs T/sp tokens of each row (row groups in the re-run, never tiles) and scores
+    # its shard; generation's KV cache (a colocated engine generates whole sequences) does not shrink
     sp = max(int(sequence_parallel_size or 1), 1)
-    T_gpu, rows = -(-T // sp), B * sp
-    n_tok, n_c = rows * T_gpu, B * max_completion_length  # tokens through the layers / scored by the head
+    T_gpu, rows = -(-T // sp), B
+    n_tok, n_c = rows * T_gpu, -(-B * max_completion_length // sp)  # tokens through the layers / scored by the head
     world = max(num_processes, 1) if deepspeed_stage else 1
     dev, host = {}, {}
 

@@ -32,7 +32,9 @@ that padding.
 Cost per layer: 4 all-to-alls of T/sp·(q + 2·kv + o dims) activations forward (again in backward and in the
 checkpoint re-run); the core attention holds whole sequences of heads/sp heads. Needs: attention heads and kv
 heads divisible by sp (or sp by kv heads), SDPA attention, our log-prob head (logprob_impl != "trl"). The layer
-offload works on each shard; sequence tiles do not (a shard's attention needs the other ranks' keys): off.
+offload works on each shard; whole-layer sequence tiles do not (a tile's attention would need the other ranks' keys
+of later positions): off, and with offload on the MLP runs in sequence tiles instead (offload/tiled_mlp.py), so a
+layer's re-run holds its attention part for the whole shard and its MLP part for one tile.
 Test: `OMP_NUM_THREADS=1 pytest tests/test_sequence_parallel.py` (2 CPU processes over gloo).
 """
 
@@ -44,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .head import backbone_hidden, causal_lm_of, score_hidden
-from .offload import tiled
+from .offload import tiled, tiled_mlp
 
 _CORES = ("sdpa", "grpo_accel_sdpa")  # stock SDPA, or packing.py's (stock SDPA on unpacked calls)
 # forward kwarg carried to every attention call (and bound into the checkpoint's re-run): this call is one shard
@@ -189,6 +191,8 @@ class SequenceParallel:
         for m in models:
             _install_sp_head(m, temperature=temperature, impl=impl, chunk_size=chunk_size, vocab_tile=vocab_tile,
                              offload=offload)
+            if offload is not None and offload.recompute_tokens:  # the long-sequence setup: MLP in sequence tiles
+                tiled_mlp.install(m, offload.recompute_tokens)
 
     def _batch(self, rows: int) -> None:
         """DeepSpeed's module checks a fixed batch size; ours varies per call (the sequence length already may)."""

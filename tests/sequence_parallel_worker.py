@@ -71,8 +71,14 @@ def rank_main(rank, world, out, port, offload):
     sp_obj.logps_and_entropies = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     sp_obj.uattn.forward = lambda module, q, *a, **k: (shards.append(q.shape[2]), shard_rows.append(q.shape[0]),
                                                              attend(module, q, *a, **k))[-1]
+    from grpo_accel.offload import tiled_mlp
+
+    mlp_tiles, mlp_backward = [], tiled_mlp._TiledMLP.backward  # the MLP's sequence tiles under SP (with offload)
+    tiled_mlp._TiledMLP.backward = staticmethod(lambda ctx, g: (mlp_tiles.append(len(ctx.tiles)),
+                                                                mlp_backward(ctx, g))[-1])
     sp = measure()
     sp["sp_calls"], sp["shard_lengths"], sp["shard_rows"] = len(calls), shards, shard_rows
+    sp["mlp_tiles"] = mlp_tiles
     for g in sp["grads"].values():  # the data-parallel engine's mean over the ranks
         torch.distributed.all_reduce(g)
         g /= world

@@ -3,7 +3,7 @@ it: the group's two ranks hold the same batch, each runs half of every row's tok
 per-token log-probs, entropies and TRL loss; the LoRA gradients averaged over the ranks (as the engine does) equal
 the one-process gradients (fp32, <= 1e-5 relative). tiny-llama with LoRA on q/v/down, completions of unequal length,
 layer offload with gradient checkpointing (the checkpoint's re-run in backward goes through Ulysses' all-to-all
-again). How the ranks come to hold the same rows (sampler, generation split over the group, RNG) is checked by the
+again, its MLP in sequence tiles). How the ranks come to hold the same rows (sampler, generation split over the group, RNG) is checked by the
 launches below and by test_group_shared_sampler_deals_each_batch_to_one_group."""
 
 import math
@@ -35,6 +35,8 @@ def test_sp2_equals_one_process(tmp_path):
         # the batch's rows ran in one forward, padded to the longest, as 2 shards of half its tokens: B rows per
         # rank, not the group's 2·B
         assert set(sp["shard_lengths"]) == halves and max(sp["shard_rows"]) == len(r["row_tokens"])
+        # with offload, each layer's MLP ran in sequence tiles of 8 tokens in backward (2 layers, >= 2 tiles each)
+        assert len(sp["mlp_tiles"]) >= 2 and min(sp["mlp_tiles"]) >= 2
         assert rel(sp["logps"][scored], ref["logps"][scored]) <= 1e-5
         assert rel(sp["entropy"][scored], ref["entropy"][scored]) <= 1e-5
         assert sp["loss"].item() == pytest.approx(ref["loss"].item(), rel=1e-5) and ref["loss"].abs() > 1e-3
