@@ -128,7 +128,8 @@ class GRPOAccelConfig(GRPOConfig):
                 f"--num_generations dividing {rows}.")
         if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no":
             raise ConfigError("--sequence_parallel_size > 1 runs TRL's training loop only; its evaluation loop is not "
-                              "wired for SP. Fix: --eval_strategy no (the held-out accuracy of --eval_size still runs).")
+                              "wired for SP. Fix: --eval_strategy no (the held-out accuracy of --eval_size still "
+                              "runs).")
         self.generation_batch_size = rows * (world // sp)
 
     def _check_numbers(self) -> None:

@@ -165,7 +165,8 @@ class GRPOAccelTrainer(GRPOTrainer):
 
     def _generate(self, prompts):
         with self.telemetry.phase("generation"):
-            if getattr(self, "sequence_parallel", None) is not None and self.model.training:  # once per SP group, split over it
+            # under SP: once per SP group, split over its ranks
+            if getattr(self, "sequence_parallel", None) is not None and self.model.training:
                 return self.sequence_parallel.generate_once(super()._generate, prompts)
             return super()._generate(prompts)
 

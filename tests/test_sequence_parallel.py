@@ -3,8 +3,8 @@ it: the group's two ranks hold the same batch, each runs half of every row's tok
 per-token log-probs, entropies and TRL loss; the LoRA gradients averaged over the ranks (as the engine does) equal
 the one-process gradients (fp32, <= 1e-5 relative). tiny-llama with LoRA on q/v/down, completions of unequal length,
 layer offload with gradient checkpointing (the checkpoint's re-run in backward goes through Ulysses' all-to-all
-again, its MLP in sequence tiles). How the ranks come to hold the same rows (sampler, generation split over the group, RNG) is checked by the
-launches below and by test_group_shared_sampler_deals_each_batch_to_one_group."""
+again, its MLP in sequence tiles). How the ranks come to hold the same rows (sampler, generation split over the
+group, RNG) is checked by the launches below and by test_group_shared_sampler_deals_each_batch_to_one_group."""
 
 import math
 import os
