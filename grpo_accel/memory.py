@@ -134,6 +134,20 @@ def _rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pi
     return tokens * per_token + T * (2 * shape.hidden * a + 2 * shape.kv_dim * (a + 4))
 
 
+def _sp_rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pieces: bool, tokens,
+                    lora_r: int) -> float:
+    """Under Ulysses SP (no whole-layer sequence tiles): one layer's re-run on a shard of T tokens a row, in row
+    groups of <= `tokens` tokens, and on a longer shard whole but for its MLP, which runs in tiles of `tokens`
+    (grpo_accel.offload.tiled_mlp): the MLP's saved tensors (4I, LoRA on its 3 linears) and backward grads (2I) for
+    one tile only."""
+    if not pieces or not tokens:
+        return B * T * per_token
+    if T <= tokens:
+        return min(B, max(1, tokens // T)) * T * per_token
+    mlp = a * (4 * shape.intermediate + 3 * lora_r) + a * 2 * shape.intermediate
+    return T * (per_token - mlp) + tokens * mlp
+
+
 def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
                 max_completion_length=1024, per_device_train_batch_size=8, gradient_checkpointing=True,
                 offload_activations=False, logprob_impl="auto", logprob_chunk_size=None, use_vllm=False,
@@ -154,8 +168,9 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
     T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
     # Ulysses SP (grpo_accel.sequence_parallel): an SP group of sp GPUs shares its B rows (per_device_train_batch_size
-    # counts rows per group), each GPU runs T/sp tokens of each row (row groups in the re-run, never tiles) and scores
-    # its shard; generation's KV cache (a colocated engine generates whole sequences) does not shrink
+    # counts rows per group), each GPU runs T/sp tokens of each row (row groups in the re-run; no whole-layer tiles,
+    # the MLP in tiles) and scores its shard; generation's KV cache (a colocated engine generates whole sequences)
+    # does not shrink
     sp = max(int(sequence_parallel_size or 1), 1)
     T_gpu, rows = -(-T // sp), B
     n_tok, n_c = rows * T_gpu, -(-B * max_completion_length // sp)  # tokens through the layers / scored by the head
@@ -193,8 +208,9 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
         on_device = min(2 + max(kept, 0), L + 1) * layer_input if offload_activations else ckpt
         dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
         pieces = offload_activations and deepspeed_stage < 3
-        tokens = recompute_tokens if sp == 1 or not recompute_tokens else max(recompute_tokens, T_gpu)  # no tiles
-        dev["recompute_working_set"] = _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, tokens)
+        dev["recompute_working_set"] = (
+            _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, recompute_tokens) if sp == 1 else
+            _sp_rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, recompute_tokens, lora_r))
     else:
         dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
         dev["recompute_working_set"] = n_tok * transient

@@ -64,6 +64,7 @@ class Preset:
     recipe: dict  # the training recipe: GRPOConfig fields (learning rate, steps, sampling, saving)
     model_init_kwargs: dict  # passed to from_pretrained: rope scaling past the native context, attention kernel
     sequence_parallel_size: int = 1  # Ulysses SP (grpo_accel/sequence_parallel.py): ranks sharing one sequence
+    vllm_mode: str = "colocate"  # "server": generation on a `trl vllm-serve` machine, no engine on these GPUs
 
     @property
     def yaml_path(self) -> Path:
@@ -89,6 +90,8 @@ class Preset:
         """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names): the one mapping."""
         cuda = self.is_gpu
         offload = str(f["offload_activations"]).lower()
+        # a vLLM server generates on its own machine: nothing of it on these GPUs
+        colocated = bool(f["use_vllm"]) and f.get("vllm_mode", "colocate") == "colocate"
         return dict(
             dtype=DTYPE_SHORT[f["model_dtype"]], quantization=f["quantization"], lora_r=f["lora_r"],
             num_generations=f["num_generations"], max_prompt_length=self.max_prompt_length,
@@ -96,11 +99,11 @@ class Preset:
             per_device_train_batch_size=f["per_device_train_batch_size"],
             gradient_checkpointing=bool(f["gradient_checkpointing"]),
             offload_activations=offload == "true" or (offload == "auto" and cuda and bool(f["gradient_checkpointing"])),
-            logprob_impl=f["logprob_impl"], logprob_chunk_size=f["logprob_chunk_size"], use_vllm=bool(f["use_vllm"]),
-            vllm_share_weights=engine_shares_weights(f["use_vllm"], f["lora_r"], f["quantization"],
+            logprob_impl=f["logprob_impl"], logprob_chunk_size=f["logprob_chunk_size"], use_vllm=colocated,
+            vllm_share_weights=engine_shares_weights(colocated, f["lora_r"], f["quantization"],
                                                      f.get("vllm_share_weights", True)),
             # vLLM needs one full-length sequence of KV cache to start; what is left over goes to more of them
-            vllm_kv_seqs=1, vllm_sleep=bool(f["use_vllm"] and f["lora_r"] == 0 and cuda),
+            vllm_kv_seqs=1, vllm_sleep=bool(colocated and f["lora_r"] == 0 and cuda),
             deepspeed_stage=self.deepspeed_stage, num_processes=int(os.environ.get("WORLD_SIZE", self.num_processes)),
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
             recompute_tokens=f.get("offload_recompute_tokens") or 16384,
@@ -120,7 +123,7 @@ class Preset:
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             gradient_checkpointing=self.gradient_checkpointing, logprob_impl=self.logprob_impl,
             logprob_chunk_size=self.logprob_chunk_size, offload_activations=str(self.offload_activations).lower(),
-            use_vllm=self.use_vllm, vllm_mode="colocate", vllm_share_weights=self.vllm_share_weights,
+            use_vllm=self.use_vllm, vllm_mode=self.vllm_mode, vllm_share_weights=self.vllm_share_weights,
             sequence_parallel_size=self.sequence_parallel_size,
         )
 
@@ -140,6 +143,9 @@ GPU_RECIPE = dict(
 # Qwen3 past its native 32K: YaRN, factor 4 over 32,768 positions = 131,072 tokens (the model card's setting).
 QWEN3_YARN = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
                                   "rope_theta": 1000000.0}}
+# factor 16: a 524,288-token context; Qwen validates YaRN up to factor 4 (131,072), past it quality is the user's to
+# check (the 8xh100_sp8_512k preset exists for the memory, not as a quality claim)
+QWEN3_YARN_512K = {"rope_parameters": {**QWEN3_YARN["rope_parameters"], "factor": 16.0}}
 _COMMON = dict(quantization="none", lora_r=16, lora_alpha=32, max_prompt_length=512, gradient_checkpointing=True,
                logprob_impl="auto", logprob_chunk_size=None, offload_activations=False, use_vllm=True,
                vllm_share_weights=True, deepspeed_stage=0,
@@ -220,6 +226,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        "to CPU, 64K-token completions (YaRN past 32K)", target_gpu="8x NVIDIA H100 80GB", model="Qwen/Qwen3-8B",
        architecture="qwen3-8b", max_completion_length=65536, offload_optimizer=True, offload_params=True,
        model_init_kwargs=QWEN3_YARN, **_ZERO3, **_8B_FULL),
+    _p(name="8xh100_sp8_512k", description="Qwen3-8B QLoRA, 500K-token completions: Ulysses SP over the 8 GPUs "
+       "(each holds 1/8 of every sequence), generation on a separate `trl vllm-serve` node (YaRN factor 16)",
+       target_gpu="8x NVIDIA H100 80GB (+ a vLLM server node)", min_gpu_mem_gib=75, min_compute_capability=_BF16,
+       num_processes=8, model="Qwen/Qwen3-8B", architecture="qwen3-8b", dtype="bf16", quantization="4bit",
+       max_completion_length=500_000, num_generations=8, per_device_train_batch_size=1,
+       gradient_accumulation_steps=8, offload_activations=True, deepspeed_stage=2, sequence_parallel_size=8,
+       use_vllm=True, vllm_mode="server", model_init_kwargs=QWEN3_YARN_512K),
     _p(name="multinode_zero3", description="Template: 2 nodes x 8 GPUs, 8B full fine-tune, ZeRO-3 (set the "
        "address and machine_rank in the YAML)", target_gpu="2 nodes x 8 NVIDIA H100 80GB",
        model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b", max_completion_length=32768,

@@ -105,15 +105,18 @@ class GroupSharedSampler(torch.utils.data.Sampler):
         return len(self.base) * self.copies
 
 
-def unsupported_reason(causal_lm, sp: int) -> str | None:
-    cfg = causal_lm.config.get_text_config()
+def unsupported_reason(config, sp: int, attn_implementation: str | None = None) -> str | None:
+    """Why a model with this (HF) config cannot run Ulysses over `sp` ranks; None if it can. Read before the weights
+    load (startup_checks) and again on the loaded model."""
+    cfg = config.get_text_config()
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     if heads % sp:
         return f"{heads} attention heads are not divisible by sequence_parallel_size={sp}"
     if kv % sp and sp % kv:
         return f"{kv} key/value heads and sequence_parallel_size={sp}: neither divides the other"
-    if causal_lm.config._attn_implementation not in _CORES:
-        return f"attn_implementation={causal_lm.config._attn_implementation!r} (Ulysses is wired here for 'sdpa')"
+    impl = attn_implementation or config._attn_implementation or "sdpa"
+    if impl not in _CORES:
+        return f"attn_implementation={impl!r} (Ulysses is wired here for 'sdpa')"
     return None
 
 
@@ -132,7 +135,7 @@ def enable(trainer, sp: int) -> SequenceParallel | None:
     if world % sp:
         raise ConfigError(f"--sequence_parallel_size {sp} must divide the {world} process(es). Fix: launch a "
                           f"multiple of {sp} processes (accelerate_configs/cpu_ulysses2.yaml: 2 over gloo).")
-    reason = unsupported_reason(causal_lm_of(trainer.model), sp)
+    reason = unsupported_reason(causal_lm_of(trainer.model).config, sp)
     if reason:
         raise ConfigError(f"--sequence_parallel_size {sp}: {reason}. Fix: --sequence_parallel_size 1.")
     import datasets

@@ -128,6 +128,13 @@ def check_attention_mask(spec, config, prompt_tokens: int) -> str | None:
 def check_engine(spec) -> str | None:
     """Colocated vLLM against the distributed setup."""
     c, p = spec.config, spec.preset
+    if c.use_vllm and c.vllm_mode == "server":
+        from .vllm_colocate import vllm_unavailable_reason
+
+        why = vllm_unavailable_reason()  # TRL's server client is part of vLLM: the training machine needs it too
+        return None if why is None else (
+            f"--vllm_mode server: TRL's client for the vLLM server needs vLLM on this machine too ({why}). Fix: "
+            f"pip install -e '.[vllm]' here, or --use_vllm false (generate() on these GPUs: whole-sequence KV).")
     if not c.use_vllm or c.vllm_mode != "colocate":
         return None
     from .vllm_colocate import unsupported_options
@@ -140,6 +147,18 @@ def check_engine(spec) -> str | None:
         return (f"colocated vLLM under DeepSpeed ZeRO-3 ({p.name}): each rank would gather the whole model to push "
                 f"it. Fix: --use_vllm false, --vllm_mode server, or a ZeRO-2 preset.")
     return None
+
+
+def check_sequence_parallel(spec, config) -> str | None:
+    """Ulysses SP against the model's heads and attention kernel (grpo_accel.sequence_parallel)."""
+    sp = spec.config.sequence_parallel_size
+    if sp <= 1:
+        return None
+    from .sequence_parallel import unsupported_reason
+
+    reason = unsupported_reason(config, sp, (spec.config.model_init_kwargs or {}).get("attn_implementation"))
+    return None if reason is None else (f"sequence parallelism: {reason}. Fix: a --sequence_parallel_size that "
+                                        f"divides the attention heads, or 1.")
 
 
 def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None) -> str | None:
@@ -166,7 +185,7 @@ def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None) -> 
 def run_checks(spec, config, prompt_tokens: int, gpu_bytes: int | None, host_bytes: int | None = None) -> list[str]:
     """Every check's failure message (empty: the run can start)."""
     found = [check_context(spec, config, prompt_tokens), check_attention_mask(spec, config, prompt_tokens),
-             check_engine(spec), check_memory(spec, gpu_bytes, host_bytes)]
+             check_engine(spec), check_sequence_parallel(spec, config), check_memory(spec, gpu_bytes, host_bytes)]
     return [f for f in found if f]
 
 

@@ -4,7 +4,8 @@ A tiny random model of the preset's architecture family (fp32, no 4-bit), 8-toke
 evaluation; everything else is the preset's: G, micro-batch and accumulation, LoRA rank (or full fine-tuning),
 gradient checkpointing, activation offload (copy path forced), log-prob head, padding-free rows, rope scaling,
 the colocated-engine request (which falls back to generate() here with one line). DeepSpeed presets run their
-single-process path; the 2-process ZeRO launches are tests/test_distributed.py's.
+single-process path (no sequence parallelism with one process); the 2-process ZeRO and Ulysses launches are tests/test_distributed.py's and tests/test_sequence_parallel.py's. A vLLM-server preset generates with
+generate() here (--use_vllm false: no server on CPU).
 
     OMP_NUM_THREADS=1 pytest tests/test_preset_steps.py
 """
@@ -35,7 +36,10 @@ def test_gpu_preset_runs_one_step_scaled_down(name, tmp_path, monkeypatch, capsy
     spec = resolve_run_spec(["--preset", name, "--model", tiny_model_for(preset), "--model_dtype", "float32",
                              "--quantization", "none", "--bf16", "false", "--fp16", "false",
                              "--max_completion_length", "8", "--train_size", "8", "--eval_size", "0",
-                             "--max_steps", "1", "--save_steps", "100", "--output_dir", str(out)])
+                             "--max_steps", "1", "--save_steps", "100", "--output_dir", str(out),
+                             *(["--use_vllm", "false"] if preset.vllm_mode == "server" else []),
+                             # one process runs no SP, and the tiny models' 4 heads do not split 8 ways
+                             *(["--sequence_parallel_size", "1"] if preset.sequence_parallel_size > 1 else [])])
     assert spec.preset.name == name
     assert run(spec) == 0
     logged = capsys.readouterr().out

@@ -19,9 +19,11 @@ def failures(argv, gpu_gib=None):
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_every_preset_passes_its_startup_checks(name):
+def test_every_preset_passes_its_startup_checks(name, monkeypatch):
     """Context (rope scaling included), attention mask at the planned length, engine vs the distributed setup,
-    memory on the preset's smallest GPU: a preset that cannot start fails here, not on a rented GPU."""
+    sequence parallelism vs the heads, memory on the preset's smallest GPU: a preset that cannot start fails here,
+    not on a rented GPU. (vLLM installed counts as given: that is an install step, checked below.)"""
+    monkeypatch.setattr("grpo_accel.vllm_colocate.vllm_unavailable_reason", lambda: None)
     assert failures(["--preset", name]) == []
 
 
@@ -34,6 +36,11 @@ def test_every_preset_passes_its_startup_checks(name):
     (["--preset", "8xh100_zero3", "--use_vllm", "true"], r"colocated vLLM under DeepSpeed ZeRO-3"),
     (["--preset", "a100_40gb_lora", "--vllm_tensor_parallel_size", "2"], r"does not support vllm_tensor_parallel"),
     (["--preset", "a100_40gb_lora", "--max_completion_length", "120000"], r"memory: this run does not fit"),
+    (["--preset", "8xh100_sp8_512k", "--sequence_parallel_size", "3"], r"32 attention heads are not divisible by"),
+    (["--preset", "8xh100_sp8_512k", "--model_init_kwargs", '{"attn_implementation": "eager", "rope_parameters": '
+      '{"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}}'],
+     r"sequence parallelism: attn_implementation='eager'"),
+    (["--preset", "8xh100_sp8_512k"], r"--vllm_mode server: TRL's client .* needs vLLM on this machine"),
 ])
 def test_each_check_can_fail(argv, expected):
     import re
