@@ -4,8 +4,9 @@ A tiny random model of the preset's architecture family (fp32, no 4-bit), 8-toke
 evaluation; everything else is the preset's: G, micro-batch and accumulation, LoRA rank (or full fine-tuning),
 gradient checkpointing, activation offload (copy path forced), log-prob head, padding-free rows, rope scaling,
 the colocated-engine request (which falls back to generate() here with one line). DeepSpeed presets run their
-single-process path (no sequence parallelism with one process); the 2-process ZeRO and Ulysses launches are tests/test_distributed.py's and tests/test_sequence_parallel.py's. A vLLM-server preset generates with
-generate() here (--use_vllm false: no server on CPU).
+single-process path (no sequence parallelism with one process); the 2-process ZeRO and Ulysses launches are
+tests/test_distributed.py's and tests/test_sequence_parallel.py's. A vLLM-server preset generates with generate()
+here (--use_vllm false: no server on CPU).
 
     OMP_NUM_THREADS=1 pytest tests/test_preset_steps.py
 """
