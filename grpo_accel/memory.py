@@ -134,18 +134,16 @@ def _rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pi
     return tokens * per_token + T * (2 * shape.hidden * a + 2 * shape.kv_dim * (a + 4))
 
 
-def _sp_rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pieces: bool, tokens,
-                    lora_r: int) -> float:
-    """Under Ulysses SP (no whole-layer sequence tiles): one layer's re-run on a shard of T tokens a row, in row
-    groups of <= `tokens` tokens, and on a longer shard whole but for its MLP, which runs in tiles of `tokens`
-    (grpo_accel.offload.tiled_mlp): the MLP's saved tensors (4I, LoRA on its 3 linears) and backward grads (2I) for
-    one tile only."""
-    if not pieces or not tokens:
-        return B * T * per_token
-    if T <= tokens:
-        return min(B, max(1, tokens // T)) * T * per_token
-    mlp = a * (4 * shape.intermediate + 3 * lora_r) + a * 2 * shape.intermediate
-    return T * (per_token - mlp) + tokens * mlp
+def _sp_rerun_bytes(shape: ModelShape, a: int, B: int, T: int, sp: int, per_token: float, pieces: bool,
+                    tokens) -> float:
+    """Under Ulysses SP, one layer's re-run on shards of T tokens a row: as `_rerun_bytes` while a shard row fits a
+    piece; past that in sequence tiles (grpo_accel.offload.tiled_sp) whose full-length tensors are the shard's d(out),
+    d(in) [H] and dq [q_dim] in the compute dtype, and the whole sequence's (sp·T) K, V and fp32 dK, dV for this
+    rank's heads/sp of the kv heads (repeated up to sp when fewer)."""
+    if not pieces or not tokens or T <= tokens:
+        return _rerun_bytes(shape, a, B, T, per_token, pieces, tokens)
+    kv = max(shape.kv_heads, sp) * shape.head_dim // sp
+    return tokens * per_token + T * (2 * shape.hidden + shape.q_dim) * a + sp * T * 2 * kv * (a + 4)
 
 
 def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
@@ -168,9 +166,8 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
     T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
     # Ulysses SP (grpo_accel.sequence_parallel): an SP group of sp GPUs shares its B rows (per_device_train_batch_size
-    # counts rows per group), each GPU runs T/sp tokens of each row (row groups in the re-run; no whole-layer tiles,
-    # the MLP in tiles) and scores its shard; generation's KV cache (a colocated engine generates whole sequences)
-    # does not shrink
+    # counts rows per group), each GPU runs T/sp tokens of each row (row groups or sequence tiles in the re-run) and
+    # scores its shard; generation's KV cache (a colocated engine generates whole sequences) does not shrink
     sp = max(int(sequence_parallel_size or 1), 1)
     T_gpu, rows = -(-T // sp), B
     n_tok, n_c = rows * T_gpu, -(-B * max_completion_length // sp)  # tokens through the layers / scored by the head
@@ -210,18 +207,18 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
         pieces = offload_activations and deepspeed_stage < 3
         dev["recompute_working_set"] = (
             _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, recompute_tokens) if sp == 1 else
-            _sp_rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, recompute_tokens, lora_r))
+            _sp_rerun_bytes(shape, a, rows, T_gpu, sp, saved + transient, pieces, recompute_tokens))
     else:
         dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
         dev["recompute_working_set"] = n_tok * transient
     # Ulysses all-to-all: q, k, v and the attention output of one layer call, each once as sent and once as received
-    # ([T/sp, all heads] <-> [T, heads/sp]: the same bytes), for the rows of one re-run piece (all rows without
-    # offload); kv heads repeated up to sp when fewer (DeepSpeed)
+    # ([T/sp, all heads] <-> [T, heads/sp]: the same bytes), for the rows of one re-run piece, or one sequence tile
+    # of a longer shard (all rows without offload); kv heads repeated up to sp when fewer (DeepSpeed)
     kv_dim = max(shape.kv_heads, sp) * shape.head_dim
-    piece_rows = min(rows, max(1, (recompute_tokens or n_tok) // T_gpu)) if gradient_checkpointing and \
-        offload_activations and deepspeed_stage < 3 else rows
-    dev["sp_all_to_all"] = (2 * piece_rows * T_gpu * (2 * shape.heads * shape.head_dim + 2 * kv_dim) * a
-                            if sp > 1 else 0)
+    pieces = gradient_checkpointing and offload_activations and deepspeed_stage < 3 and recompute_tokens
+    a2a_tokens = (min(rows, max(1, recompute_tokens // T_gpu)) * T_gpu if T_gpu <= recompute_tokens else
+                  recompute_tokens) if pieces else n_tok
+    dev["sp_all_to_all"] = 2 * a2a_tokens * (2 * shape.heads * shape.head_dim + 2 * kv_dim) * a if sp > 1 else 0
     head_trainable = lora_r <= 0
     dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_size,
                                                   head_trainable)

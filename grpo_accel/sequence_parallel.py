@@ -32,9 +32,9 @@ that padding.
 Cost per layer: 4 all-to-alls of T/sp·(q + 2·kv + o dims) activations forward (again in backward and in the
 checkpoint re-run); the core attention holds whole sequences of heads/sp heads. Needs: attention heads and kv
 heads divisible by sp (or sp by kv heads), SDPA attention, our log-prob head (logprob_impl != "trl"). The layer
-offload works on each shard; whole-layer sequence tiles do not (a tile's attention would need the other ranks' keys
-of later positions): off, and with offload on the MLP runs in sequence tiles instead (offload/tiled_mlp.py), so a
-layer's re-run holds its attention part for the whole shard and its MLP part for one tile.
+offload works on each shard, and a shard longer than its re-run piece runs in sequence tiles whose attention
+reaches the other ranks' keys (offload/tiled_sp.py); with offload on, each layer's MLP also runs in tiles wherever
+the layer runs whole (the no-grad passes; offload/tiled_mlp.py).
 Test: `OMP_NUM_THREADS=1 pytest tests/test_sequence_parallel.py` (2 CPU processes over gloo).
 """
 
@@ -229,7 +229,7 @@ class SequenceParallel:
             tgt[j, max(c0 - 1, 0):row.numel() - 1] = row[max(c0, 1):]
         sl = slice(self.rank * L, (self.rank + 1) * L)
         pos = torch.arange(sl.start, sl.stop, device=ids.device).expand(B, L)
-        with autocast(), tiled.tiles_off():
+        with autocast(), tiled.sp_tiles(self.group):
             out = model(input_ids=ids[:, sl], position_ids=pos, accel_sp_targets=tgt[:, sl],
                         accel_entropy=compute_entropy, **{SP_KWARG: True})
         lp = _GatherSeq.apply(out.log_probs, self.group)

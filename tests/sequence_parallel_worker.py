@@ -31,12 +31,11 @@ def rank_main(rank, world, out, port, offload):
     os.environ[FORCE_OFFLOAD_COPIES_ENV] = "1" if offload else "0"
     from pathlib import Path
 
-    # gradient checkpointing with offload: the layers' re-run in backward goes through Ulysses again
-    extra = dict(offload_activations="true", gradient_checkpointing=True) if offload else {}
+    # gradient checkpointing with offload: the layers' re-run in backward goes through Ulysses again, in sequence
+    # tiles of 8 tokens on each shard
+    extra = dict(offload_activations="true", gradient_checkpointing=True, offload_recompute_tokens=8) if offload \
+        else {}
     trainer = make_trainer(Path(tempfile.mkdtemp()), "chunked", **extra)
-    if offload:
-        trainer.offload_config = trainer.offload_config.__class__(**{**trainer.offload_config.__dict__,
-                                                                     "recompute_tokens": 8})
     torch.manual_seed(2)  # LoRA B starts at 0 (A's grads would be 0): give every adapter weight a value
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
@@ -71,14 +70,14 @@ def rank_main(rank, world, out, port, offload):
     sp_obj.logps_and_entropies = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     sp_obj.uattn.forward = lambda module, q, *a, **k: (shards.append(q.shape[2]), shard_rows.append(q.shape[0]),
                                                              attend(module, q, *a, **k))[-1]
-    from grpo_accel.offload import tiled_mlp
+    from grpo_accel.offload import tiled_sp
 
-    mlp_tiles, mlp_backward = [], tiled_mlp._TiledMLP.backward  # the MLP's sequence tiles under SP (with offload)
-    tiled_mlp._TiledMLP.backward = staticmethod(lambda ctx, g: (mlp_tiles.append(len(ctx.tiles)),
-                                                                mlp_backward(ctx, g))[-1])
+    layer_tiles, tiled_backward = [], tiled_sp.backward  # each layer's re-run in sequence tiles on the shard
+    tiled_sp.backward = lambda run, x, g, tiles, group: (layer_tiles.append(len(tiles)),
+                                                         tiled_backward(run, x, g, tiles, group))[-1]
     sp = measure()
     sp["sp_calls"], sp["shard_lengths"], sp["shard_rows"] = len(calls), shards, shard_rows
-    sp["mlp_tiles"] = mlp_tiles
+    sp["layer_tiles"] = layer_tiles
     for g in sp["grads"].values():  # the data-parallel engine's mean over the ranks
         torch.distributed.all_reduce(g)
         g /= world

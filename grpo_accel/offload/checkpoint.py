@@ -66,7 +66,7 @@ def _run_forward(ctx, run, args, kwargs, preserve_rng: bool):
     sequence tiles when a row is longer (tiled.py); else whole. Pieces bound the forward's transient tensors too
     (the MLP's [tokens, I] ones: 3 x 1.9 GB for 8 rows x 8K tokens of Llama-3.1-8B in one piece)."""
     module = rerun._module_of(run)
-    ctx.tiles, ctx.tile_rng = None, None
+    ctx.tiles, ctx.tile_rng, ctx.sp_group = None, None, tiled.current_sp_group()
     if rerun._shared_params(module) is False:
         ctx.tiles = tiled.seq_tiles(run, args, kwargs, ctx.recompute_tokens, module)
     single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
@@ -75,9 +75,10 @@ def _run_forward(ctx, run, args, kwargs, preserve_rng: bool):
         try:
             if not groups:
                 out, ctx.tile_rng = tiled.forward(run, args[0], ctx.tiles,
-                                                  preserve_rng and rerun._live_dropout(module))
+                                                  preserve_rng and rerun._live_dropout(module), ctx.sp_group)
                 return out
-            return _grouped_forward(run, args[0], groups, lambda r, x: tiled.forward(r, x, ctx.tiles, False)[0])
+            return _grouped_forward(run, args[0], groups,
+                                    lambda r, x: tiled.forward(r, x, ctx.tiles, False, ctx.sp_group)[0])
         except tiled.Untileable:
             ctx.tiles = None
             _restore_rng(ctx)  # the first tile may have drawn dropout masks

@@ -29,7 +29,8 @@ def _rerun(ctx, inputs, grads, run=None) -> None:
     if getattr(ctx, "tiles", None):
         if grads[0] is not None:
             with _replay(ctx):
-                tiled.backward(run or ctx.run, inputs[0], grads[0], ctx.tiles, ctx.tile_rng)
+                tiled.backward(run or ctx.run, inputs[0], grads[0], ctx.tiles, ctx.tile_rng,
+                               getattr(ctx, "sp_group", None))
         return
     flat = list(ctx.flat)
     for i, t in zip(ctx.idx, inputs):

@@ -21,11 +21,12 @@ Cost: one more forward of the pre-attention part (norm + q/k/v projections, ~11%
 forward, ~4% of its forward + backward); full-length tensors left in the re-run: x, d(out), d(x) [H each], K, V and
 fp32 dK, dV [kv_dim each] per token, instead of the whole layer's saved tensors. Dropout: each tile's RNG state is
 recorded in the forward and replayed, so the re-run draws the forward's masks (the masks differ from an untiled
-layer's: a tiled layer is its own, exactly differentiated, function). Not tiled (whole re-run instead): attention
-other than sdpa / eager (flash varlen reads packed sequences from position ids; grpo_accel.packing's segments), calls
-this hook does not understand (sliding windows, soft-capping, sinks, caches, BlockMasks, 2-D masks),
-ZeRO-3 partitions (each tile would gather them again), rows of <= the tile. Several processes (DDP, ZeRO-1/2):
-tiled, each parameter's grad summed over the tiles and handed back once (rerun.deferred_param_grads).
+layer's: a tiled layer is its own, exactly differentiated, function). Ulysses SP shards: tiled_sp.py (the same
+tiles, keys from the other ranks). Not tiled (whole re-run instead): attention other than sdpa / eager (flash
+varlen reads packed sequences from position ids; grpo_accel.packing's segments), calls this hook does not
+understand (sliding windows, soft-capping, sinks, caches, BlockMasks, 2-D masks), ZeRO-3 partitions (each tile
+would gather them again), rows of <= the tile. Several processes (DDP, ZeRO-1/2): tiled, each parameter's grad
+summed over the tiles and handed back once (rerun.deferred_param_grads).
 """
 
 from __future__ import annotations
@@ -105,24 +106,28 @@ class _Tiling:
         return o_leaf, None
 
 
-_NO_TILES = contextvars.ContextVar("grpo_accel_no_tiles", default=False)
+_SP_GROUP = contextvars.ContextVar("grpo_accel_sp_group", default=None)
 
 
 @contextlib.contextmanager
-def tiles_off():
-    """Forwards inside run their layers untiled (Ulysses SP shards: a shard's attention needs the other ranks' keys,
-    which a tile's own K/V do not hold; grpo_accel.sequence_parallel)."""
-    token = _NO_TILES.set(True)
+def sp_tiles(group):
+    """Forwards inside run on Ulysses SP shards of `group` (grpo_accel.sequence_parallel): their tiles go through
+    tiled_sp.py, whose attention reaches the other ranks' keys."""
+    token = _SP_GROUP.set(group)
     try:
         yield
     finally:
-        _NO_TILES.reset(token)
+        _SP_GROUP.reset(token)
+
+
+def current_sp_group():
+    return _SP_GROUP.get()
 
 
 def seq_tiles(function, args, kwargs, recompute_tokens: int | None, module) -> list[slice] | None:
     """Tiles of <= recompute_tokens tokens along dim 1 when `function` is a HF decoder layer called on one long
     [B, T, H] input (`layer(x, **bound)` as GradientCheckpointingLayer calls it); None = run it whole."""
-    if (_NO_TILES.get() or not recompute_tokens or not isinstance(function, functools.partial) or len(args) != 1
+    if (not recompute_tokens or not isinstance(function, functools.partial) or len(args) != 1
             or kwargs or not isinstance(args[0], torch.Tensor) or module is None or not hasattr(module, "self_attn")):
         return None
     x, bound = args[0], function.keywords
@@ -159,9 +164,16 @@ def _set_rng(states, i: int) -> None:
             set_device_states(devices, device_states, device_type="cuda")
 
 
-def forward(run, x: torch.Tensor, tiles: list[slice], record_rng: bool):
+def forward(run, x: torch.Tensor, tiles: list[slice], record_rng: bool, group=None):
     """(output, per-tile RNG states or None) of the layer run tile by tile under no_grad. Raises Untileable before
-    anything is written when the first tile's attention call is not one this path reproduces."""
+    anything is written when the first tile's attention call is not one this path reproduces. `group`: x is a
+    Ulysses SP shard of that group (tiled_sp.py; live dropout is not replayed there: Untileable)."""
+    if group is not None:
+        from . import tiled_sp
+
+        if record_rng:
+            raise Untileable("live dropout on an SP shard")
+        return tiled_sp.forward(run, x, tiles, group), None
     state, rng = _Tiling(x.shape[1], "forward"), [] if record_rng else None
     y = None
     with _attention_hook(state.hook):
@@ -177,9 +189,13 @@ def forward(run, x: torch.Tensor, tiles: list[slice], record_rng: bool):
     return y, rng
 
 
-def backward(run, x: torch.Tensor, g: torch.Tensor, tiles: list[slice], rng) -> None:
+def backward(run, x: torch.Tensor, g: torch.Tensor, tiles: list[slice], rng, group=None) -> None:
     """Re-run the layer tile by tile with grad and back-propagate `g` (see the module docstring); parameter grads
     accumulate, `x.grad` gets d(x) when x requires grad. Call under the forward's autocast / RNG replay."""
+    if group is not None:
+        from . import tiled_sp
+
+        return tiled_sp.backward(run, x, g, tiles, group)
     T = x.shape[1]
     state = _Tiling(T, "kv")
     dx = torch.zeros_like(x) if x.requires_grad else None
