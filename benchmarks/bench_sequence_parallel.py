@@ -1,0 +1,228 @@
+"""One GRPO loss step (policy forward + backward, no generation) on one long row: the row whole on one process
+(`sp1`) against Ulysses SP = 2 over gloo (`sp2`: both processes hold the row, each runs half of its tokens), memory
+per process and time. What the group-shared layout (grpo_accel/sequence_parallel.py) is for: per-GPU memory that
+falls with the group's size.
+
+    # CPU: SmolLM2-135M shape with 8 heads (its 9 do not split 2 ways), LoRA r=16, fp32, offload + checkpointing,
+    # one row of 64 prompt + 4096 completion tokens, re-run pieces of 1024 tokens (~6 min on 2 cores)
+    OMP_NUM_THREADS=1 python benchmarks/bench_sequence_parallel.py --completion-length 4096
+
+Same seed, same LoRA init, same row in both variants, so loss and LoRA grad norm must agree (the grad norm of
+`sp2` is the engine's: the two processes' grads averaged, as DDP / ZeRO average them). Each variant runs in fresh
+processes. Metrics per process: peak_step_mem_mib (peak RSS above the built model, CPU VmHWM with a fixed glibc mmap
+threshold as in bench_step_memory.py; on CUDA max_memory_allocated), step_time_ms, and for sp2 the larger of the
+two processes. Writes benchmarks/results/sequence_parallel.csv (+ .png). CPU processes have no separate device
+memory: "offload" copies layer inputs within the same RAM, so the figure is everything the step holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 1 << 20
+VARIANTS = {"sp1": 1, "sp2": 2}
+RESULT_TAG = "RESULT "
+
+
+def build_trainer(a, tmp):
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_step_memory import enable_checkpointing_like_train, synthetic_tokenizer
+
+    from grpo_accel.architectures import get_architecture
+    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.trainer import GRPOAccelTrainer
+
+    config = get_architecture(a.arch)
+    config.use_cache = False
+    config.num_attention_heads, config.num_key_value_heads = a.heads, a.kv_heads
+    config.head_dim = config.hidden_size // a.heads
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    args = GRPOAccelConfig(output_dir=tmp, per_device_train_batch_size=2, num_generations=2,
+                           max_completion_length=a.completion_length, report_to="none", bf16=False, use_cpu=True,
+                           seed=0, offload_activations="true", gradient_checkpointing=True,
+                           offload_recompute_tokens=a.recompute_tokens, logprob_impl="chunked")
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOAccelTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                               args=args, processing_class=synthetic_tokenizer(),
+                               train_dataset=Dataset.from_dict({"prompt": ["x"] * 2}), peft_config=lora)
+    enable_checkpointing_like_train(trainer)
+    return trainer
+
+
+def make_inputs(P: int, T: int, V: int):
+    """One row in TRL's layout, every token real; a fixed non-zero advantage and old log-probs."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return dict(prompt_ids=torch.randint(3, V, (1, P), generator=g), prompt_mask=torch.ones(1, P, dtype=torch.long),
+                completion_ids=torch.randint(3, V, (1, T), generator=g),
+                completion_mask=torch.ones(1, T, dtype=torch.long), advantages=torch.tensor([1.0]),
+                old_per_token_logps=torch.full((1, T), -math.log(V)), num_items_in_batch=torch.tensor(T))
+
+
+def rank_main(rank, world, a, port, out_dir):
+    """One process: build, (SP: join the group), one step; writes its result to out_dir/rank{rank}.json."""
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT))
+    from grpo_accel.memory import PhaseMemory
+
+    mem = PhaseMemory("cpu")
+    with tempfile.TemporaryDirectory() as tmp, mem.phase("load"):
+        trainer = build_trainer(a, tmp)
+        if world > 1:
+            from grpo_accel import sequence_parallel
+            from grpo_accel.cpu_distributed import prepare_cpu_processes
+
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            prepare_cpu_processes()
+            torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+            trainer.sequence_parallel = sequence_parallel.enable(trainer, world)
+    base = mem.records[-1].end_bytes
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = make_inputs(a.prompt_length, a.completion_length, model.config.get_text_config().vocab_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with mem.phase("step"):
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+    grads = torch.cat([p.grad.flatten() for p in params])
+    if world > 1:  # the engine's mean over the processes
+        torch.distributed.all_reduce(grads)
+        grads /= world
+    result = dict(rank=rank, ms=ms, cpu_ms=cpu_ms, peak_mib=(mem.records[-1].peak_bytes - base) / MIB,
+                  base_mib=base / MIB, loss=loss.item(), grad_norm=grads.norm().item())
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    if world > 1:
+        torch.distributed.barrier()
+
+
+def worker(a):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    world = VARIANTS[a.worker]
+    with tempfile.TemporaryDirectory() as out_dir:
+        if world == 1:
+            rank_main(0, 1, a, 0, out_dir)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.spawn(rank_main, args=(world, a, port, out_dir), nprocs=world)
+        results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    print(RESULT_TAG + json.dumps(results), flush=True)
+
+
+def run_worker(args, impl):
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 << 10), GRPO_ACCEL_OFFLOAD_FORCE_COPIES="1")
+    cmd = [sys.executable, __file__, "--worker", impl, *sys.argv[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if not lines:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{impl} failed (rc {proc.returncode})")
+    return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+def rows_of(results, args, impl):
+    shape = (f"{args.arch}-{args.heads}heads,lora-r16,1 row,P={args.prompt_length},T={args.completion_length},fp32,"
+             f"offload,pieces={args.recompute_tokens}")
+    worst = max(results, key=lambda r: r["peak_mib"])
+    metrics = [("peak_step_mem_mib", worst["peak_mib"], "MiB"), ("step_time_ms", max(r["ms"] for r in results), "ms"),
+               ("step_cpu_ms", max(r["cpu_ms"] for r in results), "ms"), ("model_mib", worst["base_mib"], "MiB"),
+               ("processes", len(results), "1"), ("loss", results[0]["loss"], "nats"),
+               ("lora_grad_norm", results[0]["grad_norm"], "1")]
+    return [dict(op="grpo_step_fwd_bwd", impl=impl, shape=shape, metric=m, value=f"{v:.6g}", unit=u)
+            for m, v, u in metrics]
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r["shape"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    for ax, (metric, label) in zip(axes, [("peak_step_mem_mib", "peak step memory per process above the model (MiB)"),
+                                          ("step_time_ms", "step time (ms, slowest process)")]):
+        for k, impl in enumerate(VARIANTS):
+            vals = [float(r["value"]) for s in shapes for r in rows
+                    if r["shape"] == s and r["impl"] == impl and r["metric"] == metric]
+            bars = ax.bar([i + 0.4 * k for i in range(len(vals))], vals, 0.4, label=impl, color=f"C{k}")
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.set_xticks([i + 0.2 for i in range(len(shapes))])
+        ax.set_xticklabels([s.split(",")[4] for s in shapes], fontsize=8)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("one long row: whole on one process vs Ulysses SP = 2 (gloo); " + shapes[0].split(",T=")[0],
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.architectures")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (divisible by 2)")
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--prompt-length", type=int, default=64)
+    p.add_argument("--completion-length", type=int, default=4096)
+    p.add_argument("--recompute-tokens", type=int, default=1024, help="offload_recompute_tokens (re-run pieces)")
+    p.add_argument("--out", type=Path, default=RESULTS / "sequence_parallel.csv")
+    p.add_argument("--plot-only", action="store_true")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    if args.plot_only:
+        import csv
+
+        return plot(list(csv.DictReader(open(args.out))), args.out.with_suffix(".png"))
+    versions, sha, dev = run_meta("cpu", ("torch", "trl", "transformers", "deepspeed"))
+    results = {impl: run_worker(args, impl) for impl in VARIANTS}
+    rows = [row for impl, res in results.items() for row in rows_of(res, args, impl)]
+    one, two = results["sp1"][0], max(results["sp2"], key=lambda r: r["peak_mib"])
+    print(f"peak per process: sp1 {one['peak_mib']:.0f} MiB, sp2 {two['peak_mib']:.0f} MiB "
+          f"({two['peak_mib'] / one['peak_mib']:.2f}x); step {one['ms']:.0f} vs "
+          f"{max(r['ms'] for r in results['sp2']):.0f} ms; loss {one['loss']:.6g} vs {results['sp2'][0]['loss']:.6g}, "
+          f"grad norm {one['grad_norm']:.6g} vs {results['sp2'][0]['grad_norm']:.6g}", flush=True)
+    for r in rows:
+        r.update(device=dev, versions=versions, git_sha=sha, date=datetime.date.today().isoformat())
+    all_rows = merge_csv(rows, args.out)
+    plot(all_rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
