@@ -107,3 +107,23 @@ def test_group_shared_sampler_deals_each_batch_to_one_group():
     dp = dealt(base, 2)
     assert sp[0] == sp[1] == dp[0] and sp[2] == sp[3] == dp[1] and dp[0] != dp[1] and len(dp[0]) == 20
     assert len(GroupSharedSampler(base(), rows, 2)) == 2 * len(base())
+
+
+def test_sp_group_batch_is_checked_when_the_config_is_made(tmp_path, monkeypatch):
+    """Under SP an SP group is one data-parallel rank: TRL's generation batch counts world/sp ranks, and one group's
+    batch must split over its processes and hold whole groups of num_generations; else one line names the fix.
+    (The method reads WORLD_SIZE as a launch sets it; called directly so no process group is needed.)"""
+    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.errors import ConfigError
+
+    cfg = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=4,
+                          gradient_accumulation_steps=2, sequence_parallel_size=2, report_to="none", use_cpu=True)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg._share_batches_over_sp_groups()
+    assert cfg.generation_batch_size == 8  # 2 rows x 2 steps per group, 2 groups (not 4 processes' 16)
+    cfg.steps_per_generation = 1  # 2 rows per group: half a group of 4 generations
+    with pytest.raises(ConfigError, match=r"generates 2 completions .* Fix: --gradient_accumulation_steps 2 "):
+        cfg._share_batches_over_sp_groups()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"--sequence_parallel_size 2 must divide the 3 processes"):
+        cfg._share_batches_over_sp_groups()
