@@ -138,12 +138,12 @@ def _sp_rerun_bytes(shape: ModelShape, a: int, B: int, T: int, sp: int, per_toke
                     tokens) -> float:
     """Under Ulysses SP, one layer's re-run on shards of T tokens a row: as `_rerun_bytes` while a shard row fits a
     piece; past that in sequence tiles (grpo_accel.offload.tiled_sp) whose full-length tensors are the shard's d(out),
-    d(in) [H] and dq [q_dim] in the compute dtype, and the whole sequence's (sp·T) K, V and fp32 dK, dV for this
-    rank's heads/sp of the kv heads (repeated up to sp when fewer)."""
+    d(in) [H] and dq [q_dim] in the compute dtype, and the whole sequence's (sp·T) K, V, one tile's full-length
+    d(K), d(V) and the fp32 dK, dV sums for this rank's heads/sp of the kv heads (repeated up to sp when fewer)."""
     if not pieces or not tokens or T <= tokens:
         return _rerun_bytes(shape, a, B, T, per_token, pieces, tokens)
     kv = max(shape.kv_heads, sp) * shape.head_dim // sp
-    return tokens * per_token + T * (2 * shape.hidden + shape.q_dim) * a + sp * T * 2 * kv * (a + 4)
+    return tokens * per_token + T * (2 * shape.hidden + shape.q_dim) * a + sp * T * 2 * kv * (2 * a + 4)
 
 
 def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,

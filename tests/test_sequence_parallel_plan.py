@@ -41,7 +41,7 @@ def test_sp8_prediction_against_one_h100():
     alone, _ = find_max_completion_length(PRESETS["h100_110k"].plan(use_vllm=False), H100, 128 * GIB, limit=1 << 24)
     sp8, plan = find_max_completion_length(PRESETS["8xh100_sp8_512k"].plan(), H100, 128 * GIB, limit=1 << 24)
     assert 250_000 < single < 300_000  # 273,152: colocated vLLM's whole-sequence KV binds
-    assert sp8 >= 8 * single  # 4,474,624: 16.4x h100_110k
+    assert sp8 >= 8 * single  # 4,473,344: 16.4x h100_110k
     # against one H100 whose generation also runs elsewhere (577,920: its host binds) 7.7x, not 8x: each GPU keeps
     # the weights, and the tiles' whole-sequence K, V (heads/8) and the shard's dq
     assert 7 < sp8 / alone < 8
@@ -50,5 +50,5 @@ def test_sp8_prediction_against_one_h100():
 
 def test_sp8_512k_preset_fits_with_room():
     plan = PRESETS["8xh100_sp8_512k"].plan()
-    assert plan.peak_bytes < 0.3 * H100 and sum(plan.host.values()) < 32 * GIB  # 17.8 GiB, 16.7 GiB host a GPU
+    assert plan.peak_bytes < 0.3 * H100 and sum(plan.host.values()) < 32 * GIB  # 18.0 GiB, 16.7 GiB host a GPU
     assert plan.device["vllm_kv_cache"] == plan.device["vllm_weights"] == 0  # the server generates elsewhere
