@@ -20,9 +20,9 @@ queries go:
 Cost against a whole-shard re-run: the pre-attention part (norm, q/k/v projections) runs twice more (~8% of an 8B
 layer's FLOPs in forward + backward), 3 more all-to-alls of q/k/v-sized tiles per pass (the same bytes as Ulysses'
 own); memory: K, V, one tile's d(K), d(V) and the fp32 dK, dV sums for the whole sequence but heads/sp of them
-(2·T·kv/sp·d·(2a+4) bytes), dq and d(x) for the shard, and one tile's layer. Not tiled (Untileable, whole-shard re-run, as in tiled.py): live dropout,
-attention dropout, attention calls the hook does not understand. Every rank decides alike (same shapes, same model),
-so the collectives stay in step.
+(2·T·kv/sp·d·(2a+4) bytes), dq and d(x) for the shard, and one tile's layer. Not tiled (Untileable, whole-shard
+re-run, as in tiled.py): live dropout, attention dropout, attention calls the hook does not understand. Every rank
+decides alike (same shapes, same model), so the collectives stay in step.
 """
 
 from __future__ import annotations
