@@ -47,10 +47,9 @@ import torch.distributed as dist
 
 from .head import backbone_hidden, causal_lm_of, score_hidden
 from .offload import tiled, tiled_mlp
+from .offload.tiled_sp import SP_KWARG  # the forward kwarg that marks each attention call of a shard
 
 _CORES = ("sdpa", "grpo_accel_sdpa")  # stock SDPA, or packing.py's (stock SDPA on unpacked calls)
-# forward kwarg carried to every attention call (and bound into the checkpoint's re-run): this call is one shard
-SP_KWARG = "accel_sp"
 
 
 class _GatherSeq(torch.autograd.Function):

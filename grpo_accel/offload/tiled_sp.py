@@ -35,7 +35,9 @@ import torch.distributed as dist
 from .tile_attention import _attend
 from .tiled import _IGNORED_KWARGS, _MUST_BE_NONE, _SAME_AS_SDPA, Untileable, _attention_hook, _backward, _call, _Stop
 
-SP_KWARG = "accel_sp"  # grpo_accel.sequence_parallel's marker on each attention call of a shard
+# forward kwarg carried to every attention call of a shard (and bound into the checkpoint's re-run):
+# grpo_accel.sequence_parallel routes such calls through Ulysses, this module's hook drops it
+SP_KWARG = "accel_sp"
 
 
 class _SPTiling:
