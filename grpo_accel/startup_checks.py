@@ -139,10 +139,9 @@ def check_engine(spec) -> str | None:
         return None
     from .vllm_colocate import unsupported_options
 
-    unsupported = unsupported_options(c)
-    if unsupported:
-        return (f"colocated vLLM: grpo_accel's shared-weight engine does not support {', '.join(unsupported)}. "
-                f"Fix: drop them, or --vllm_mode server.")
+    refusal = unsupported_options(c)
+    if refusal:
+        return f"colocated vLLM: {refusal}"
     if p.deepspeed_stage >= 3:
         return (f"colocated vLLM under DeepSpeed ZeRO-3 ({p.name}): each rank would gather the whole model to push "
                 f"it. Fix: --use_vllm false, --vllm_mode server, or a ZeRO-2 preset.")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
+from .errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +98,15 @@ UNSUPPORTED_OPTIONS = {"vllm_structured_outputs_regex": None, "vllm_tensor_paral
                        "vllm_model_impl": "vllm"}
 
 
-def unsupported_options(args) -> list[str]:
-    """`name=value` for each option set away from the value the shared engine assumes."""
-    return [f"{k}={getattr(args, k)!r}" for k, default in UNSUPPORTED_OPTIONS.items()
-            if getattr(args, k, default) != default]
+def unsupported_options(args) -> str | None:
+    """The one refusal of the options set away from the values the shared engine assumes (None: none are), read by
+    the start-up checks, the engine's route (vllm_setup) and SharedVLLMGeneration."""
+    unsupported = [f"{k}={getattr(args, k)!r}" for k, default in UNSUPPORTED_OPTIONS.items()
+                   if getattr(args, k, default) != default]
+    if not unsupported:
+        return None
+    return (f"the colocated shared-weight engine does not support {', '.join(unsupported)}. Fix: drop them, or "
+            f"--vllm_mode server.")
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -434,10 +439,9 @@ class SharedVLLMGeneration:
     """
 
     def __init__(self, engine: SharedVLLM, trainer):
-        unsupported = unsupported_options(trainer.args)
-        if unsupported:
-            raise VLLMVersionError(f"the colocated shared-weight engine does not support {', '.join(unsupported)}. "
-                                   f"Fix: drop them, or vllm_mode='server'.")
+        refusal = unsupported_options(trainer.args)
+        if refusal:
+            raise ConfigError(refusal)
         self.engine = engine
         self.llm = engine.llm
         self.trainer = trainer

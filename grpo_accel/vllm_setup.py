@@ -61,10 +61,9 @@ def colocated_route(model, args, quantization: str | None = None) -> tuple[str, 
     reason = fallback_reason(model, args, quantization)
     if reason is not None:
         return "fallback", reason
-    unsupported = vc.unsupported_options(args)
-    if unsupported:
-        raise VLLMSetupError(f"the colocated shared-weight engine does not support {', '.join(unsupported)}. Fix: "
-                             f"drop them, or --vllm_mode server.")
+    refusal = vc.unsupported_options(args)
+    if refusal:
+        raise VLLMSetupError(refusal)
     if isinstance(model, str) and model not in TINY_CONFIGS and (quantization or "none") == "none":
         return "from_path", None
     return "from_model", None
