@@ -106,3 +106,17 @@ def test_fallback_reasons(tmp_path):
         assert reason == vs.vc.FALLBACK_LINE
     elif not torch.cuda.is_available():
         assert "4-bit" in reason and "CUDA" in reason
+
+
+def test_unsupported_options_are_refused_in_one_line():
+    """TRL options its own colocate engine honours and the shared one does not: named with their values, never
+    dropped; the start-up check, the engine's route and SharedVLLMGeneration all say this line."""
+    from types import SimpleNamespace
+
+    from grpo_accel.vllm_colocate import unsupported_options
+
+    defaults = dict(vllm_structured_outputs_regex=None, vllm_tensor_parallel_size=1, vllm_model_impl="vllm")
+    assert unsupported_options(SimpleNamespace(**defaults)) is None
+    line = unsupported_options(SimpleNamespace(**{**defaults, "vllm_structured_outputs_regex": "a+",
+                                                  "vllm_tensor_parallel_size": 2}))
+    assert "vllm_structured_outputs_regex='a+', vllm_tensor_parallel_size=2." in line and "--vllm_mode server" in line
