@@ -29,7 +29,6 @@ variants = same computation). Writes benchmarks/results/packing.csv (+ .png).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -40,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+from results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -266,11 +265,7 @@ def main():
                   f"peak {pk['peak_mib'] / max(pad['peak_mib'], 1e-9):.2f}x of padded; "
                   f"loss {pad['loss']:.6g} vs {pk['loss']:.6g}, grad norm {pad['grad_norm']:.6g} vs "
                   f"{pk['grad_norm']:.6g}", flush=True)
-    for r in rows:
-        r.update(device=dev, versions=versions, git_sha=sha, date=datetime.date.today().isoformat())
-    all_rows = merge_csv(rows, args.out)
-    plot(all_rows, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_results(rows, args.out, (versions, sha, dev), plot)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ memory: "offload" copies layer inputs within the same RAM, so the figure is ever
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -28,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+from results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -217,11 +216,7 @@ def main():
           f"({two['peak_mib'] / one['peak_mib']:.2f}x); step {one['ms']:.0f} vs "
           f"{max(r['ms'] for r in results['sp2']):.0f} ms; loss {one['loss']:.6g} vs {results['sp2'][0]['loss']:.6g}, "
           f"grad norm {one['grad_norm']:.6g} vs {results['sp2'][0]['grad_norm']:.6g}", flush=True)
-    for r in rows:
-        r.update(device=dev, versions=versions, git_sha=sha, date=datetime.date.today().isoformat())
-    all_rows = merge_csv(rows, args.out)
-    plot(all_rows, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_results(rows, args.out, (versions, sha, dev), plot)
 
 
 if __name__ == "__main__":

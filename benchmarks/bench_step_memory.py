@@ -61,7 +61,6 @@ benchmarks/results/step_memory.png.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -72,7 +71,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+from results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -453,10 +452,6 @@ def find_max_t(args):
     return rows
 
 
-def write_csv(rows, path):
-    return merge_csv(rows, path)
-
-
 def plot(rows, path):
     import matplotlib
 
@@ -544,11 +539,7 @@ def main():
             return
     versions, sha, dev = _meta(args.device)
     rows = find_max_t(args) if args.find_max_t else run_steps(args)
-    for r in rows:
-        r.update(device=dev, versions=versions, git_sha=sha, date=datetime.date.today().isoformat())
-    all_rows = write_csv(rows, args.out)
-    plot(all_rows, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_results(rows, args.out, (versions, sha, dev), plot)
 
 
 if __name__ == "__main__":

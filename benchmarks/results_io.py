@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import datetime
 import os
 import subprocess
 from pathlib import Path
@@ -25,6 +26,21 @@ def merge_csv(rows: list[dict], path: Path, key=("op", "impl", "shape", "device"
         writer.writeheader()
         writer.writerows(old + rows)
     return old + rows
+
+
+def write_results(rows: list[dict], path: Path, meta: tuple[str, str, str], plot=None,
+                  key=("op", "impl", "shape", "device")) -> list[dict]:
+    """Every benchmark's tail: stamp `rows` with run_meta's (versions, git sha, device) and today's date, merge them
+    into `path`, redraw the PNG beside it with `plot(all_rows, png_path)`, and say where. Returns the file's rows."""
+    versions, sha, dev = meta
+    today = datetime.date.today().isoformat()
+    for r in rows:
+        r.update(device=dev, versions=versions, git_sha=sha, date=today)
+    all_rows = merge_csv(rows, path, key)
+    if plot is not None:
+        plot(all_rows, path.with_suffix(".png"))
+    print(f"wrote {path}" + (f" and {path.with_suffix('.png')}" if plot is not None else ""), flush=True)
+    return all_rows
 
 
 def run_meta(device: str, packages=("torch", "trl")) -> tuple[str, str, str]:
