@@ -127,4 +127,3 @@ def test_sp_group_batch_is_checked_when_the_config_is_made(tmp_path, monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"--sequence_parallel_size 2 must divide the 3 processes"):
         cfg._share_batches_over_sp_groups()
-
