@@ -92,7 +92,7 @@ def worker(a):
     from peft import LoraConfig
 
     from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.memory import PhaseMemory
+    from grpo_accel.phase_memory import PhaseMemory
     from grpo_accel.trainer import GRPOAccelTrainer
 
     cuda = a.device == "cuda"

@@ -84,7 +84,7 @@ def rank_main(rank, world, a, port, out_dir):
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
-    from grpo_accel.memory import PhaseMemory
+    from grpo_accel.phase_memory import PhaseMemory
 
     mem = PhaseMemory("cpu")
     with tempfile.TemporaryDirectory() as tmp, mem.phase("load"):

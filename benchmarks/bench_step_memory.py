@@ -46,7 +46,7 @@ cannot lower the CPU peak: CPU rows measure overhead and correctness; the memory
 Metrics per variant: peak_step_mem_mib = peak during a measured step minus the memory after the model and trainer
 are built, peak_step_mem_with_weights_mib = the same peak with them; CUDA: peak_reserved_mib (and _with_weights)
 from torch.cuda.max_memory_reserved; time_per_token_us = step time / real (unpadded) tokens. Peaks: CUDA
-torch.cuda.max_memory_allocated, CPU peak RSS via VmHWM (both through grpo_accel.memory.PhaseMemory), max over the
+torch.cuda.max_memory_allocated, CPU peak RSS via VmHWM (both through grpo_accel.phase_memory.PhaseMemory), max over the
 measured steps; step_time_ms = median over --reps steps after one warm-up step; loss, entropy (TRL's
 logged mean) and lora_grad_norm of the first measured step (equal across variants = same computation);
 offloaded_peak_mib = saved-activation bytes the offload stash held on the host (0 without offload).
@@ -245,8 +245,8 @@ def worker(a):
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from grpo_accel.memory import PhaseMemory
     from grpo_accel.offload import SavedActivationTracker
+    from grpo_accel.phase_memory import PhaseMemory
 
     cuda = a.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from .memory import GIB, PhaseMemory, _rss_bytes
+from .memory import GIB
+from .phase_memory import PhaseMemory, rss_bytes
 
 
 class PhaseTelemetry:
@@ -49,6 +50,6 @@ class PhaseTelemetry:
     def pop_metrics(self) -> dict[str, float]:
         """Peaks since the last log, then forget them (each logged step reports its own phases)."""
         metrics = self.memory.metrics()
-        metrics["memory/host_rss_gib"] = round(_rss_bytes() / GIB, 3)
+        metrics["memory/host_rss_gib"] = round(rss_bytes() / GIB, 3)
         self.memory.records.clear()
         return metrics

@@ -16,11 +16,11 @@ import torch
 from grpo_accel.architectures import ARCHITECTURES, get_architecture, list_architectures, model_shape
 from grpo_accel.memory import (
     GIB,
-    PhaseMemory,
     kv_cache_sequences,
     plan_memory,
     vllm_memory_fraction,
 )
+from grpo_accel.phase_memory import PhaseMemory
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -245,11 +245,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 from grpo_accel.architectures import get_architecture
-from grpo_accel.memory import _rss_bytes, peak_rss_bytes
+from grpo_accel.phase_memory import peak_rss_bytes, rss_bytes
 
 B, P, T = map(int, sys.argv[1:4])
 torch.manual_seed(0)
-base = _rss_bytes()
+base = rss_bytes()
 model = AutoModelForCausalLM.from_config(get_architecture("smollm2-135m"))
 model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

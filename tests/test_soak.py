@@ -82,8 +82,8 @@ def child(steps: int, out: str, device: str, leak_bytes: int) -> None:
     from grpo_accel.config import GRPOAccelConfig
     from grpo_accel.data import arithmetic_dataset
     from grpo_accel.hook_leak import input_embedding_hooks
-    from grpo_accel.memory import _rss_bytes
     from grpo_accel.models import load_model
+    from grpo_accel.phase_memory import rss_bytes
     from grpo_accel.trainer import GRPOAccelTrainer
 
     torch.manual_seed(0)
@@ -97,7 +97,7 @@ def child(steps: int, out: str, device: str, leak_bytes: int) -> None:
             if leak_bytes:  # sensitivity check: a known leak must fail the test (bytes written, so resident)
                 leaked.append(b"\1" * leak_bytes)
             gc.collect()  # cycles freed now, not whenever the collector next runs (~30 ms a step)
-            samples["rss"].append(_rss_bytes())
+            samples["rss"].append(rss_bytes())
             samples["malloc_in_use"].append(malloc_in_use_bytes())
             if cuda:
                 samples["cuda_allocated"].append(torch.cuda.memory_allocated())

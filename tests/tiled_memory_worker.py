@@ -16,8 +16,8 @@ import torch
 import transformers
 
 from grpo_accel.architectures import get_architecture
-from grpo_accel.memory import _proc_status_bytes, _reset_hwm
 from grpo_accel.offload import OffloadConfig, SavedActivationTracker, install_activation_offload
+from grpo_accel.phase_memory import proc_status_bytes, reset_peak_rss
 
 p = argparse.ArgumentParser()
 p.add_argument("--tokens", type=int, default=8192)
@@ -41,12 +41,12 @@ with SavedActivationTracker(observe_autograd=True, ignore=model.parameters()) as
     del hidden
     forward_s = time.perf_counter() - t0
     tracker.reset_peak()
-    assert _reset_hwm(), "needs /proc/self/clear_refs"
-    start = _proc_status_bytes("VmRSS")
+    assert reset_peak_rss(), "needs /proc/self/clear_refs"
+    start = proc_status_bytes("VmRSS")
     t0 = time.perf_counter()
     loss.backward()
     backward_s = time.perf_counter() - t0
-    peak = _proc_status_bytes("VmHWM")
+    peak = proc_status_bytes("VmHWM")
 grad_norm = sum(p.grad.double().norm() ** 2 for p in model.parameters() if p.grad is not None) ** 0.5
 print("RESULT " + json.dumps(dict(saved_peak_bytes=tracker.peak["device"], rss_peak_bytes=peak - start,
                                   forward_s=forward_s, backward_s=backward_s, loss=loss.item(),
