@@ -109,15 +109,17 @@ def print_max_completion(spec, plan, gpu_bytes: int, host: int | None) -> None:
     from .memory import find_max_completion_length
     from .startup_checks import context_tokens, model_config
 
-    longest, fitted = find_max_completion_length(plan, gpu_bytes, host)
+    limit = 1 << 24  # 16.8M tokens: past that a plan is no longer a useful prediction
+    longest, fitted = find_max_completion_length(plan, gpu_bytes, host, limit=limit)
     context = context_tokens(model_config(spec, prefer_named=True))
     prompt = plan.inputs["max_prompt_length"]
     where = f"{gpu_bytes / GIB:.1f} GiB GPU" + (f", {host / GIB:.0f} GiB host" if host else ", host unchecked")
     if not longest:
         print(f"longest completion: none fits ({where}) — a prompt of {prompt} tokens alone does not")
         return
-    print(f"longest completion that fits ({where}): {longest} tokens per sequence (a prediction; device peak "
-          f"{fitted.peak_gib:.1f} GiB, host {sum(fitted.host.values()) / GIB:.1f} GiB)")
+    print(f"longest completion that fits ({where}): {'at least ' if longest >= limit else ''}{longest} tokens per "
+          f"sequence (a prediction; device peak {fitted.peak_gib:.1f} GiB, host {sum(fitted.host.values()) / GIB:.1f} "
+          f"GiB)")
     if context and prompt + longest > context:
         print(f"the model's context caps it at {context - prompt} tokens ({context} with {prompt} prompt tokens)")
 
