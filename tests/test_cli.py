@@ -55,13 +55,12 @@ def test_plan_bad_preset_is_a_clear_error(capsys):
 
 
 def test_module_entry_point_exit_code():
+    """`python -m grpo_accel.cli` runs main() and hands its exit code to the shell (the 0 path of main() is tested
+    in-process above; one subprocess is enough for the wiring: 10 s of imports each)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    ok = subprocess.run([sys.executable, "-m", "grpo_accel.cli", "plan", "--preset", "t4_qlora"], env=env,
-                        capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0, ok.stderr
     bad = subprocess.run([sys.executable, "-m", "grpo_accel.cli", "plan", "--preset", "t4_qlora",
                           "--gpu-mem-gib", "4"], env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "does not fit" in bad.stdout
+    assert bad.returncode == 1 and "does not fit" in bad.stdout and "fits:" not in bad.stdout
 
 
 def test_plan_reads_the_flags_train_reads(capsys):
