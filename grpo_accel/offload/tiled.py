@@ -180,13 +180,20 @@ def forward(run, x: torch.Tensor, tiles: list[slice], record_rng: bool, group=No
         for sl in tiles:
             if rng is not None:
                 rng.append(_rng_state(x))
-            state.sl, state.calls = sl, 0
-            out = _call(run, x[:, sl], sl)
-            if state.calls != 1 or not isinstance(out, torch.Tensor) or out.shape != x[:, sl].shape:
-                raise Untileable("the layer did not call attention once and return one [B, T, H] tensor")
-            y = x.new_empty(x.shape) if y is None else y
-            y[:, sl] = out
+            y = forward_tile(state, run, x, sl, y)
     return y, rng
+
+
+def forward_tile(state, run, x: torch.Tensor, sl: slice, y: torch.Tensor | None) -> torch.Tensor:
+    """The layer on tile `sl` of x written into y (allocated like x on the first tile), through `state`'s hook
+    (this module's or tiled_sp's); Untileable when the layer did not call attention once and return one tensor."""
+    state.sl, state.calls = sl, 0
+    out = _call(run, x[:, sl], sl)
+    if state.calls != 1 or not isinstance(out, torch.Tensor) or out.shape != x[:, sl].shape:
+        raise Untileable("the layer did not call attention once and return one [B, T, H] tensor")
+    y = x.new_empty(x.shape) if y is None else y
+    y[:, sl] = out
+    return y
 
 
 def backward(run, x: torch.Tensor, g: torch.Tensor, tiles: list[slice], rng, group=None) -> None:

@@ -33,7 +33,17 @@ import torch
 import torch.distributed as dist
 
 from .tile_attention import _attend
-from .tiled import _IGNORED_KWARGS, _MUST_BE_NONE, _SAME_AS_SDPA, Untileable, _attention_hook, _backward, _call, _Stop
+from .tiled import (
+    _IGNORED_KWARGS,
+    _MUST_BE_NONE,
+    _SAME_AS_SDPA,
+    Untileable,
+    _attention_hook,
+    _backward,
+    _call,
+    _Stop,
+    forward_tile,
+)
 
 # forward kwarg carried to every attention call of a shard (and bound into the checkpoint's re-run):
 # grpo_accel.sequence_parallel routes such calls through Ulysses, this module's hook drops it
@@ -150,12 +160,7 @@ def forward(run, x: torch.Tensor, tiles, group) -> torch.Tensor:
         _fill_kv(state, run, x, tiles)
         state.mode = "forward"
         for sl in tiles:
-            state.sl, state.calls = sl, 0
-            out = _call(run, x[:, sl], sl)
-            if state.calls != 1 or not isinstance(out, torch.Tensor) or out.shape != x[:, sl].shape:
-                raise Untileable("the layer did not call attention once and return one [B, T, H] tensor")
-            y = x.new_empty(x.shape) if y is None else y
-            y[:, sl] = out
+            y = forward_tile(state, run, x, sl, y)
     return y
 
 
