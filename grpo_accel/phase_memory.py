@@ -14,15 +14,21 @@ from dataclasses import dataclass
 from .memory import GIB
 
 
-def proc_status_bytes(key: str) -> int | None:
+def proc_field_bytes(path: str, key: str) -> int | None:
+    """A kB field of a /proc file in bytes ("VmRSS" of /proc/self/status, "MemAvailable" of /proc/meminfo), None
+    where it cannot be read."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError):
         return None
     return None
+
+
+def proc_status_bytes(key: str) -> int | None:
+    return proc_field_bytes("/proc/self/status", key)
 
 
 def rss_bytes() -> int:
@@ -174,4 +180,5 @@ def peak_rss_bytes() -> int:
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-__all__ = ["PhaseMemory", "PhaseRecord", "peak_rss_bytes", "proc_status_bytes", "reset_peak_rss", "rss_bytes"]
+__all__ = ["PhaseMemory", "PhaseRecord", "peak_rss_bytes", "proc_field_bytes", "proc_status_bytes", "reset_peak_rss",
+           "rss_bytes"]

@@ -18,6 +18,7 @@ import os
 import torch
 
 from ..errors import UserError
+from ..phase_memory import proc_field_bytes
 
 GIB = 1 << 30
 
@@ -28,14 +29,7 @@ class HostMemoryError(UserError, ValueError):
 
 def meminfo_bytes(key: str) -> int | None:
     """A /proc/meminfo field in bytes ("MemAvailable", "MemTotal"), None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+    return proc_field_bytes("/proc/meminfo", key)
 
 
 def host_available_bytes() -> int | None:
