@@ -96,6 +96,14 @@ class GRPOAccelTrainer(GRPOTrainer):
         # SP shards carry their own positions through Ulysses' SDPA: no packed rows under it
         self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
 
+    def train(self, *args, **kwargs):
+        """TRL's train(); whatever train() installs process-wide (the SIGTERM handler) is undone however it ends:
+        on_train_end never runs when a step raises."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.preemption.uninstall()
+
     @staticmethod
     def _start_engine(model, args, kwargs):
         """(engine, model) for colocated generation, or (None, model) with one line when it cannot run here."""

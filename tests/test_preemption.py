@@ -61,6 +61,31 @@ def test_sigterm_mid_step_finishes_it_saves_and_stops(tmp_path):
     assert "--resume_from_checkpoint latest" in trainer.preemption.resume_line(str(tmp_path))
 
 
+def test_handlers_are_restored_when_train_raises(tmp_path):
+    """A reward that raises stops train() with RewardFunctionError; every signal handler is then what it was before
+    train() (the handler went in at on_train_begin, and on_train_end never runs when train() raises)."""
+    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.data import arithmetic_dataset
+    from grpo_accel.models import load_model
+    from grpo_accel.rewards import RewardFunctionError
+    from grpo_accel.trainer import GRPOAccelTrainer
+
+    def broken_reward(prompts, completions, **kwargs):
+        raise ValueError("reward server down")
+
+    model, tokenizer = load_model("tiny-llama")
+    args = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=4, report_to="none", max_steps=2, save_steps=100, seed=0,
+                           disable_tqdm=True)
+    trainer = GRPOAccelTrainer(model=model, reward_funcs=[broken_reward], args=args, processing_class=tokenizer,
+                               train_dataset=arithmetic_dataset("train", 8), peft_config=LoraConfig(r=4))
+    before = {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None}
+    with pytest.raises(RewardFunctionError):
+        trainer.train()
+    after = {s: signal.getsignal(s) for s in before}
+    assert after == before, {signal.Signals(s).name: h for s, h in after.items() if h != before[s]}
+
+
 def sigterm_after(cmd, checkpoint_state, env, timeout=300):
     """Start `cmd`, SIGTERM its first process once `checkpoint_state` exists; (returncode, stdout, stderr)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
