@@ -17,6 +17,7 @@ from .console import log
 from .data import prompt_lengths, train_eval_datasets
 from .errors import ConfigError, UserError
 from .models import ModelLoadError, load_model, load_tokenizer
+from .offload.residency import local_processes
 from .report import plot_reward_curve, step_rows, write_json, write_metrics_csv
 from .rewards import resolve_rewards
 
@@ -191,7 +192,7 @@ def startup(spec, tokenizer, train_ds) -> int:
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     host_bytes = host_memory_bytes() if gpu_bytes is not None else None
     if host_bytes is not None:  # the plan is per process; the processes of one machine share its memory
-        host_bytes //= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        host_bytes //= local_processes()
     raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes, host_bytes))
     if host_bytes is not None:
         from .memory import GIB, fit_host
@@ -254,7 +255,7 @@ def _train(spec, tokenizer, train_ds, eval_ds, reward_funcs, resume, longest_pro
                                train_dataset=train_ds, processing_class=tokenizer,
                                peft_config=lora_config(script_args))
     is_main = trainer.accelerator.is_main_process
-    log(f"log-prob head: {trainer.logprob_impl}; activation offload: {'on' if trainer.offload_enabled else 'off'}")
+    log(f"log-prob head: {trainer.logprob_impl}; activation offload: {offload_line(trainer)}")
     os.makedirs(config.output_dir, exist_ok=True)
     summary = {"model": script_args.model, "dataset": script_args.dataset, "run_name": config.run_name}
     if is_main:
@@ -289,6 +290,17 @@ def _train(spec, tokenizer, train_ds, eval_ds, reward_funcs, resume, longest_pro
         _write_artifacts(config.output_dir, rows, summary)
         fix_model_card(config.output_dir, script_args.model)
     return 0
+
+
+def offload_line(trainer) -> str:
+    """'off', or 'on' with this process's host budget (its share of the machine: LOCAL_WORLD_SIZE processes)."""
+    if not trainer.offload_enabled:
+        return "off"
+    budget = trainer.offload_config.host_budget_bytes
+    if budget is None:
+        return "on"
+    k = local_processes()
+    return f"on, host budget {budget / 2**30:.1f} GiB per process (90% of free host memory / {k} process(es) here)"
 
 
 def base_model_name(model: str) -> str:

@@ -29,7 +29,7 @@ from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
 from .hook_leak import dedupe_input_require_grads
 from .learning_signal import LearningSignalWatch
 from .offload import OffloadConfig, install_activation_offload, resolve_offload
-from .offload.residency import host_available_bytes
+from .offload.residency import host_budget_per_process
 from .ops.logprobs import triton_usable
 from .packing import (
     ATTN_NAME,
@@ -167,9 +167,10 @@ class GRPOAccelTrainer(GRPOTrainer):
                       device_budget_bytes=int(getattr(self.args, "offload_device_budget_gib", 0) * 2**30))
         if os.environ.get(FORCE_OFFLOAD_COPIES_ENV) == "1":
             return OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, **sizing)
-        host = host_available_bytes() if torch.device(device).type == "cuda" else None
-        # 90% of what the host has free now: a wrong plan stops with HostMemoryError, not the OOM killer
-        return OffloadConfig(host_budget_bytes=int(0.9 * host) if host else None, **sizing)
+        # 90% of what the host has free now, shared by this machine's processes: a wrong plan stops with
+        # HostMemoryError, not the OOM killer
+        host = host_budget_per_process(0.9) if torch.device(device).type == "cuda" else None
+        return OffloadConfig(host_budget_bytes=host, **sizing)
 
     def _generate(self, prompts):
         with self.telemetry.phase("generation"):

@@ -70,3 +70,29 @@ def test_check_host_memory():
     with pytest.raises(HostMemoryError, match=r"need 147\.0 GiB of host memory, this host has 115\.2 GiB"):
         check_host_memory(147 * gib, have_bytes=128 * gib)
     assert host_available_bytes() > 0
+
+
+@pytest.mark.parametrize("local_ranks", [1, 2, 8])
+def test_host_budget_is_shared_by_the_ranks_of_a_node(local_ranks, monkeypatch):
+    """k processes on one machine (LOCAL_WORLD_SIZE = k) each stash up to their trainer's host budget: the k budgets
+    together stay within the node's limit (90% of MemAvailable), as the start-up check already plans them."""
+    from types import SimpleNamespace
+
+    from grpo_accel.offload import residency
+    from grpo_accel.trainer import GRPOAccelTrainer
+
+    node_available = 100 * 2**30
+    monkeypatch.setattr(residency, "meminfo_bytes", lambda key: node_available if key == "MemAvailable" else None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    monkeypatch.delenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", raising=False)
+    fake = SimpleNamespace(args=SimpleNamespace(offload_activations="true", gradient_checkpointing=True,
+                                                offload_recompute_tokens=1024, offload_device_budget_gib=0.0),
+                           accelerator=SimpleNamespace(device=torch.device("cuda")))  # the GPU path, no GPU touched
+    budget = GRPOAccelTrainer._offload_config(fake).host_budget_bytes
+    assert budget * local_ranks <= 0.9 * node_available
+    assert budget * local_ranks >= 0.89 * node_available  # shared, not shrunk further
+    from grpo_accel.runner import offload_line  # the start-up line says the per-process figure
+
+    fake.offload_enabled, fake.offload_config = True, SimpleNamespace(host_budget_bytes=budget)
+    assert f"host budget {budget / 2**30:.1f} GiB per process" in offload_line(fake)
+    assert f"/ {local_ranks} process(es)" in offload_line(fake)

@@ -43,6 +43,18 @@ def host_available_bytes() -> int | None:
         return None
 
 
+def local_processes() -> int:
+    """Processes sharing this machine's memory (LOCAL_WORLD_SIZE, set by torchrun / accelerate launch), else 1."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def host_budget_per_process(fraction: float = 0.9) -> int | None:
+    """This process's share of what the host has free now: `fraction` of MemAvailable over the processes of this
+    machine (each stashes up to its own budget, so k processes together stay within the node's), None if unknown."""
+    available = host_available_bytes()
+    return None if available is None else int(fraction * available) // local_processes()
+
+
 def host_error(need_bytes: int, have_bytes: int, what: str = "offloaded layer inputs") -> HostMemoryError:
     return HostMemoryError(
         f"{what} need {need_bytes / GIB:.1f} GiB of host memory, this host has {have_bytes / GIB:.1f} GiB for them: "
