@@ -53,6 +53,14 @@ class _SkipCounter(TrainerCallback):
             control.should_training_stop = True
             control.should_save = False
 
+    def _count_loss_scaled(self, skipped: bool, scale: float | None, state, control, why: str) -> None:
+        """A step a dynamic loss scaler skipped. Overflowing is how the scaler finds its scale (it halves from 2^16
+        and skips, at the start and whenever gradients grow): those skips count in the metric, and towards the stop
+        only once the scale is at its floor, 1 (DeepSpeed's min_loss_scale), where halving no longer helps."""
+        calibrating = scale is not None and scale > 1
+        why = f"{why}{f', loss scale {scale:g}' if scale else ''})"  # `why` opens the parenthesis
+        self._count(skipped, state, control, why, towards_stop=not calibrating)
+
     def on_step_end(self, args, state, control, **kwargs):
         if self.stopped_at is not None:
             control.should_save = False  # keep the last good checkpoint as the newest one
@@ -82,7 +90,31 @@ def last_checkpoint(output_dir: str) -> str | None:
 
 
 class NonFiniteGuard(_SkipCounter):
+    """Without DeepSpeed. With fp16's dynamic loss scaler (accelerate's GradScaler) the scaler itself skips a
+    non-finite step and halves its scale; the guard then only counts (gradients untouched: cleared gradients would
+    hide the overflow from the scaler, which would never back off). Else it clears them, making the step a no-op."""
+
+    def __init__(self, max_in_a_row: int, accelerator=None):
+        super().__init__(max_in_a_row)
+        self.accelerator = accelerator
+
+    def _scaler(self):
+        return getattr(self.accelerator, "scaler", None)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        scaler = self._scaler()
+        if scaler is not None:
+            # The scaler backs off exactly when it found a non-finite gradient and skipped the step. Not accelerate's
+            # optimizer_step_was_skipped: it reads False whenever the optimizer takes the scaler's found_inf itself
+            # (torch's AdamW does: `_step_supports_amp_scaling`), skipped or not.
+            scale = scaler.get_scale()
+            self._count_loss_scaled(scale < self._scale_before, scale, state, control,
+                                    "the loss scaler skipped the step (non-finite gradients")
+
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self._scaler() is not None:
+            self._scale_before = self._scaler().get_scale()
+            return
         params = [p for p in model.parameters() if p.requires_grad]
         finite = grads_finite(params)
         if not finite:
@@ -117,9 +149,8 @@ class DeepSpeedSkipGuard(_SkipCounter):
             ds_optimizer = getattr(self.accelerator._optimizers[0], "optimizer", None) if \
                 self.accelerator._optimizers else None
             scale = getattr(ds_optimizer, "loss_scale", None)
-        calibrating = bool(args.fp16) and scale is not None and scale > 1
-        why = f"DeepSpeed skipped the step (non-finite gradients{f', loss scale {scale:g}' if scale else ''})"
-        self._count(skipped, state, control, why, towards_stop=not calibrating)
+        self._count_loss_scaled(skipped, scale if args.fp16 else None, state, control,
+                                "DeepSpeed skipped the step (non-finite gradients")
 
     def _grad_norm(self) -> float:
         wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)

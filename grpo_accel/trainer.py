@@ -85,7 +85,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         # Under DeepSpeed the engine owns the optimizer step and skips non-finite ones itself: count its skips.
         max_bad = getattr(self.args, "max_nonfinite_steps", 3)
         self.nonfinite_guard = (DeepSpeedSkipGuard(max_bad, self.accelerator) if self.is_deepspeed_enabled
-                                else NonFiniteGuard(max_bad))
+                                else NonFiniteGuard(max_bad, self.accelerator))
         self.add_callback(self.nonfinite_guard)
         self.offload_config = self._offload_config()
         self.offload_enabled = self.offload_config is not None

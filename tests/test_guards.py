@@ -1,6 +1,7 @@
 """Non-finite steps are skipped, never applied; N in a row stop training without saving the bad state."""
 
 import ast
+import math
 import os
 
 import pytest
@@ -106,3 +107,49 @@ def test_deepspeed_skips_count_and_stop_naming_last_good_checkpoint(tmp_path):
     logged = [ast.literal_eval(s) for s in result.stdout.splitlines() if s.startswith("{'loss'")]
     assert [float(h["nonfinite/skipped_steps"]) for h in logged] == [0.0, 0.0, 1.0, 2.0], result.stdout[-3000:]
     assert "DeepSpeed skipped the step" in result.stdout
+
+
+def fp16_trainer(tmp_path, init_scale, max_nonfinite_steps=3, poison=False):
+    """A GRPO trainer whose steps run under real fp16 autocast with torch's dynamic GradScaler, as accelerate sets up
+    for fp16 on a GPU (accelerate refuses fp16 on a CPU device, so the scaler is put in by hand here). fp16 holds
+    values up to 65504: the scaled backward of this tiny model overflows while the scale is above 2^18."""
+    model, tokenizer = load_model("tiny-llama")
+    if poison:  # every forward with grad returns NaN: non-finite whatever the scale
+        nan = lambda m, a, out: out * float("nan") if torch.is_grad_enabled() else None
+        model.model.norm.register_forward_hook(nan)
+    args = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=8, report_to="none", max_steps=8, save_steps=100, logging_steps=1,
+                           seed=0, disable_tqdm=True, max_nonfinite_steps=max_nonfinite_steps, learning_rate=1e-3)
+    trainer = GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
+                               train_dataset=arithmetic_dataset("train", 64), peft_config=LoraConfig(r=4))
+    acc = trainer.accelerator
+    acc.state._mixed_precision, acc.native_amp = "fp16", True
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    return trainer
+
+
+def test_fp16_loss_scale_warmup_trains_to_the_end(tmp_path):
+    """Scale 2^23: the scaler skips steps 1-5 while it halves to 2^18 (by design), then every step is finite. The
+    guard counts those skips but they are the scaler calibrating, not a broken run: all 8 steps run. Before the
+    fix the guard stopped this run at step 3 (it cleared the gradients of the overflowing steps, so the scaler saw
+    nothing to back off from, and counted each one towards its stop)."""
+    trainer = fp16_trainer(tmp_path, init_scale=2.0**23)
+    trainer.train()
+    guard = trainer.nonfinite_guard
+    assert guard.stopped_at is None and trainer.state.global_step == 8
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "loss" in h]
+    assert all(math.isfinite(n) for n in norms[5:]), norms  # past the warm-up: applied, finite steps
+    assert guard.skipped == 5
+    assert trainer.accelerator.scaler.get_scale() == 2.0**18
+
+
+def test_fp16_nonfinite_at_the_scale_floor_still_stops(tmp_path):
+    """NaN in every forward: the scaler halves 4 -> 2 -> 1 (calibrating), then 3 more skips in a row at scale 1
+    stop the run with its error naming the fix."""
+    trainer = fp16_trainer(tmp_path, init_scale=4.0, poison=True)
+    trainer.train()
+    guard = trainer.nonfinite_guard
+    assert guard.stopped_at is not None and guard.stopped_at < 8, guard.stopped_at
+    message = str(guard.error(str(tmp_path)))
+    assert message.startswith(f"stopped at step {guard.stopped_at}: 3 steps in a row had non-finite gradients")
+    assert "Fix: lower --learning_rate" in message
