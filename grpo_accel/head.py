@@ -23,6 +23,7 @@ from transformers.utils import ModelOutput
 
 from .offload import offload_saved_tensors
 from .ops.logprobs import token_logprobs
+from .patches import set_attr
 
 
 @dataclass
@@ -74,9 +75,10 @@ def head_unsupported_reason(causal_lm) -> str | None:
 
 
 def install_logprob_head(model, *, temperature: float, impl: str = "auto", chunk_size: int | None = None,
-                         vocab_tile: int | None = None, offload=None) -> None:
-    """`offload`: an OffloadConfig to hold the head's saved hidden states (G·T·H, the largest tensor the head
-    keeps for backward) in host memory between the policy forward and the head's backward; None keeps them."""
+                         vocab_tile: int | None = None, offload=None):
+    """Returns the undo (the causal LM's forward as before). `offload`: an OffloadConfig to hold the head's saved
+    hidden states (G·T·H, the largest tensor the head keeps for backward) in host memory between the policy forward
+    and the head's backward; None keeps them."""
     causal_lm = causal_lm_of(model)
     reason = head_unsupported_reason(causal_lm)
     if reason:
@@ -93,7 +95,7 @@ def install_logprob_head(model, *, temperature: float, impl: str = "auto", chunk
                             vocab_tile=vocab_tile, offload=offload)
 
     forward.__wrapped__ = previous  # generate() validates kwargs against the original signature
-    causal_lm.forward = forward
+    return set_attr(causal_lm, "forward", forward)
 
 
 def backbone_hidden(causal_lm, args, kwargs):

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .patches import Patches, register, set_attr
+
 SEGMENTS_KWARG = "accel_segments"  # forward kwarg carried to every attention call: packed sequence bounds
 ATTN_NAME = "grpo_accel_sdpa"
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")
@@ -88,17 +90,20 @@ def _per_layer_type(rope) -> bool:
     return isinstance(rope, dict) and bool(rope) and all(isinstance(v, dict) for v in rope.values())
 
 
-def enable_packed_attention(causal_lm) -> None:
-    """Route an sdpa model's attention through `segment_sdpa` for good (a checkpointed layer re-runs in backward
-    with the same kwargs, after our forward returned). Unpacked calls stay stock SDPA; flash models unchanged."""
+def enable_packed_attention(causal_lm) -> Patches:
+    """Route an sdpa model's attention through `segment_sdpa` until the returned patches are undone (not per call:
+    a checkpointed layer re-runs in backward with the same kwargs, after our forward returned). Unpacked calls stay
+    stock SDPA; flash models unchanged. The registrations are process-wide, counted (patches.register)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(ATTN_NAME, segment_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, _segment_sdpa_mask)
+    done = Patches()
+    done.add(register(AttentionInterface._global_mapping, ATTN_NAME, segment_sdpa))
+    done.add(register(type(ALL_MASK_ATTENTION_FUNCTIONS)._global_mapping, ATTN_NAME, _segment_sdpa_mask))
     for cfg in {id(c): c for c in (causal_lm.config, causal_lm.config.get_text_config())}.values():
         if getattr(cfg, "_attn_implementation", None) == "sdpa":
-            cfg._attn_implementation = ATTN_NAME
+            done.add(set_attr(cfg, "_attn_implementation", ATTN_NAME))
+    return done
 
 
 @contextlib.contextmanager

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from .head import backbone_hidden, causal_lm_of, score_hidden
 from .offload import tiled, tiled_mlp
 from .offload.tiled_sp import SP_KWARG  # the forward kwarg that marks each attention call of a shard
+from .patches import Patches, register, set_attr
 
 _CORES = ("sdpa", "grpo_accel_sdpa")  # stock SDPA, or packing.py's (stock SDPA on unpacked calls)
 
@@ -189,12 +190,20 @@ class SequenceParallel:
             self._batch(query.shape[0])  # the rows of this call (all the group's, or a re-run's row group)
             return self.uattn(module, query, key, value, None, *args, **kwargs)  # causal; masks are per shard
 
-        ALL_ATTENTION_FUNCTIONS[core] = attention  # replaces plain SDPA (and accelerate's wrapper, if any)
+        # Replaces plain SDPA (and accelerate's wrapper, if any) for every model of the process, until `remove()`:
+        # calls without SP_KWARG go to `plain`, so other models see stock SDPA meanwhile.
+        self.patches = Patches()
+        self.patches.add(register(ALL_ATTENTION_FUNCTIONS._local_mapping, core, attention))
         for m in models:
-            _install_sp_head(m, temperature=temperature, impl=impl, chunk_size=chunk_size, vocab_tile=vocab_tile,
-                             offload=offload)
+            self.patches.add(_install_sp_head(m, temperature=temperature, impl=impl, chunk_size=chunk_size,
+                                              vocab_tile=vocab_tile, offload=offload))
             if offload is not None and offload.recompute_tokens:  # the long-sequence setup: MLP in sequence tiles
                 tiled_mlp.install(m, offload.recompute_tokens)
+                self.patches.add(lambda m=m: tiled_mlp.uninstall(m))
+
+    def remove(self) -> None:
+        """Undo what __init__ patched (the attention registry, the models' forwards); the SP group stays."""
+        self.patches.undo()
 
     def _batch(self, rows: int) -> None:
         """DeepSpeed's module checks a fixed batch size; ours varies per call (the sequence length already may)."""
@@ -259,25 +268,42 @@ class SequenceParallel:
     def generate_once(self, generate, prompts):
         """TRL's `_generate(prompts)` for the group's prompts (the same on every rank): this rank generates its 1/sp
         of them, the group all-gathers the pieces; then every rank takes the group leader's RNG state, so what
-        follows (TRL's shuffle of the generation batch, dropout on the shards) draws the same on every rank."""
+        follows (TRL's shuffle of the generation batch, dropout on the shards) draws the same on every rank.
+        Sampling draws from this rank's own stream, which the group's shared state must not replace: the ranks of
+        a group each sample a copy of the same prompt (G copies per group), and from one state they would sample the
+        same completion. So each rank keeps its generation stream (started from its TRL seed, seed + process index)
+        aside between calls: its completions are those of one process with that seed generating its pieces."""
         k, rem = divmod(len(prompts), self.sp)
         if rem:
             raise ValueError(f"{len(prompts)} prompts do not split over sequence_parallel_size={self.sp}")
+        own = getattr(self, "_generation_rng", None)
+        if own is not None:
+            _set_rng(own)
         piece = generate(prompts[self.rank * k:(self.rank + 1) * k])
+        self._generation_rng = _rng()
         pieces = [None] * self.sp
         dist.all_gather_object(pieces, piece, group=self.group)
         self._sync_rng()
         return tuple(_concat([p[i] for p in pieces]) for i in range(len(piece)))
 
     def _sync_rng(self) -> None:
-        states = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
+        states = [_rng()]
         dist.broadcast_object_list(states, src=dist.get_global_rank(self.group, 0), group=self.group)
-        torch.set_rng_state(states[0])
-        if states[1] is not None:
-            torch.cuda.set_rng_state(states[1])
+        _set_rng(states[0])
 
 
-def _install_sp_head(model, *, temperature, impl, chunk_size, vocab_tile, offload) -> None:
+def _rng():
+    """torch's CPU and (current) CUDA generator states."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def _set_rng(state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def _install_sp_head(model, *, temperature, impl, chunk_size, vocab_tile, offload):
     """A call with `accel_sp_targets` [B, L] (targets already aligned with the positions, -100 = unscored) runs the
     backbone on the shard and our head on every scored position: no shift inside the shard (the head's own
     `accel_labels` path shifts within the call and would lose the shard's last target)."""
@@ -294,4 +320,4 @@ def _install_sp_head(model, *, temperature, impl, chunk_size, vocab_tile, offloa
                             vocab_tile=vocab_tile, offload=offload)
 
     forward.__wrapped__ = getattr(previous, "__wrapped__", previous)
-    causal_lm.forward = forward
+    return set_attr(causal_lm, "forward", forward)

@@ -28,7 +28,7 @@ from .guards import DeepSpeedSkipGuard, NonFiniteGuard
 from .head import causal_lm_of, head_unsupported_reason, install_logprob_head
 from .hook_leak import dedupe_input_require_grads
 from .learning_signal import LearningSignalWatch
-from .offload import OffloadConfig, install_activation_offload, resolve_offload
+from .offload import OffloadConfig, install_activation_offload, remove_activation_offload, resolve_offload
 from .offload.residency import host_budget_per_process
 from .ops.logprobs import triton_usable
 from .packing import (
@@ -44,6 +44,7 @@ from .packing import (
     split_to_count,
     unpack,
 )
+from .patches import Patches
 from .preemption import Preemption
 from .rewards import guarded
 from .telemetry import PhaseTelemetry
@@ -87,22 +88,41 @@ class GRPOAccelTrainer(GRPOTrainer):
         self.nonfinite_guard = (DeepSpeedSkipGuard(max_bad, self.accelerator) if self.is_deepspeed_enabled
                                 else NonFiniteGuard(max_bad, self.accelerator))
         self.add_callback(self.nonfinite_guard)
+        self.patches = Patches()
+        self._install_savers()
+
+    def _install_savers(self) -> None:
+        """Every saver that patches a model or a process-wide registry, its undo kept in `self.patches`: `close()`
+        (run when train() ends, however it ends) leaves the models and transformers' registries as they were."""
         self.offload_config = self._offload_config()
         self.offload_enabled = self.offload_config is not None
         if self.offload_enabled:
             install_activation_offload(self.model, self.offload_config)
+            self.patches.add(lambda model=self.model: remove_activation_offload(model))
         self.logprob_impl = self._install_logprob_head()
         self.sequence_parallel = self._install_sequence_parallel()
+        if self.sequence_parallel is not None:
+            self.patches.add(self.sequence_parallel.remove)
         # SP shards carry their own positions through Ulysses' SDPA: no packed rows under it
         self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
+        self.savers_installed = True
+
+    def close(self) -> None:
+        """Undo the savers' patches. The trainer then runs TRL's own paths (its attributes still say which savers it
+        ran with); train() installs them again."""
+        self.patches.undo()
+        self.savers_installed = False
 
     def train(self, *args, **kwargs):
-        """TRL's train(); whatever train() installs process-wide (the SIGTERM handler) is undone however it ends:
-        on_train_end never runs when a step raises."""
+        """TRL's train() with the savers on; however it ends (on_train_end never runs when a step raises), the SIGTERM
+        handler and the savers' patches are undone: a second model in this process runs stock code."""
+        if not self.savers_installed:
+            self._install_savers()
         try:
             return super().train(*args, **kwargs)
         finally:
             self.preemption.uninstall()
+            self.close()
 
     @staticmethod
     def _start_engine(model, args, kwargs):
@@ -128,9 +148,9 @@ class GRPOAccelTrainer(GRPOTrainer):
             return "trl"
         for m in (self.model, self.ref_model):
             if m is not None:
-                install_logprob_head(m, temperature=self.temperature, impl=impl,
-                                     chunk_size=self.args.logprob_chunk_size, vocab_tile=self.args.logprob_vocab_tile,
-                                     offload=self.offload_config if m is self.model else None)
+                self.patches.add(install_logprob_head(
+                    m, temperature=self.temperature, impl=impl, chunk_size=self.args.logprob_chunk_size,
+                    vocab_tile=self.args.logprob_vocab_tile, offload=self.offload_config if m is self.model else None))
         return impl
 
     def _install_sequence_parallel(self):
@@ -153,7 +173,7 @@ class GRPOAccelTrainer(GRPOTrainer):
             log(f"padding_free falls back to padded rows: {reason}.")
             return False
         for m in models:
-            enable_packed_attention(m)
+            self.patches.add(enable_packed_attention(m).undo)
         log("padding_free: log-prob passes run on packed rows of real tokens (no padding).")
         return True
 
@@ -199,6 +219,10 @@ class GRPOAccelTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         # No grad: the old-policy / reference passes in generate-and-score; with grad: the policy forward.
+        if not getattr(self, "savers_installed", False):  # closed (after train()), or made without our __init__
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
         with self.telemetry.phase("policy_forward" if torch.is_grad_enabled() else "logps_no_grad"):
             return self._logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                              compute_entropy, compute_aux_loss, **multimodal)

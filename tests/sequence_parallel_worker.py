@@ -63,6 +63,9 @@ def rank_main(rank, world, out, port, offload):
                       MASTER_PORT=str(port))
     prepare_cpu_processes()
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    registry_before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
     trainer.sequence_parallel = sequence_parallel.enable(trainer, world)
     calls, shards, shard_rows = [], [], []
     sp_obj = trainer.sequence_parallel
@@ -78,6 +81,10 @@ def rank_main(rank, world, out, port, offload):
     sp = measure()
     sp["sp_calls"], sp["shard_lengths"], sp["shard_rows"] = len(calls), shards, shard_rows
     sp["layer_tiles"] = layer_tiles
+    sp["sdpa_patched"] = dict(ALL_ATTENTION_FUNCTIONS._local_mapping) != registry_before
+    sp_obj.remove()  # what the trainer's close() runs: transformers' registry and the models' forwards as before
+    sp["sdpa_after_remove"] = dict(ALL_ATTENTION_FUNCTIONS._local_mapping) == registry_before
+    sp["sp_head_after_remove"] = "accel_sp_targets" in trainer.model.get_base_model().forward.__code__.co_varnames
     for g in sp["grads"].values():  # the data-parallel engine's mean over the ranks
         torch.distributed.all_reduce(g)
         g /= world

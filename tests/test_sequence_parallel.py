@@ -34,6 +34,8 @@ def test_sp2_equals_one_process(tmp_path):
     for r in results:
         ref, sp, scored = r["ref"], r["sp"], r["mask"].bool()
         assert sp["sp_calls"] == 2  # the no-grad pass and the loss's policy pass went through SP
+        # SP's attention stood in for stock SDPA process-wide while on, and is gone once removed
+        assert sp["sdpa_patched"] and sp["sdpa_after_remove"] and not sp["sp_head_after_remove"]
         # the batch's rows ran in one forward, padded to the longest, as 2 shards of half its tokens: B rows per
         # rank, not the group's 2·B
         assert set(sp["shard_lengths"]) == halves and max(sp["shard_rows"]) == len(r["row_tokens"])
@@ -127,3 +129,22 @@ def test_sp_group_batch_is_checked_when_the_config_is_made(tmp_path, monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"--sequence_parallel_size 2 must divide the 3 processes"):
         cfg._share_batches_over_sp_groups()
+
+
+def test_sp_group_samples_like_single_processes(tmp_path):
+    """generate_once over an SP group of 2: each rank samples its half of the group's prompts from its own random
+    stream (seeded as TRL seeds a process), as one process with that seed would; the group's other random draws stay
+    equal on both ranks. Before the fix every rank left generation with the leader's RNG state, so from step 2 on
+    both ranks sampled the same completions for their copies of a prompt."""
+    out = tmp_path / "gen.pt"
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "sp_generation_worker.py"), "--out", str(out),
+           "--port", str(free_port())]
+    result = run_process_group(cmd, 300, cwd=ROOT, env=child_env())
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [torch.load(f"{out}.rank{rank}") for rank in (0, 1)]
+    assert ranks[0]["steps"] == ranks[1]["steps"]  # every rank holds the group's completions
+    for step, completions in enumerate(ranks[0]["steps"]):
+        assert completions[:2] == ranks[0]["reference"][step], step
+        assert completions[2:] == ranks[1]["reference"][step], step
+        assert completions[:2] != completions[2:], step
+        assert torch.equal(ranks[0]["after"][step], ranks[1]["after"][step]), step

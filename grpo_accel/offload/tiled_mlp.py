@@ -90,3 +90,10 @@ def install(model: torch.nn.Module, tokens: int) -> int:
         setattr(module, _FLAG, True)
         patched += 1
     return patched
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Undo `install`: each patched MLP runs its class's forward again."""
+    for module in model.modules():
+        if module.__dict__.pop(_FLAG, False):
+            module.__dict__.pop("forward", None)
