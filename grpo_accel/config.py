@@ -84,6 +84,7 @@ class GRPOAccelConfig(GRPOConfig):
 
     def __post_init__(self):
         self._check_numbers()  # before TRL's own checks, which name its internals rather than the flag
+        self._refuse_accelerates_sp()
         if self.logprob_impl not in LOGPROB_IMPLS:
             raise ConfigError(f"--logprob_impl {self.logprob_impl} is not one of {', '.join(LOGPROB_IMPLS)}.")
         for name in ("logprob_mini_batch", "logprob_chunk_size", "logprob_vocab_tile", "logprob_token_budget"):
@@ -131,6 +132,18 @@ class GRPOAccelConfig(GRPOConfig):
                               "wired for SP. Fix: --eval_strategy no (the held-out accuracy of --eval_size still "
                               "runs).")
         self.generation_batch_size = rows * (world // sp)
+
+    def _refuse_accelerates_sp(self) -> None:
+        """accelerate's ParallelismConfig sp_size / cp_size: TRL refuses it (its batches are built after generation),
+        and it would scale our SP's gradients twice (its engine sums an SP group's gradients; ours already scale each
+        rank's slice for an engine that averages over every process). Said before TRL's traceback, naming our flag."""
+        pc = getattr(self, "parallelism_config", None)
+        for name in ("sp_size", "cp_size"):
+            n = getattr(pc, name, None) or 1
+            if n > 1:
+                raise ConfigError(f"--parallelism_config {name}={n}: accelerate's sequence sharding cuts the "
+                                  f"dataloader's batches, which GRPO builds only after generation (TRL refuses it). "
+                                  f"Fix: drop {name} from parallelism_config and pass --sequence_parallel_size {n}.")
 
     def _check_numbers(self) -> None:
         """Each numeric flag that cannot work, named as the user typed it, with the fix."""

@@ -74,8 +74,9 @@ def test_cpu_ulysses2_grpo_steps_equal_data_parallel(tmp_path):
     SP group, both processes holding each row's halves (the run stops if a group's ranks ever hold different rows).
     The data-parallel equivalent is cpu_zero2.yaml with 2 rows per process: the same 4 prompts, the same completions
     (each rank of the group generates the half a data-parallel rank would, from the same seed), so the first step
-    logs the same loss, grad norm, reward and entropy (measured equal to the printed digits). From the second step
-    the completions differ: a data-parallel rank's RNG runs on from its own sampling, an SP group's ranks share one."""
+    logs the same loss, grad norm, reward and entropy (measured equal to the printed digits), through the real ZeRO-2
+    engine: the SP gradient is not scaled twice. From the second step the completions differ: a data-parallel rank's
+    RNG also carries the step's other draws (TRL's shuffle), an SP rank's generation stream only its own sampling."""
     sp, stdout = launch("cpu_ulysses2", tmp_path)
     assert "sequence parallelism: Ulysses over 2 processes (each group of 2 shares its rows" in stdout
     plain, _ = launch("cpu_zero2", tmp_path, "--per_device_train_batch_size", "2")
@@ -129,6 +130,23 @@ def test_sp_group_batch_is_checked_when_the_config_is_made(tmp_path, monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"--sequence_parallel_size 2 must divide the 3 processes"):
         cfg._share_batches_over_sp_groups()
+
+
+def test_accelerates_own_sp_is_refused_when_the_config_is_made(tmp_path):
+    """accelerate's ParallelismConfig(sp_size=N) hands DeepSpeed its SP group, and ZeRO then divides gradients by
+    world/N, summing each SP group's shard gradients (deepspeed/runtime/zero/stage_1_and_2.py); our SP already scales
+    each rank's slice by N for an engine that averages over the world (test_cpu_ulysses2_grpo_steps_equal_data_parallel:
+    SP=2 under real ZeRO-2 logs the data-parallel run's grad norm), so the two together would scale by N twice, and
+    accelerate's loader adapter cuts batches along the sequence, which GRPO's prompt batches are not. One line names
+    the flag that does it."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"parallelism_config sp_size=2: .* Fix: .*--sequence_parallel_size 2\.$"):
+        GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, report_to="none",
+                        use_cpu=True, parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))
 
 
 def test_sp_group_samples_like_single_processes(tmp_path):
