@@ -12,6 +12,8 @@ TRL's numbers. What it adds:
 - `use_vllm=True, vllm_mode="colocate"`: one in-process engine whose base weights are the training model's
   (LoRA), sized by the memory planner, the adapter pushed from memory after each optimizer step
   (`vllm_setup.py`, `vllm_colocate.py`). Without vLLM, one line says generation falls back to generate().
+Every patch a saver makes (the models' forwards, checkpointing function, attention registrations) is undone when
+train() ends, however it ends (`close()`, `patches.py`): a second model in the same process runs stock code.
 """
 
 from __future__ import annotations
