@@ -1,8 +1,10 @@
-"""Worker for tests/test_offload_multiprocess.py: one layer-offloaded tiny Llama under a 2-process DeepSpeed ZeRO
-engine over gloo, its re-run in row groups ("grouped") and in sequence tiles ("tiled"); rank 0 writes the full
-gradients beside the reference: the same batch on one process without DeepSpeed (computed before the spawn).
+"""Worker for tests/test_offload_multiprocess.py: one layer-offloaded tiny Llama on 2 processes over gloo, under a
+DeepSpeed ZeRO engine ("zero2", "zero3") or torch DistributedDataParallel ("ddp"); rank 0 writes the full gradients
+beside the reference: the same global batch on one process, one forward, no wrapper (computed before the spawn).
+Modes: the re-run in row groups ("grouped"), in sequence tiles ("tiled"), and several forwards before one backward
+("several": each rank's rows in 2 mini-batches, in row groups, their losses summed to the one-forward loss).
 
-    python tests/zero_rerun_worker.py --stage 2 --out /tmp/grads.pt
+    python tests/zero_rerun_worker.py --runs zero2:grouped,zero3:several --out /tmp/grads.pt
 """
 
 import argparse
@@ -16,13 +18,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # grouped: 4 rows of T tokens, recompute_tokens = T -> one row per group (2 groups per rank on 2 processes);
-# tiled: 2 rows of 4*TILE tokens -> each rank's row runs in 4 tiles.
-T, TILE = 16, 8
+# tiled: 2 rows of 4*TILE tokens -> each rank's row runs in 4 tiles;
+# several: 8 rows of T tokens -> 2 forwards of 2 rows per rank, each re-run in 2 row groups.
+T, TILE, FORWARDS = 16, 8, 2
 
 
 def batch(mode):
     g = torch.Generator().manual_seed(1)
-    rows, length = (4, T) if mode == "grouped" else (2, 4 * TILE)
+    rows, length = {"grouped": (4, T), "tiled": (2, 4 * TILE), "several": (8, T)}[mode]
     return torch.randint(0, 96, (rows, length), generator=g)
 
 
@@ -35,7 +38,7 @@ def model_and_offload(mode):
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(cfg).train()
-    install_activation_offload(model, OffloadConfig(recompute_tokens=T if mode == "grouped" else TILE,
+    install_activation_offload(model, OffloadConfig(recompute_tokens=TILE if mode == "tiled" else T,
                                                     device_copies=True, use_streams=False, pin_memory=False,
                                                     min_bytes=0))
     return model
@@ -51,7 +54,23 @@ def reference(mode):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def rank_main(rank, world, stage, out, port, refs):
+def wrapped(engine, mode, rows):
+    """(model to call, full grads after backward, backward) for `engine` around a fresh model."""
+    import deepspeed
+
+    model = model_and_offload(mode)
+    if engine == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return ddp, lambda: {n: p.grad.clone() for n, p in model.named_parameters()}, lambda loss: loss.backward()
+    config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": int(engine[-1]), "stage3_param_persistence_threshold": 0},
+              "zero_allow_untested_optimizer": True}
+    ds, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)
+    return ds, lambda: {n: deepspeed.utils.safe_get_full_grad(p).clone()
+                        for n, p in ds.module.named_parameters()}, ds.backward
+
+
+def rank_main(rank, world, runs, out, port, refs):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -63,22 +82,19 @@ def rank_main(rank, world, stage, out, port, refs):
     from grpo_accel.offload import rerun
 
     deepspeed.init_distributed(dist_backend="gloo")
-    deferred = []  # per layer backward: were the parameter grads handed back once (pieces under several processes)
-    real = rerun.deferred_param_grads
-    rerun.deferred_param_grads = lambda module, enabled=True: (deferred.append(enabled), real(module, enabled))[1]
+    returned = []  # per layer backward: were its parameter grads returned as the checkpoint Function's outputs
+    real = getattr(rerun, "param_aliases", None)
+    if real is not None:
+        rerun.param_aliases = lambda module, params: (returned.append(bool(params)), real(module, params))[1]
     result = {}
-    for mode, ref in refs.items():
-        model = model_and_offload(mode)
+    for run in runs:  # ZeRO-3 last: its engine converts the model's parameters in place
+        engine, mode = run.split(":")
         ids = batch(mode).chunk(world)[rank]
-        config = {"train_micro_batch_size_per_gpu": ids.shape[0], "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-                  "zero_allow_untested_optimizer": True}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                          config=config)
-        deferred.clear()
-        engine.backward(loss_of(engine, ids))
-        grads = {n: deepspeed.utils.safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
-        result[mode] = {"grads": grads, "reference": ref, "deferred": sum(deferred)}
+        model, full_grads, backward = wrapped(engine, mode, ids.shape[0])
+        returned.clear()
+        pieces = ids.chunk(FORWARDS) if mode == "several" else [ids]
+        backward(sum(loss_of(model, p) for p in pieces) / len(pieces))
+        result[run] = {"grads": full_grads(), "reference": refs[mode], "returned": sum(returned)}
     if rank == 0:
         torch.save(result, out)
     torch.distributed.barrier()
@@ -87,12 +103,13 @@ def rank_main(rank, world, stage, out, port, refs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--runs", default="zero2:grouped,zero2:tiled", help="comma-separated engine:mode")
     ap.add_argument("--out", required=True)
     ap.add_argument("--port", type=int, default=29511)
     a = ap.parse_args()
-    refs = {mode: reference(mode) for mode in ("grouped", "tiled")}
-    mp.spawn(rank_main, args=(a.world, a.stage, a.out, a.port, refs), nprocs=a.world)
+    runs = sorted(a.runs.split(","), key=lambda r: r.startswith("zero3"))
+    refs = {mode: reference(mode) for mode in {r.split(":")[1] for r in runs}}
+    mp.spawn(rank_main, args=(a.world, runs, a.out, a.port, refs), nprocs=a.world)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,15 @@
 """The checkpoint function: reentrant-style, its saved inputs live in an `ActivationStash`; backward reloads them
-and re-runs the layer (whole, in row groups, or in sequence tiles: `rerun.py`, `tiled.py`)."""
+and re-runs the layer (whole, in row groups, or in sequence tiles: `rerun.py`, `tiled.py`).
+
+The layer's trainable parameters are explicit inputs of the Function, and its backward returns their grads (the
+re-run's pieces summed on hook-free aliases, `rerun.param_aliases`) instead of a nested backward into the
+parameters. So however many forwards ran before one backward (log-prob mini-batches), autograd sums the checkpoint
+nodes' contributions and each parameter's AccumulateGrad, with the DDP / ZeRO-1/2 reduce hook on it, fires once
+per backward, as without checkpointing (a nested backward per node fired it per forward: DDP's "mark a variable
+ready only once", ZeRO-2's "Gradient computed twice"). Cost: as plain autograd, a parameter's summed grad is held
+from its first node's backward to its last. ZeRO-3 partitions cannot be inputs (empty .data outside a gather:
+autograd refuses a full-shape grad): they keep the nested backward, and only their last pending node marks the
+grads ready for ZeRO-3's reduce (`rerun.zero3_last_use`)."""
 
 from __future__ import annotations
 
@@ -15,15 +25,16 @@ _TENSOR = object()  # marks where the tensor outputs go back into the output pyt
 
 
 class _OffloadedCheckpointFn(torch.autograd.Function):
-    """Reentrant-style checkpoint whose saved inputs live in an `ActivationStash`.
-    Args after `dummy` are the pytree leaves of (args, kwargs); `dummy` requires grad so the output
-    does too when no input does (LoRA on a frozen embedding), without enable_input_require_grads."""
+    """Reentrant-style checkpoint whose saved inputs live in an `ActivationStash`. After `dummy`: the layer's
+    `n_params` trainable parameters, then the pytree leaves of (args, kwargs). `dummy` requires grad so the output
+    does too when no input does (LoRA on a frozen embedding, module unknown), without enable_input_require_grads."""
 
     @staticmethod
-    def forward(ctx, run, stash, preserve_rng, spec, out_box, dummy, *flat):
+    def forward(ctx, run, stash, preserve_rng, spec, out_box, n_params, dummy, *inputs):
         ctx.set_materialize_grads(False)
         ctx.recompute_tokens = stash.config.recompute_tokens
         ctx.run, ctx.stash, ctx.spec = run, stash, spec
+        ctx.params, flat = list(inputs[:n_params]), inputs[n_params:]
         ctx.idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         tensors = [flat[i] for i in ctx.idx]
         ctx.flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
@@ -38,6 +49,7 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
         ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
         ctx.groups = rerun._row_groups(run, tensors, outs, ctx.recompute_tokens)
         ctx.rows = tensors[0].shape[0] if ctx.groups else None
+        rerun.zero3_pending(rerun._module_of(run), ctx)
         return outs
 
     @staticmethod
@@ -46,9 +58,8 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
             raise RuntimeError("offloaded checkpoint is reentrant-style: use loss.backward(), "
                                "not torch.autograd.grad() or backward(inputs=...)")
         inputs = [t.detach().requires_grad_(r) for t, r in zip(ctx.stash.load(ctx.entry), ctx.requires)]
-        # Several pieces under several processes: parameter grads handed back once (DDP / ZeRO hooks fire per backward)
-        pieces = bool(ctx.groups) or bool(getattr(ctx, "tiles", None))
-        with rerun.deferred_param_grads(rerun._module_of(ctx.run), pieces and rerun.several_processes()):
+        module = rerun._module_of(ctx.run)
+        with rerun.param_aliases(module, ctx.params) as aliases, rerun.zero3_last_use(module, ctx):
             if ctx.groups:
                 in_grads = rerun._grouped_rerun(ctx, inputs, grads)
             else:
@@ -58,7 +69,7 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
         flat_grads = [None] * len(ctx.flat)
         for i, g in zip(ctx.idx, in_grads):
             flat_grads[i] = g
-        return (None,) * 6 + tuple(flat_grads)
+        return (None,) * 7 + tuple(a.grad for a in aliases) + tuple(flat_grads)
 
 
 def _run_forward(ctx, run, args, kwargs, preserve_rng: bool):
@@ -120,8 +131,9 @@ class OffloadedCheckpoint:
             if rerun._trainable_params(function) is False:
                 return function(*args, **kwargs)  # nothing to differentiate: autograd saves nothing
         box: list = []
-        outs = _OffloadedCheckpointFn.apply(function, self.stash, preserve_rng_state, spec, box,
-                                            torch.empty(0, requires_grad=True), *flat)
+        params = rerun.trainable_params(rerun._module_of(function))
+        outs = _OffloadedCheckpointFn.apply(function, self.stash, preserve_rng_state, spec, box, len(params),
+                                            torch.empty(0, requires_grad=True), *params, *flat)
         out_spec, leaves = box[0]
         it = iter(outs)
         return tree_unflatten([next(it) if x is _TENSOR else x for x in leaves], out_spec)

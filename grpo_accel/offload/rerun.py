@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -40,7 +41,7 @@ def _rerun(ctx, inputs, grads, run=None) -> None:
         out = (run or ctx.run)(*args, **kwargs)
     outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-    if pairs:  # parameter grads (LoRA, full fine-tune, ZeRO's hooks) accumulate here
+    if pairs:  # parameter grads accumulate here: into the aliases (`param_aliases`) or, ZeRO-3, the parameters
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
@@ -88,9 +89,8 @@ def _row_groups(function, tensors, outs, recompute_tokens) -> list[slice] | None
 
     Whole when: the first input is not [B, T, ...] with B > 1 rows of more than one group; an output is not
     batched along dim 0; the module is unknown or has live dropout (a grouped re-run draws other random masks
-    than the forward did); or its parameters are ZeRO-3 partitions (each re-run would gather them again). Under
-    several processes the groups' parameter grads are summed off to the side and handed back once
-    (`deferred_param_grads`), as DDP / DeepSpeed expect.
+    than the forward did); or its parameters are ZeRO-3 partitions (each re-run would gather them again). The groups'
+    parameter grads are summed on aliases (`param_aliases`) and returned once by the checkpoint Function.
     """
     if not recompute_tokens or not tensors or tensors[0].ndim < 3 or not tensors[0].is_floating_point():
         return None
@@ -120,37 +120,65 @@ def _live_dropout(module: torch.nn.Module) -> bool:
 def _shared_params(module: torch.nn.Module | None) -> bool | None:
     """Whether a re-run in pieces would upset parameter hooks: ZeRO-3 partitions (each piece gathers them again
     and the hooks need them gathered when the grads land). None when the module is unknown. Several processes
-    (DDP / ZeRO-1/2) no longer count: `deferred_param_grads` hands each parameter's grad back once per backward."""
+    (DDP / ZeRO-1/2) do not count: the pieces' parameter grads are summed and returned once (`param_aliases`)."""
     if module is None:
         return None
     return any(hasattr(p, "ds_tensor") for p in module.parameters())
 
 
-def several_processes() -> bool:
-    return bool(torch.distributed.is_available() and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size() > 1)
+def trainable_params(module: torch.nn.Module | None) -> list[torch.nn.Parameter]:
+    """`module`'s parameters that require grad, each once; none when the module is unknown or its parameters are
+    ZeRO-3 partitions (their .data is empty outside a gather: autograd would refuse a full-shape grad for them)."""
+    params = [] if module is None else [p for p in module.parameters() if p.requires_grad]
+    return [] if any(hasattr(p, "ds_tensor") for p in params) else params
 
 
 @contextlib.contextmanager
-def deferred_param_grads(module: torch.nn.Module | None, enabled: bool = True):
-    """Inside: `module`'s trainable parameters are replaced by hook-free aliases (same storage, fresh leaves), so
-    the re-run's row groups / tiles accumulate into the aliases' .grad; on exit one `torch.autograd.backward` of the
-    parameters with the summed grads: each AccumulateGrad (and the DDP / ZeRO-1/2 hook on it) fires once per
-    backward. Cost: one extra grad buffer for this layer's trainable parameters (LoRA: KBs; full fine-tune: one
-    layer's parameters) while its backward runs."""
-    if not enabled or module is None:
-        yield
+def param_aliases(module: torch.nn.Module | None, params: list[torch.nn.Parameter]):
+    """Inside: `params` (of `module`) are replaced in it by hook-free aliases (same storage, fresh leaves), yielded
+    in the same order; the re-run's pieces accumulate their grads into the aliases' .grad, which the checkpoint
+    Function returns as its parameter inputs' grads. Cost: one grad buffer for this layer's trainable parameters
+    (LoRA: KBs; full fine-tune: one layer's parameters), which autograd hands on to the parameters' .grad."""
+    if not params:
+        yield []
         return
+    alias = {id(p): torch.nn.Parameter(p.detach(), requires_grad=True) for p in params}
     slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
-             if p is not None and p.requires_grad]
-    aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for _, _, p in slots]
-    for (m, name, _), a in zip(slots, aliases):
-        m._parameters[name] = a
+             if p is not None and id(p) in alias]
+    for m, name, p in slots:
+        m._parameters[name] = alias[id(p)]
     try:
-        yield
+        yield [alias[id(p)] for p in params]
     finally:
         for m, name, p in slots:
             m._parameters[name] = p
-    pairs = [(p, a.grad) for (_, _, p), a in zip(slots, aliases) if a.grad is not None]
-    if pairs:
-        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+
+
+_ZERO3_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its checkpoint nodes to run
+
+
+def zero3_pending(module: torch.nn.Module | None, ctx) -> None:
+    """Count `ctx` (a checkpoint node in the graph) as a pending use of `module`'s ZeRO-3 partitions."""
+    if module is not None and any(hasattr(p, "ds_tensor") and p.requires_grad for p in module.parameters()):
+        _ZERO3_PENDING.setdefault(module, weakref.WeakSet()).add(ctx)
+
+
+@contextlib.contextmanager
+def zero3_last_use(module: torch.nn.Module | None, ctx):
+    """ZeRO-3 partitions re-run in a nested backward into the real parameters, whose reduce hook fires per
+    checkpoint node. With several forwards before one backward, only the last pending node of this module marks
+    the grads ready (DeepSpeed's `ds_grad_is_ready`, meant for loops of transient grads): the earlier ones add into
+    the full .grad, and ZeRO-3 reduces the sum once. Nodes of graphs freed without a backward drop out (weak)."""
+    pending = _ZERO3_PENDING.get(module) if module is not None else None
+    if pending is None or ctx not in pending:
+        yield
+        return
+    pending.discard(ctx)
+    params = [p for p in module.parameters() if hasattr(p, "ds_tensor") and p.requires_grad]
+    for p in params:
+        p.ds_grad_is_ready = not pending
+    try:
+        yield
+    finally:
+        for p in params:
+            p.__dict__.pop("ds_grad_is_ready", None)

@@ -26,7 +26,7 @@ tiles, keys from the other ranks). Not tiled (whole re-run instead): attention o
 varlen reads packed sequences from position ids; grpo_accel.packing's segments), calls this hook does not
 understand (sliding windows, soft-capping, sinks, caches, BlockMasks, 2-D masks), ZeRO-3 partitions (each tile
 would gather them again), rows of <= the tile. Several processes (DDP, ZeRO-1/2): tiled, each parameter's grad
-summed over the tiles and handed back once (rerun.deferred_param_grads).
+summed over the tiles and returned once by the checkpoint Function (rerun.param_aliases).
 """
 
 from __future__ import annotations
