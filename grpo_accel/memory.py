@@ -118,9 +118,9 @@ def engine_shares_weights(use_vllm: bool, lora_r: int, quantization: str, vllm_s
 
 def _rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pieces: bool, tokens) -> float:
     """One layer's backward re-run (its saved tensors + backward transients, `per_token` bytes each). With offload
-    and without ZeRO-3 (any number of processes: rerun.deferred_param_grads) it runs in pieces of <= `tokens`
-    tokens (OffloadConfig.recompute_tokens): row groups while a row fits (grpo_accel.offload.rerun), sequence
-    tiles past that (grpo_accel.offload.tiled), whose full-length tensors stay: d(out) and d(in) [H], K and V
+    and without ZeRO-3 (any number of processes: the checkpoint returns parameter grads once) it runs in pieces of
+    <= `tokens` tokens (OffloadConfig.recompute_tokens): row groups while a row fits (grpo_accel.offload.rerun),
+    sequence tiles past that (grpo_accel.offload.tiled), whose full-length tensors stay: d(out) and d(in) [H], K and V
     [kv_dim] in the compute dtype, dK and dV in fp32."""
     if not pieces or not tokens:
         return B * T * per_token
