@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 
 import torch
 from trl import GRPOTrainer
@@ -91,6 +92,7 @@ class GRPOAccelTrainer(GRPOTrainer):
                                 else NonFiniteGuard(max_bad, self.accelerator))
         self.add_callback(self.nonfinite_guard)
         self.patches = Patches()
+        weakref.finalize(self, self.patches.undo)  # a trainer dropped without train() (a notebook cell) undoes too
         self._install_savers()
 
     def _install_savers(self) -> None:

@@ -202,12 +202,13 @@ def test_packed_row_is_tiled_sequence_by_sequence(monkeypatch):
 
     def packed_step(cfg, bounds=bounds):
         model = lora_all(tiny_llama(layers=2))
-        enable_packed_attention(model.get_base_model())
+        packing = enable_packed_attention(model.get_base_model())
         if cfg is not None:
             install_activation_offload(model, cfg)
         with packed_forward_context():
             logits = model(input_ids=ids, position_ids=pos, use_cache=False, **{SEGMENTS_KWARG: bounds}).logits
         torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+        packing.undo()  # the registration is process-wide: later tests see transformers' own registries
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     ref = packed_step(None)

@@ -55,7 +55,13 @@ def stock_numbers(out) -> dict:
 
 
 def test_second_trainer_runs_stock_code(tmp_path, monkeypatch):
+    import gc
+
+    gc.collect()  # earlier tests' trainers that never trained: dropped, so their patches are undone
     before = registries()
+    from grpo_accel.packing import ATTN_NAME
+
+    assert ATTN_NAME not in before["attention"], "an earlier test left packing's attention registered"
     monkeypatch.setenv(FORCE_OFFLOAD_COPIES_ENV, "1")  # the real stash / copy / re-run path on CPU
     first = trainer_with(tmp_path / "first", logprob_impl="chunked", padding_free=True, offload_activations="true",
                          offload_recompute_tokens=8)  # re-runs in sequence tiles
