@@ -103,6 +103,7 @@ class GRPOAccelConfig(GRPOConfig):
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         super().__post_init__()
         self._share_batches_over_sp_groups()
+        self._refuse_what_sp_does_not_run()
 
     def _share_batches_over_sp_groups(self) -> None:
         """Under sequence parallelism each group of sequence_parallel_size processes is one data-parallel rank
@@ -132,6 +133,26 @@ class GRPOAccelConfig(GRPOConfig):
                               "wired for SP. Fix: --eval_strategy no (the held-out accuracy of --eval_size still "
                               "runs).")
         self.generation_batch_size = rows * (world // sp)
+
+    def _refuse_what_sp_does_not_run(self) -> None:
+        """Options that sequence parallelism would otherwise drop or route untested, refused with one line each.
+        Each log-prob pass under SP is one forward of the group's rows, split along their length: a rows or token
+        cap per forward has nothing to cap. Colocated vLLM under SP has never been run (each rank would generate its
+        share through its own engine; docs/pairs.md); the SP preset generates on a `trl vllm-serve` node."""
+        import os
+
+        sp = self.sequence_parallel_size
+        if sp <= 1 or int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: SP is off
+            return
+        for name in ("logprob_mini_batch", "logprob_token_budget"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"--{name} {getattr(self, name)} does not apply under --sequence_parallel_size {sp}: "
+                                  f"each log-prob pass runs the group's rows in one forward, split along their length "
+                                  f"over {sp} processes. Fix: leave --{name} unset (or --sequence_parallel_size 1).")
+        if self.use_vllm and self.vllm_mode == "colocate":
+            raise ConfigError(f"--sequence_parallel_size {sp} with colocated vLLM is not supported (untested). Fix: "
+                              f"--vllm_mode server with a `trl vllm-serve` node (as preset 8xh100_sp8_512k), or "
+                              f"--use_vllm false.")
 
     def _refuse_accelerates_sp(self) -> None:
         """accelerate's ParallelismConfig sp_size / cp_size: TRL refuses it (its batches are built after generation),

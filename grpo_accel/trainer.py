@@ -109,10 +109,9 @@ class GRPOAccelTrainer(GRPOTrainer):
             self.patches.add(self.sequence_parallel.remove)
         # SP shards carry their own positions through Ulysses' SDPA: no packed rows under it
         self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
-        if self.sequence_parallel is not None and (self.args.padding_free or self.args.logprob_mini_batch
-                                                   or self.args.logprob_token_budget):
+        if self.sequence_parallel is not None and self.args.padding_free:  # mini-batch caps: refused in config.py
             log("sequence parallelism: each pass runs the group's rows in one forward, unpadded and split along "
-                "their length; padding_free, logprob_mini_batch and logprob_token_budget do not apply")
+                "their length; padding_free does not apply")
         self.savers_installed = True
 
     def close(self) -> None:

@@ -75,3 +75,21 @@ def test_disk_full_while_saving_is_one_clear_line(tmp_path, capsys, monkeypatch)
     assert "disk full while writing" in capsys.readouterr().err
     assert target.read_text() == '{"previous": true}'
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quantization", "4bit", "--lora_r", "0"], r"^--quantization 4bit trains LoRA adapters only \(QLoRA\)\. Fix: "),
+    (["--fp16", "true", "--bf16", "true", "--use_cpu", "true"],  # use_cpu: else "no bf16 GPU" is said first
+     r"At most one of fp16 and bf16 .* Fix: change that flag\.$"),
+], ids=["qlora_without_lora", "fp16_and_bf16"])
+def test_pairs_that_cannot_run_together_are_refused(tmp_path, argv, message):
+    """The two refused pairs of docs/pairs.md that are not SP's (test_sequence_parallel.py has those): QLoRA without
+    adapters, and both half precisions. Parsed in-process as launch/train.py parses them (RunParser.build), each
+    becomes one ConfigError line naming the fix (main_guarded prints it as `error: ...` and exits 2)."""
+    from grpo_accel.errors import ConfigError
+    from grpo_accel.run_spec import RunParser
+
+    with pytest.raises(ConfigError) as err:
+        RunParser().build([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), *argv], {})
+    text = str(err.value)
+    assert "\n" not in text and re.search(message, text), text

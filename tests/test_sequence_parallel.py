@@ -166,3 +166,45 @@ def test_sp_group_samples_like_single_processes(tmp_path):
         assert completions[2:] == ranks[1]["reference"][step], step
         assert completions[:2] != completions[2:], step
         assert torch.equal(ranks[0]["after"][step], ranks[1]["after"][step]), step
+
+
+@pytest.mark.parametrize("option, match", [
+    (dict(logprob_mini_batch=2), r"^--logprob_mini_batch 2 does not apply under --sequence_parallel_size 2: .* Fix: "
+                                 r"leave --logprob_mini_batch unset"),
+    (dict(logprob_token_budget=64), r"^--logprob_token_budget 64 does not apply .* Fix: leave --logprob_token_budget"),
+    (dict(use_vllm=True, vllm_mode="colocate"), r"^--sequence_parallel_size 2 with colocated vLLM is not supported "
+                                                r"\(untested\)\. Fix: --vllm_mode server"),
+], ids=["mini_batch", "token_budget", "colocated_vllm"])
+def test_what_sp_does_not_run_is_refused_when_the_config_is_made(tmp_path, monkeypatch, option, match):
+    """SP x mini-batch and SP x colocated vLLM (docs/pairs.md): each SP pass is one forward split along the rows'
+    length, so a rows/tokens cap per forward would be dropped; colocated engines under SP have never been run. Both
+    are refused with one line when the config is made on a multi-process launch; one process (SP off) keeps them.
+    (The check reads WORLD_SIZE as a launch sets it; called directly so no process group is needed.)"""
+    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.errors import ConfigError
+
+    cfg = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                          report_to="none", use_cpu=True, sequence_parallel_size=2, **option)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=match):
+        cfg._refuse_what_sp_does_not_run()
+    cfg.logprob_mini_batch = cfg.logprob_token_budget = None
+    cfg.vllm_mode = "server"
+    cfg._refuse_what_sp_does_not_run()  # the preset's way (a vLLM server, no caps) passes
+    monkeypatch.setattr(cfg, "sequence_parallel_size", 1)
+    for name, value in option.items():
+        setattr(cfg, name, value)
+    cfg._refuse_what_sp_does_not_run()  # SP off: nothing refused
+
+
+def test_sp_with_trls_head_is_refused():
+    """SP x logprob_impl trl (docs/pairs.md): the SP pass runs inside our log-prob head (SequenceParallel wraps
+    it), so TRL's own head would leave SP off unsaid. Refused before any process group is needed, with one line."""
+    from types import SimpleNamespace
+
+    from grpo_accel import sequence_parallel
+    from grpo_accel.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--sequence_parallel_size 2 needs grpo_accel's log-prob head\. Fix: "
+                                          r"--logprob_impl auto\.$"):
+        sequence_parallel.enable(SimpleNamespace(logprob_impl="trl"), 2)
