@@ -466,13 +466,15 @@ def test_forward_without_backward_and_deepcopy():
     assert model.model.layers[0]._gradient_checkpointing_func is ckpt
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("mode", ["torch", "offload"])
-def test_autocast_state_replayed_in_recompute(mode):
-    """Forward under bf16 autocast, backward outside it: the recompute must run in bf16 again."""
+def test_autocast_state_replayed_in_recompute(mode, dtype):
+    """Forward under bf16 / fp16 autocast, backward outside it: the recompute must run in that dtype again (the
+    grads are then bit-identical to no checkpointing; a recompute in fp32 or the other half dtype is not)."""
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(5))
 
     def step(model):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         return {n: p.grad for n, p in model.named_parameters()}

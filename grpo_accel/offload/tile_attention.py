@@ -20,6 +20,13 @@ def _attend(q, k, v, mask, start: int, dropout: float, scale, segments=None):
                 outs.append(_attend(q[:, :, a - start:b - start], k[:, :, lo:b], v[:, :, lo:b], None, a - lo,
                                     dropout, scale))
         return torch.cat(outs, dim=2)
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        # autocast's own cast for SDPA, done by hand: the lower-right causal bias below dispatches through
+        # torch.nn.attention.bias, which checks q, k, v share a dtype before autocast would cast them (under
+        # autocast with fp32 weights RoPE leaves q, k in fp32 beside a half v)
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     gqa = q.shape[1] != k.shape[1]
     if gqa and q.is_cuda and (mask is not None or (start and not _flash_usable(q, k, v, dropout))):
         # a mask or lower-right bias reaches a memory-linear CUDA kernel through flash (GQA native) or efficient
