@@ -26,3 +26,15 @@ def nan_reward(prompts, completions, **kwargs):
 
 
 NOT_CALLABLE = 3
+
+
+def length_reward_noting_rank(prompts, completions, **kwargs):
+    """length_reward that also touches $REWARD_RANKS_DIR/rank<R>: a multi-process test sees which ranks scored."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    Path(os.environ["REWARD_RANKS_DIR"], f"rank{rank}").touch()
+    return length_reward(prompts, completions)
