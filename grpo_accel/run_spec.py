@@ -249,12 +249,24 @@ def resolve_run_spec(argv: list[str], cmdline=None, gpu_props="current", for_pla
     defaults = {**preset.training_overrides(), "preset": preset.name, "run_name": run_name,
                 "output_dir": os.path.join("runs", run_name), **from_yaml}
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda_available():
-        # Several CPU processes (cpu_zero* presets): without gloo forced, accelerate sees 1 process and DeepSpeed 2.
-        defaults["ddp_backend"] = "gloo"
+        defaults.update(cpu_processes_defaults(explicit))
     if for_plan and not _cuda_available():
         defaults["use_cpu"] = True
     script, config = RunParser().build(argv, defaults)
     return RunSpec(script, config, preset, why, explicit, config_path)
+
+
+def cpu_processes_defaults(explicit: dict) -> dict:
+    """Defaults for several processes on a machine without CUDA. Both engines need gloo forced, or accelerate sees
+    1 process (and DeepSpeed 2). DeepSpeed (the cpu_zero* presets, launched with ACCELERATE_USE_DEEPSPEED) needs
+    use_cpu false; torch DDP (a plain `accelerate launch` or torchrun of 2 processes) needs use_cpu true: accelerate
+    1.15 gives LOCAL_RANK without CUDA and without `cpu` no distributed type, so DDP never wraps the model (with
+    colocated vLLM the first step then failed: IndexError in TRL's shuffle_sequence_dict on rank 1)."""
+    defaults = {"ddp_backend": "gloo"}
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or explicit.get("deepspeed")
+    if not deepspeed:
+        defaults["use_cpu"] = True
+    return defaults
 
 
 def _cuda_available() -> bool:
@@ -263,4 +275,5 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-__all__ = ["RunParser", "RunSpec", "ScriptArguments", "default_run_name", "resolve_run_spec"]
+__all__ = ["RunParser", "RunSpec", "ScriptArguments", "cpu_processes_defaults", "default_run_name",
+           "resolve_run_spec"]

@@ -56,3 +56,29 @@ def test_deepspeed_backend_comes_up_without_the_shm_op(tmp_path):
     assert "GLOO_SOCKET_IFNAME lo" in proc.stdout
     assert "shared-memory all-reduce op skipped" in proc.stdout
     assert not (tmp_path / "ext").exists()  # nothing was JIT-built
+
+
+@pytest.mark.parametrize("launch", ["ddp", "accelerate deepspeed", "--deepspeed flag"])
+def test_plain_multi_process_runs_count_their_processes(launch, monkeypatch):
+    """Several CPU processes without DeepSpeed (torch DDP: a torchrun launch, LOCAL_RANK set) run with use_cpu, the
+    only way accelerate 1.15 counts them without CUDA; DeepSpeed ones keep use_cpu false (DESIGN.md). Checked through
+    accelerate's own backend choice for the defaults run_spec gives."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    from grpo_accel.run_spec import cpu_processes_defaults
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    if launch == "accelerate deepspeed":
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    defaults = cpu_processes_defaults({"deepspeed": "ds.json"} if launch == "--deepspeed flag" else {})
+    assert defaults["ddp_backend"] == "gloo"
+    assert defaults.get("use_cpu", False) is (launch == "ddp")
+    _, kind = PartialState._prepare_backend(PartialState, cpu=defaults.get("use_cpu", False), backend="gloo")
+    if launch == "ddp":
+        assert kind == DistributedType.MULTI_CPU
+    else:  # DeepSpeed's own engine runs the processes; accelerate's plain choice would be none
+        assert kind == DistributedType.NO
