@@ -6,12 +6,17 @@ MODE: shared    LoRA, use_vllm=True (the model passed as a directory: the engine
       unshared  LoRA, use_vllm=True, vllm_share_weights=False (the engine keeps its own copy, as TRL does)
       full      full fine-tuning, use_vllm=True (own copy; every weight pushed after each optimizer step)
       hf        LoRA, use_vllm=False: the training footprint without an engine (HF generate())
+Savers on top (any mode): --offload-tokens N (gradient checkpointing + activation offload, re-run in pieces of
+N tokens: sequence tiles when N is shorter than a row; set GRPO_ACCEL_OFFLOAD_FORCE_COPIES=1 for the real copy
+path on CPU), --token-budget N (packed log-prob forwards of <= N tokens: several per backward), --mini-batch N
+(N padded rows per log-prob forward, padding_free off). --dtype fp16 / --quantization 4bit: with --cuda only.
 Used by test_vllm_trainer.py and benchmarks/bench_vllm_memory.py. Peak memory is the process's VmHWM.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -35,6 +40,39 @@ def reward_digits(completions, **kwargs):
             for c in completions]
 
 
+def count_saver_work() -> dict[str, int]:
+    """Counters proving each saver ran: host copies of the offload stash (out and back), sequence-tiled re-runs,
+    log-prob forwards with grad and backwards (several forwards per backward = mini-batches)."""
+    from grpo_accel.offload import stash, tiled
+
+    counts = {"offload_copies": 0, "tiled_backwards": 0, "grad_forwards": 0, "backwards": 0}
+
+    def counted(fn, key):
+        def wrapper(*a, **k):
+            counts[key] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    stash._copy = counted(stash._copy, "offload_copies")
+    tiled.backward = counted(tiled.backward, "tiled_backwards")
+    return counts
+
+
+def count_forwards(trainer, counts: dict[str, int]) -> None:
+    def pre_hook(module, args):
+        if torch.is_grad_enabled() and module.training:
+            counts["grad_forwards"] += 1
+
+    trainer.accelerator.unwrap_model(trainer.model).register_forward_pre_hook(pre_hook)
+    backward = trainer.accelerator.backward
+
+    def counted_backward(*a, **k):
+        counts["backwards"] += 1
+        return backward(*a, **k)
+
+    trainer.accelerator.backward = counted_backward
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["shared", "unshared", "full", "hf"])
@@ -42,7 +80,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")))
     ap.add_argument("--completion", type=int, default=24)
     ap.add_argument("--cuda", action="store_true", help="train and generate on the GPU (bf16 engine and model)")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="--cuda: weights and autocast dtype")
+    ap.add_argument("--quantization", choices=["none", "4bit"], default="none",
+                    help="--cuda, LoRA: a 4-bit (QLoRA) model; the engine quantizes its own copy in flight")
+    ap.add_argument("--offload-tokens", type=int, default=0)
+    ap.add_argument("--token-budget", type=int, default=None)
+    ap.add_argument("--mini-batch", type=int, default=None)
     args = ap.parse_args()
+    if (args.dtype != "bf16" or args.quantization != "none") and not args.cuda:
+        ap.error("--dtype fp16 and --quantization 4bit need --cuda")
     torch.set_num_threads(args.threads)
 
     from peft import LoraConfig
@@ -55,41 +101,65 @@ def main() -> None:
 
     model_dir = str(embedded_model_dir())
     tokenizer = load_tokenizer(model_dir)
+    half = "float16" if args.dtype == "fp16" else "bfloat16"
+    model = model_dir
+    if args.quantization == "4bit":  # loaded here: the engine starts beside it and quantizes its own copy
+        from grpo_accel.models import load_model
+
+        model, _ = load_model(model_dir, dtype=half, quantization="4bit")
     train, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=0)
     lora = None if args.mode == "full" else LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     config = GRPOAccelConfig(
-        output_dir=os.environ.get("GRPO_RUN_OUT", "/tmp/grpo_run"), use_cpu=not args.cuda, bf16=args.cuda, report_to=[],
+        output_dir=os.environ.get("GRPO_RUN_OUT", "/tmp/grpo_run"), use_cpu=not args.cuda, report_to=[],
+        bf16=args.cuda and args.dtype == "bf16", fp16=args.cuda and args.dtype == "fp16",
         use_vllm=args.mode != "hf", vllm_mode="colocate", vllm_share_weights=args.mode != "unshared",
         per_device_train_batch_size=8, num_generations=4, max_completion_length=args.completion,
         max_steps=args.steps, learning_rate=5e-5 if args.mode == "full" else 2e-3, logging_steps=1,
-        save_strategy="no", gradient_checkpointing=False, temperature=0.7, seed=0,
-        model_init_kwargs={"dtype": "bfloat16" if args.cuda else "float32"})
+        save_strategy="no", gradient_checkpointing=bool(args.offload_tokens), temperature=0.7, seed=0,
+        offload_activations="true" if args.offload_tokens else "false",
+        offload_recompute_tokens=args.offload_tokens or 16384, logprob_token_budget=args.token_budget,
+        logprob_mini_batch=args.mini_batch, padding_free=args.mini_batch is None,
+        model_init_kwargs=None if args.quantization == "4bit" else {"dtype": half if args.cuda else "float32"})
+    counts = count_saver_work()
     t0 = time.perf_counter()
-    trainer = GRPOAccelTrainer(model=model_dir, reward_funcs=reward_digits, args=config, train_dataset=train,
+    trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_digits, args=config, train_dataset=train,
                                processing_class=tokenizer, peft_config=lora)
     out = {"mode": args.mode, "threads": args.threads, "cuda": args.cuda, "start_s": time.perf_counter() - t0,
            "rss_after_start": status_bytes("VmRSS"),
            "param_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters())}
     engine = trainer.vllm_engine
-    calls = []
+    calls, samples = [], []
     if engine is not None:
         out.update(shared=engine.shared, kv_cache_bytes=engine.config.kv_cache_bytes, sleep=engine.config.sleep,
                    memory_fraction=engine.config.memory_fraction,
                    shared_fraction=vc.shared_fraction(trainer.model, engine.llm))
         original = engine.generate
-        engine.generate = lambda *a, **k: (calls.append(len(a[0])), original(*a, **k))[1]
+
+        def generate(*a, **k):
+            outputs = original(*a, **k)
+            calls.append(len(a[0]))
+            # the completions sampled, so two runs can show they trained on the same samples
+            tokens = [list(c.token_ids) for o in outputs for c in o.outputs]
+            samples.append(hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16])
+            return outputs
+
+        engine.generate = generate
+    count_forwards(trainer, counts)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     t0 = time.perf_counter()
     trainer.train()
-    out.update(train_s=time.perf_counter() - t0, peak_rss=status_bytes("VmHWM"), engine_generate_calls=calls)
+    out.update(train_s=time.perf_counter() - t0, peak_rss=status_bytes("VmHWM"), engine_generate_calls=calls,
+               samples_digest=samples)
     if args.cuda:
         out["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     out["moved"] = max((p.detach() - before[n]).abs().max().item()
                        for n, p in trainer.model.named_parameters() if n in before)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     out["grad_norms"] = [h.get("grad_norm") for h in logs]
+    out["losses"] = [h.get("loss") for h in logs]
+    out.update(counts, offload_enabled=trainer.offload_enabled, padding_free=trainer.padding_free)
     out["sampling_logp_difference_max"] = [h.get("sampling/sampling_logp_difference/max") for h in logs]
     if engine is not None:
         ids = tokenizer(FIXED)["input_ids"]

@@ -3,14 +3,18 @@
 Each run is a fresh process (grpo_run.py; one engine per process), the embedded SmolLM2-135M-Instruct in fp32,
 2 GRPO steps, generations through the engine. Shown: LoRA base weights shared (pointers) and synced adapter
 (engine and trainer log-probs agree after each optimizer step, TRL's own sampling_logp_difference too); full
-fine-tuning pushes every weight; host memory with the engine vs the same run without it.
+fine-tuning pushes every weight; host memory with the engine vs the same run without it; the same LoRA run with
+activation offload (forced copies), sequence tiles and several log-prob forwards per backward gives the same step-1
+numbers; 2 processes (DeepSpeed ZeRO-2, torch DDP) with an engine each. GPU only: bf16, fp16, QLoRA engines.
 """
 
+import csv
 import json
 import os
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
@@ -23,12 +27,12 @@ THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
 _RESULTS: dict[str, dict] = {}
 
 
-def grpo_run(mode: str, tmp_path_factory, *extra: str) -> dict:
-    key = " ".join((mode, *extra))
+def grpo_run(mode: str, tmp_path_factory, *extra: str, **env: str) -> dict:
+    key = " ".join((mode, *extra, *(f"{k}={v}" for k, v in sorted(env.items()))))
     if key not in _RESULTS:
         out_dir = tmp_path_factory.mktemp(f"grpo_{mode}")
         proc = run_process_group([sys.executable, RUN_SCRIPT, mode, "--threads", THREADS, *extra], 840, cwd=ROOT,
-                                 env=child_env(OMP_NUM_THREADS=THREADS, GRPO_RUN_OUT=str(out_dir)))
+                                 env=child_env(OMP_NUM_THREADS=THREADS, GRPO_RUN_OUT=str(out_dir), **env))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         line = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_RUN ")][-1]
         _RESULTS[key] = json.loads(line[len("GRPO_RUN "):]) | {"stdout": proc.stdout}
@@ -48,6 +52,36 @@ def test_lora_shares_base_and_syncs_adapter(tmp_path_factory):
     report(f"trainer, shared LoRA: engine vs trainer log-probs {r['engine_vs_trainer_logprob_maxdiff']:.1e} after "
            f"the push (before it {r['stale_logprob_maxdiff']:.1e}); TRL sampling_logp_difference max "
            f"{max(r['sampling_logp_difference_max']):.1e}")
+
+
+# Offload (forced host copies on CPU), its re-run in 16-token sequence tiles (rows are 50-66 tokens; a packed forward
+# ~130), and packed log-prob forwards of <= 130 tokens: ~4 forwards per backward for the 8 rows of a step.
+SAVERS = ("--offload-tokens", "16", "--token-budget", "130")
+
+
+def test_offload_tiles_and_mini_batches_keep_the_shared_runs_numbers(tmp_path_factory):
+    """offload x vLLM, tiling x vLLM, vLLM x mini-batch: the shared-engine run with all three savers on, against the
+    same run with them off. Step 1 sees the same weights and (checked) the same samples, so its loss and grad norm
+    must agree to fp32 rounding: the savers only reorder sums (GEMMs over packed groups, attention over tiles; the
+    checkpoint re-runs the same ops). Measured: grad norm 3e-7 relative, loss 1e-7 absolute; bounds 1e-5 relative and
+    1e-6 (the loss is O(0.1), a sum of advantage x ratio terms of O(1))."""
+    plain = grpo_run("shared", tmp_path_factory)
+    r = grpo_run("shared", tmp_path_factory, *SAVERS, GRPO_ACCEL_OFFLOAD_FORCE_COPIES="1")
+    assert r["offload_enabled"] and r["padding_free"] and r["shared"]
+    assert r["offload_copies"] > 0  # layer inputs went through the host-copy path ...
+    assert r["tiled_backwards"] > 0  # ... re-ran in sequence tiles ...
+    assert r["grad_forwards"] >= 3 * r["backwards"] and plain["grad_forwards"] == plain["backwards"]  # ... and split
+    assert plain["tiled_backwards"] == plain["offload_copies"] == 0
+    assert r["samples_digest"][0] == plain["samples_digest"][0]  # step 1 trained on the same completions
+    assert r["losses"][0] == pytest.approx(plain["losses"][0], rel=0, abs=1e-6)
+    assert r["grad_norms"][0] == pytest.approx(plain["grad_norms"][0], rel=1e-5)
+    assert r["engine_generate_calls"] == [8, 8] and r["moved"] > 1e-4
+    assert max(r["sampling_logp_difference_max"]) < 1e-3  # the plain run's bound
+    assert r["engine_vs_trainer_logprob_maxdiff"] < 1e-4
+    report(f"trainer, shared LoRA + offload/tiles/mini-batches: step-1 grad norm {r['grad_norms'][0]:.7f} vs "
+           f"{plain['grad_norms'][0]:.7f} without, loss {r['losses'][0]:.7f} vs {plain['losses'][0]:.7f}; TRL "
+           f"sampling_logp_difference max {max(r['sampling_logp_difference_max']):.1e}; "
+           f"{r['grad_forwards'] / r['backwards']:.1f} forwards per backward, {r['tiled_backwards']} tiled re-runs")
 
 
 def test_full_finetuning_pushes_every_weight(tmp_path_factory):
@@ -125,26 +159,121 @@ def test_cuda_engine_shares_or_sleeps(mode, tmp_path_factory):
            f"{r['memory_fraction']}, engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.1e}")
 
 
+@pytest.mark.gpu
+def test_cuda_fp16_engine_agrees_with_the_trainer(tmp_path_factory):
+    """vLLM x fp16 (CUDA vLLM): the shared LoRA engine and the trainer in fp16 (fp16 autocast and GradScaler; PEFT
+    keeps the adapter in fp32). Engine vs trainer log-probs while sampling and after the last push, within the
+    engine's own fp16 start-up tolerance (vllm_colocate.SELF_CHECK_TOL, 0.05; bf16 gets 0.05 above and has 3 fewer
+    mantissa bits); the stale engine must be further off, or the push proves nothing."""
+    from grpo_accel.vllm_colocate import SELF_CHECK_TOL
+
+    tol = SELF_CHECK_TOL[torch.float16]
+    r = grpo_run("shared", tmp_path_factory, "--cuda", "--dtype", "fp16")
+    assert r["shared"] and r["shared_fraction"] > 0.95
+    assert r["engine_generate_calls"] == [8, 8] and r["moved"] > 1e-4  # a scaler-skipped step would not move it
+    assert max(r["sampling_logp_difference_max"]) < tol
+    assert r["engine_vs_trainer_logprob_maxdiff"] < tol
+    assert r["stale_logprob_maxdiff"] > 2 * r["engine_vs_trainer_logprob_maxdiff"], "the sync proves nothing"
+    report(f"CUDA fp16 shared: engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.1e} after the push "
+           f"(before it {r['stale_logprob_maxdiff']:.1e})")
+
+
+def bitsandbytes_in_vllm() -> bool:
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    return "bitsandbytes" in QUANTIZATION_METHODS
+
+
+@pytest.mark.gpu
+def test_cuda_qlora_engine_quantizes_its_own_copy(tmp_path_factory):
+    """QLoRA x vLLM (CUDA vLLM): a 4-bit NF4 model (bf16 compute) trains; the engine loads the checkpoint and
+    quantizes its own copy in flight (quantization="bitsandbytes"), so nothing is shared; only the adapter is pushed.
+    Engine vs trainer log-probs within 0.1 (vllm_colocate.SELF_CHECK_TOL for bf16: two bf16 runs of two separately
+    quantized copies, double-quantized absmax in the trainer), and the stale engine further off."""
+    pytest.importorskip("bitsandbytes")
+    if not bitsandbytes_in_vllm():
+        # vLLM 0.32.0 (SUPPORTED_VLLM) removed it: ModelConfig refuses "Unknown quantization method: bitsandbytes"
+        pytest.skip("this vLLM has no bitsandbytes quantization: the QLoRA engine cannot start")
+    r = grpo_run("shared", tmp_path_factory, "--cuda", "--quantization", "4bit")
+    assert not r["shared"] and r["shared_fraction"] == 0.0 and not r["sleep"]
+    assert "engine keeps its own copy: 4-bit weights" in r["stdout"]
+    assert r["engine_generate_calls"] == [8, 8] and r["moved"] > 1e-4
+    assert max(r["sampling_logp_difference_max"]) < 0.1
+    assert r["engine_vs_trainer_logprob_maxdiff"] < 0.1
+    assert r["stale_logprob_maxdiff"] > 2 * r["engine_vs_trainer_logprob_maxdiff"], "the push proves nothing"
+    report(f"CUDA QLoRA: engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.1e} after the push "
+           f"(before it {r['stale_logprob_maxdiff']:.1e})")
+
+
 def test_two_ranks_each_with_an_engine_under_zero2(tmp_path):
     """accelerate launch with the 2-process DeepSpeed ZeRO-2 CPU preset: one in-process engine per rank (as TRL's
     colocate mode), LoRA base shared on each, the adapter synced on each rank after every optimizer step."""
     pytest.importorskip("deepspeed")
-    import csv
-
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     out = tmp_path / "zero2"
+    proc = launch_two_ranks(os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml"), out)
+    assert "preset cpu_zero2: launched with --config_file" in proc.stdout
+    assert_each_rank_synced(proc, out)
+
+
+# torch DDP over gloo, 2 CPU processes, no DeepSpeed. MULTI_GPU is accelerate's torchrun launcher: a MULTI_CPU config
+# starts one process unless mpirun runs it. use_cpu stays false here; the run sets it (run_spec.cpu_processes_defaults).
+DDP_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_GPU
+mixed_precision: 'no'
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+main_process_port: 0
+rdzv_backend: static
+same_network: true
+use_cpu: false
+main_training_function: main
+enable_cpu_affinity: false
+downcast_bf16: 'no'
+"""
+
+
+def test_two_ranks_each_with_an_engine_under_ddp(tmp_path):
+    """As the ZeRO-2 test, on a plain 2-process launch (torch DDP): each rank's engine shares its base, the adapter
+    DDP averaged is pushed on each rank, step 2 samples with it."""
+    config = tmp_path / "ddp.yaml"
+    config.write_text(DDP_YAML)
+    out = tmp_path / "ddp"
+    proc = launch_two_ranks(str(config), out, "--preset", "cpu")
+    assert_each_rank_synced(proc, out)
+    # accelerate counted both processes (DDP): step 1's token count is gathered over both ranks' 4 rows, more than
+    # one rank's 4 rows could hold (without use_cpu it saw none: no DDP, and TRL failed in step 1)
+    from grpo_accel.data import prompt_lengths, train_eval_datasets
+    from grpo_accel.models import load_tokenizer
+
+    train_ds, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=42)
+    longest = max(prompt_lengths(load_tokenizer("smollm2-135m-instruct"), train_ds["prompt"]))
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert float(rows[0]["num_tokens"]) > 4 * (longest + 16), (rows[0]["num_tokens"], longest)
+    resolved = json.loads((out / "resolved_config.json").read_text())["config"]
+    assert resolved["use_cpu"] is True and resolved["ddp_backend"] == "gloo"
+
+
+def launch_two_ranks(config_file: str, out, *extra: str):
+    """launch/train.py under `accelerate launch --config_file config_file`: 2 ranks, each with its own engine."""
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     proc = run_train(["--model", "smollm2-135m-instruct", "--lora_r", "16", "--train_size", "16", "--eval_size", "0",
                       "--max_completion_length", "16", "--num_generations", "4", "--per_device_train_batch_size", "4",
                       "--max_steps", "2", "--save_steps", "100", "--logging_steps", "1", "--use_vllm", "true",
                       "--rewards", "rewards_for_tests:length_reward", "--learning_rate", "2e-3",
-                      "--report_to", "none", "--output_dir", str(out)],
-                     launcher=[accelerate, "launch", "--config_file",
-                               os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml")],
-                     OMP_NUM_THREADS="1")
+                      "--report_to", "none", "--output_dir", str(out), *extra],
+                     launcher=[accelerate, "launch", "--config_file", config_file], OMP_NUM_THREADS="1")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "preset cpu_zero2: launched with --config_file" in proc.stdout
+    return proc
+
+
+def assert_each_rank_synced(proc, out) -> None:
     assert "base weights shared with the training model" in proc.stdout
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert float(rows[0]["grad_norm"]) > 0  # step 1 moved the adapter ...
     # ... and step 2 sampled with it on both ranks (the metric is gathered over the ranks' completions).
-    assert float(rows[1]["sampling/sampling_logp_difference/max"]) < 1e-3
+    gap = float(rows[1]["sampling/sampling_logp_difference/max"])
+    assert gap < 1e-3
+    report(f"2 ranks, {os.path.basename(str(out))}: step-2 engine vs trainer sampling_logp_difference max {gap:.1e}")
