@@ -56,20 +56,42 @@ LAUNCH_ARGS = ["--eval_size", "2", "--eval_max_new_tokens", "4", "--max_steps", 
                "--offload_activations", "true"]
 
 
-def launch(preset, tmp_path, *extra):
+def launch(preset, tmp_path, *extra, config=None):
     import csv
 
     from launch_utils import run_train
 
-    out = tmp_path / preset
-    config = os.path.join(ROOT, "accelerate_configs", f"{preset}.yaml")
+    out = tmp_path / (preset if config is None else f"{preset}-{os.path.basename(config)}")
+    config = config or os.path.join(ROOT, "accelerate_configs", f"{preset}.yaml")
     result = run_train([*LAUNCH_ARGS, *extra, "--output_dir", str(out)],
                        launcher=[ACCELERATE, "launch", "--config_file", config], timeout=300)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     return list(csv.DictReader(open(out / "metrics.csv"))), result.stdout
 
 
-def test_cpu_ulysses2_grpo_steps_equal_data_parallel(tmp_path):
+@pytest.fixture(scope="module")
+def data_parallel(tmp_path_factory):
+    """The data-parallel equivalent of an SP = 2 group of 4 rows: the preset's run with 2 rows per process, launched
+    once per preset (cpu_zero3 samples other completions than cpu_zero2: its model is built under ZeRO-3's init)."""
+    runs = {}
+
+    def run(preset="cpu_zero2"):
+        if preset not in runs:
+            runs[preset] = launch(preset, tmp_path_factory.mktemp("dp"), "--per_device_train_batch_size", "2")[0]
+        return runs[preset]
+    return run
+
+
+def assert_first_step_equal(sp, plain):
+    assert len(sp) == len(plain) == 2
+    for key in ("loss", "grad_norm", "reward", "entropy"):
+        assert float(sp[0][key]) == pytest.approx(float(plain[0][key]), rel=1e-5, abs=1e-7), key
+    assert float(sp[0]["grad_norm"]) > 0 and all(math.isfinite(float(row["loss"])) for row in sp)
+    # completions/mean_length counts each completion once (TRL gathers the lengths inside the split generation)
+    assert sp[0]["completions/mean_length"] == plain[0]["completions/mean_length"]
+
+
+def test_cpu_ulysses2_grpo_steps_equal_data_parallel(data_parallel, tmp_path):
     """2 GRPO steps through launch/train.py with cpu_ulysses2.yaml: SP = 2, ZeRO-2, offload, checkpointing, 4 rows per
     SP group, both processes holding each row's halves (the run stops if a group's ranks ever hold different rows).
     The data-parallel equivalent is cpu_zero2.yaml with 2 rows per process: the same 4 prompts, the same completions
@@ -79,13 +101,27 @@ def test_cpu_ulysses2_grpo_steps_equal_data_parallel(tmp_path):
     RNG also carries the step's other draws (TRL's shuffle), an SP rank's generation stream only its own sampling."""
     sp, stdout = launch("cpu_ulysses2", tmp_path)
     assert "sequence parallelism: Ulysses over 2 processes (each group of 2 shares its rows" in stdout
-    plain, _ = launch("cpu_zero2", tmp_path, "--per_device_train_batch_size", "2")
-    assert len(sp) == len(plain) == 2
-    for key in ("loss", "grad_norm", "reward", "entropy"):
-        assert float(sp[0][key]) == pytest.approx(float(plain[0][key]), rel=1e-5, abs=1e-7), key
-    assert float(sp[0]["grad_norm"]) > 0 and all(math.isfinite(float(row["loss"])) for row in sp)
-    # completions/mean_length counts each completion once (TRL gathers the lengths inside the split generation)
-    assert sp[0]["completions/mean_length"] == plain[0]["completions/mean_length"]
+    assert_first_step_equal(sp, data_parallel())
+
+
+@pytest.mark.parametrize("engine", ["zero3", "ddp"])
+def test_sp_under_zero3_and_ddp_equals_data_parallel(engine, data_parallel, tmp_path):
+    """SP x ZeRO-3 and SP x DDP: the same SP = 2 run as cpu_ulysses2 (cpu_zero2's training side with
+    --sequence_parallel_size 2) under cpu_zero3.yaml (partitioned weights gathered for the shards' forward and the
+    tiled re-run) and under plain torch DDP (test_ddp.py's YAML; DDP averages over both ranks as ZeRO does), against
+    the data-parallel run of the same preset: step 1's loss, grad norm, reward and entropy equal."""
+    from test_ddp import DDP_YAML
+
+    config = None
+    if engine == "ddp":
+        config = tmp_path / "cpu_ddp.yaml"
+        config.write_text(DDP_YAML)
+    preset = "cpu_zero3" if engine == "zero3" else "cpu_zero2"
+    sp, stdout = launch(preset, tmp_path, "--preset", preset, "--sequence_parallel_size", "2",
+                        config=None if config is None else str(config))
+    assert "sequence parallelism: Ulysses over 2 processes (each group of 2 shares its rows" in stdout
+    assert "activation offload: on" in stdout
+    assert_first_step_equal(sp, data_parallel(preset))
 
 
 def test_group_shared_sampler_deals_each_batch_to_one_group():
