@@ -1,8 +1,8 @@
 """Worker for tests/test_sequence_parallel.py: each of 2 processes builds the same tiny-llama LoRA trainer and the same
 batch (completions of unequal length), computes log-probs, TRL's loss and LoRA grads alone (the reference: one
 process, no SP); then, over gloo, the same with Ulysses SP = 2 (the group-shared layout: each row split along T
-between the two). The SP grads are averaged over the ranks, as the data-parallel engine does. Each rank writes
-OUT.rankR.
+between the two). The SP grads are averaged over the ranks, as the data-parallel engine does. Both are measured again
+under bf16 and fp16 CPU autocast (`half`). Each rank writes OUT.rankR.
 
     python tests/sequence_parallel_worker.py --out /tmp/sp.pt [--offload]
 """
@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
@@ -52,13 +53,17 @@ def rank_main(rank, world, out, port, offload):
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     k = inputs["completion_ids"].size(1)
 
-    def measure():
-        with torch.no_grad():
-            lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k, compute_entropy=True)
-        loss, grads = grads_of(trainer, inputs)
-        return {"logps": lp, "entropy": ent, "loss": loss, "grads": grads}
+    def measure(dtype=None):
+        """fp32, or under CPU autocast in `dtype` (the trainer's bf16 / fp16 mixed precision over fp32 weights)."""
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            with torch.no_grad():
+                lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k,
+                                                                        compute_entropy=True)
+            loss, grads = grads_of(trainer, inputs)
+        return {"logps": lp.float(), "entropy": ent.float(), "loss": loss.float(), "grads": grads}
 
     ref = measure()
+    ref["half"] = {name: measure(dtype) for name, dtype in HALF.items()}
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     prepare_cpu_processes()
@@ -79,14 +84,15 @@ def rank_main(rank, world, out, port, offload):
     tiled_sp.backward = lambda run, x, g, tiles, group: (layer_tiles.append(len(tiles)),
                                                          tiled_backward(run, x, g, tiles, group))[-1]
     sp = measure()
-    sp["sp_calls"], sp["shard_lengths"], sp["shard_rows"] = len(calls), shards, shard_rows
-    sp["layer_tiles"] = layer_tiles
+    sp["sp_calls"], sp["shard_lengths"], sp["shard_rows"] = len(calls), list(shards), list(shard_rows)
+    sp["layer_tiles"] = list(layer_tiles)
+    sp["half"] = {name: measure(dtype) for name, dtype in HALF.items()}  # after the counts above: they are fp32's
     sp["sdpa_patched"] = dict(ALL_ATTENTION_FUNCTIONS._local_mapping) != registry_before
     sp_obj.remove()  # what the trainer's close() runs: transformers' registry and the models' forwards as before
     sp["sdpa_after_remove"] = dict(ALL_ATTENTION_FUNCTIONS._local_mapping) == registry_before
     sp["sp_head_after_remove"] = "accel_sp_targets" in trainer.model.get_base_model().forward.__code__.co_varnames
-    for g in sp["grads"].values():  # the data-parallel engine's mean over the ranks
-        torch.distributed.all_reduce(g)
+    for g in [*sp["grads"].values(), *(g for h in sp["half"].values() for g in h["grads"].values())]:
+        torch.distributed.all_reduce(g)  # the data-parallel engine's mean over the ranks
         g /= world
     torch.save({"ref": ref, "sp": sp, "mask": inputs["completion_mask"], "row_tokens": mask.sum(1)},
                f"{out}.rank{rank}")
