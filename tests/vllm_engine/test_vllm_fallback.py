@@ -46,3 +46,29 @@ def test_launch_without_vllm_falls_back_with_one_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(vc.FALLBACK_LINE) == 1, proc.stdout[-3000:]
     assert (tmp_path / "run" / "summary.json").exists()
+
+
+def test_qlora_falls_back_where_vllm_has_no_bitsandbytes(tmp_path, monkeypatch):
+    """QLoRA x vLLM on a GPU (runs in the vLLM tier): vLLM 0.32 lists no bitsandbytes quantization, so the engine's
+    own 4-bit copy cannot start (EngineArgs refuse it before any CUDA code). The run generates with generate() and
+    says why in one line, as on CPU, rather than failing at engine start. Checked against the installed vLLM's own
+    method list."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    from grpo_accel import vllm_setup as vs
+    from grpo_accel.config import GRPOAccelConfig
+
+    four_bit = torch.nn.Linear(2, 2)
+    four_bit.is_loaded_in_4bit = True
+    args = GRPOAccelConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8,
+                           num_generations=4, max_completion_length=40)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU host's view
+    monkeypatch.setattr(vs.vc, "fallback_line", lambda: None)
+    reason = vs.fallback_reason(four_bit, args)
+    if "bitsandbytes" in QUANTIZATION_METHODS:
+        assert reason is None
+    else:
+        assert reason.startswith("vLLM ") and "no bitsandbytes quantization" in reason and "generate()" in reason
+    assert vs.fallback_reason(torch.nn.Linear(2, 2), args) is None  # unquantized: the engine runs
