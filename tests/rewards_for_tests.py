@@ -29,12 +29,14 @@ NOT_CALLABLE = 3
 
 
 def length_reward_noting_rank(prompts, completions, **kwargs):
-    """length_reward that also touches $REWARD_RANKS_DIR/rank<R>: a multi-process test sees which ranks scored."""
+    """length_reward that also writes $REWARD_RANKS_DIR/rank<R> holding how many processes accelerate counts: a
+    multi-process test sees which ranks scored, and that accelerate (hence DDP's wrap, TRL's gathers) saw them all."""
     import os
     from pathlib import Path
 
     import torch.distributed as dist
+    from accelerate import PartialState
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    Path(os.environ["REWARD_RANKS_DIR"], f"rank{rank}").touch()
+    Path(os.environ["REWARD_RANKS_DIR"], f"rank{rank}").write_text(str(PartialState().num_processes))
     return length_reward(prompts, completions)

@@ -40,7 +40,8 @@ def launch(tmp_path, name, *extra):
     result = run_train([*ARGS, "--output_dir", str(out), *extra], timeout=400,
                        launcher=[ACCELERATE, "launch", "--config_file", str(config)], REWARD_RANKS_DIR=str(ranks))
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
-    assert sorted(p.name for p in ranks.iterdir()) == ["rank0", "rank1"]  # two processes scored their rows
+    # two processes scored their rows, each seeing accelerate count two (else DDP never wraps the model)
+    assert {p.name: p.read_text() for p in ranks.iterdir()} == {"rank0": "2", "rank1": "2"}
     assert json.loads((out / "resolved_config.json").read_text())["script"]["lora_r"] == 16  # the cpu preset's LoRA
     return list(csv.DictReader(open(out / "metrics.csv"))), result.stdout
 
@@ -71,4 +72,4 @@ def test_our_head_equals_trls_under_ddp(base, tmp_path):
     assert "log-prob head: chunked" in stdout
     trl, stdout = launch(tmp_path, "trl-head", "--logprob_impl", "trl")
     assert "log-prob head: trl" in stdout
-    assert_same_steps(rows, trl, rel=1e-4)  # as test_zero3_our_head_matches_trls: chunked vs TRL's summation order
+    assert_same_steps(rows, trl, rel=1e-4)  # as test_zero_our_head_matches_trls: chunked vs TRL's summation order

@@ -75,3 +75,21 @@ def test_half_precision_grads_equal_one_process_within_its_rounding(result, run)
         half_err = ((g - ref["fp32"][name]).norm() / ref["fp32"][name].norm()).item()
         assert 0 < half_err < 0.1, (name, half_err)  # really half precision, and close to fp32
         assert ((got[name] - g).norm() / g.norm()).item() <= 2 * half_err, name
+
+
+@pytest.mark.gpu
+def test_zero_fp16_on_a_gpu_equals_one_process_within_its_rounding(tmp_path):
+    """ZeRO-2 / ZeRO-3 x fp16: DeepSpeed's fp16 refuses a CPU, so these run on CUDA, one rank per GPU there is (the
+    lent machines have one: the engine's fp16 path and our returned grads, without a cross-rank reduce). Same bound as
+    the CPU half runs: within 2x one plain process's own fp16 error against fp32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (DeepSpeed fp16)")
+    world = min(2, torch.cuda.device_count())
+    out = tmp_path / "fp16.pt"
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "zero_rerun_worker.py"), "--world", str(world),
+           "--runs", "zero2:fp16,zero3:fp16", "--out", str(out), "--port", str(free_port())]
+    proc = run_process_group(cmd, 300, cwd=ROOT, env=child_env(ZERO_RERUN_DEVICE="cuda"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = torch.load(out)
+    for run in ("zero2:fp16", "zero3:fp16"):
+        test_half_precision_grads_equal_one_process_within_its_rounding(result, run)

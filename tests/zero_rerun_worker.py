@@ -9,6 +9,7 @@ which casts the weights, fp16 at a static loss scale of 1 so the grads compare u
 the same half computation on one process, and its fp32 twin (`fp32`) sets the tolerance.
 
     python tests/zero_rerun_worker.py --runs zero2:grouped,zero3:several --out /tmp/grads.pt
+    ZERO_RERUN_DEVICE=cuda python tests/zero_rerun_worker.py --world 1 --runs zero2:fp16,zero3:fp16 --out /tmp/g.pt
 """
 
 import argparse
@@ -30,10 +31,13 @@ T, TILE, FORWARDS = 16, 8, 2
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+DEVICE = os.environ.get("ZERO_RERUN_DEVICE", "cpu")  # "cuda": 1 GPU per rank over NCCL (the GPU-only fp16 runs)
+
+
 def batch(mode):
     g = torch.Generator().manual_seed(1)
     rows, length = {"tiled": (2, 4 * TILE), "several": (8, T)}.get(mode, (4, T))
-    return torch.randint(0, 96, (rows, length), generator=g)
+    return torch.randint(0, 96, (rows, length), generator=g).to(DEVICE)
 
 
 def model_and_offload(mode, cast=None):
@@ -50,6 +54,7 @@ def model_and_offload(mode, cast=None):
 
         torch.manual_seed(7)
         model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    model.to(DEVICE)
     if cast is not None:
         model.to(cast)
     install_activation_offload(model, OffloadConfig(recompute_tokens=TILE if mode == "tiled" else T,
@@ -59,7 +64,7 @@ def model_and_offload(mode, cast=None):
 
 
 def loss_of(model, ids, autocast=None):
-    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+    with torch.autocast(DEVICE, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         return model(input_ids=ids, labels=ids).loss  # mean over equal token counts: the ranks' mean is the batch's
 
 
@@ -76,11 +81,11 @@ def reference(run):
     cast, autocast = how(run)
     model = model_and_offload(mode, cast)
     loss_of(model, batch(mode), autocast).backward()
-    out = {"grads": {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}}
+    out = {"grads": {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}}
     if mode in HALF:
         model = model_and_offload(mode)
         loss_of(model, batch(mode)).backward()
-        out["fp32"] = {n: p.grad for n, p in model.named_parameters()}
+        out["fp32"] = {n: p.grad.cpu() for n, p in model.named_parameters()}
     return out
 
 
@@ -92,7 +97,7 @@ def wrapped(engine, mode, rows):
     trainable = [p for p in model.parameters() if p.requires_grad]
     if engine == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        return ddp, lambda: {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}, \
+        return ddp, lambda: {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}, \
             lambda loss: loss.backward()
     config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": int(engine[-1]), "stage3_param_persistence_threshold": 0},
@@ -102,7 +107,7 @@ def wrapped(engine, mode, rows):
     elif mode == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 1.0}
     ds, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=0.0), config=config)
-    return ds, lambda: {n: deepspeed.utils.safe_get_full_grad(p).float()
+    return ds, lambda: {n: deepspeed.utils.safe_get_full_grad(p).float().cpu()
                         for n, p in ds.module.named_parameters() if p.requires_grad}, ds.backward
 
 
@@ -117,7 +122,9 @@ def rank_main(rank, world, runs, out, port, refs):
 
     from grpo_accel.offload import rerun
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend="nccl" if DEVICE == "cuda" else "gloo")
     returned = []  # per layer backward: were its parameter grads returned as the checkpoint Function's outputs
     real = getattr(rerun, "param_aliases", None)
     if real is not None:
