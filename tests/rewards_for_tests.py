@@ -29,8 +29,9 @@ NOT_CALLABLE = 3
 
 
 def length_reward_noting_rank(prompts, completions, **kwargs):
-    """length_reward that also writes $REWARD_RANKS_DIR/rank<R> holding how many processes accelerate counts: a
-    multi-process test sees which ranks scored, and that accelerate (hence DDP's wrap, TRL's gathers) saw them all."""
+    """length_reward that also writes $REWARD_RANKS_DIR/rank<R> holding how many processes accelerate counts and its
+    distributed type: a multi-process test sees which ranks scored, and that accelerate (hence DDP's wrap and TRL's
+    gathers) ran them as one distributed job."""
     import os
     from pathlib import Path
 
@@ -38,5 +39,6 @@ def length_reward_noting_rank(prompts, completions, **kwargs):
     from accelerate import PartialState
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    Path(os.environ["REWARD_RANKS_DIR"], f"rank{rank}").write_text(str(PartialState().num_processes))
+    state = PartialState()
+    Path(os.environ["REWARD_RANKS_DIR"], f"rank{rank}").write_text(f"{state.num_processes} {state.distributed_type}")
     return length_reward(prompts, completions)
