@@ -13,6 +13,25 @@ TINY_ARGS = ["--model", "tiny-llama", "--train_size", "32", "--eval_size", "4", 
              "--max_completion_length", "12", "--num_generations", "4", "--per_device_train_batch_size", "8",
              "--max_steps", "2", "--save_steps", "100", "--logging_steps", "1"]
 
+# torch DDP over gloo, 2 CPU processes, no DeepSpeed. MULTI_GPU is accelerate's torchrun launcher: a MULTI_CPU config
+# starts one process unless mpirun runs it. use_cpu stays false here; the run sets it (run_spec.cpu_processes_defaults).
+DDP_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_GPU
+mixed_precision: 'no'
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+main_process_port: 0
+rdzv_backend: static
+same_network: true
+use_cpu: false
+main_training_function: main
+enable_cpu_affinity: false
+downcast_bf16: 'no'
+"""
+
 
 def child_env(**extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",

@@ -10,24 +10,10 @@ import json
 import os
 
 import pytest
-from launch_utils import TINY_ARGS, run_train
+from launch_utils import DDP_YAML, TINY_ARGS, run_train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ACCELERATE = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
-# MULTI_GPU + use_cpu false: accelerate starts the processes with torchrun (for use_cpu it starts one process)
-DDP_YAML = """compute_environment: LOCAL_MACHINE
-distributed_type: MULTI_GPU
-mixed_precision: 'no'
-num_processes: 2
-num_machines: 1
-machine_rank: 0
-main_process_ip: 127.0.0.1
-main_process_port: 0
-rdzv_backend: static
-same_network: true
-use_cpu: false
-main_training_function: main
-"""
 ARGS = [*TINY_ARGS, "--per_device_train_batch_size", "4", "--eval_size", "2", "--eval_max_new_tokens", "4",
         "--rewards", "rewards_for_tests:length_reward_noting_rank"]
 

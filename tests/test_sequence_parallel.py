@@ -134,7 +134,7 @@ def test_sp_under_zero3_and_ddp_equals_data_parallel(engine, data_parallel, tmp_
     --sequence_parallel_size 2) under cpu_zero3.yaml (partitioned weights gathered for the shards' forward and the
     tiled re-run) and under plain torch DDP (test_ddp.py's YAML; DDP averages over both ranks as ZeRO does), against
     the data-parallel run of the same preset: step 1's loss, grad norm, reward and entropy equal."""
-    from test_ddp import DDP_YAML
+    from launch_utils import DDP_YAML
 
     config = None
     if engine == "ddp":

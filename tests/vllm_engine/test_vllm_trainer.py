@@ -20,7 +20,7 @@ pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
 from conftest import report  # noqa: E402
-from launch_utils import ROOT, child_env, error_line, run_process_group, run_train  # noqa: E402
+from launch_utils import DDP_YAML, ROOT, child_env, error_line, run_process_group, run_train  # noqa: E402
 
 RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "grpo_run.py")
 THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
@@ -215,24 +215,6 @@ def test_two_ranks_each_with_an_engine_under_zero2(tmp_path):
     assert_each_rank_synced(proc, out)
 
 
-# torch DDP over gloo, 2 CPU processes, no DeepSpeed. MULTI_GPU is accelerate's torchrun launcher: a MULTI_CPU config
-# starts one process unless mpirun runs it. use_cpu stays false here; the run sets it (run_spec.cpu_processes_defaults).
-DDP_YAML = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-distributed_type: MULTI_GPU
-mixed_precision: 'no'
-num_processes: 2
-num_machines: 1
-machine_rank: 0
-main_process_port: 0
-rdzv_backend: static
-same_network: true
-use_cpu: false
-main_training_function: main
-enable_cpu_affinity: false
-downcast_bf16: 'no'
-"""
 
 
 def test_two_ranks_each_with_an_engine_under_ddp(tmp_path):
