@@ -1,7 +1,8 @@
 # The README's commands. Each sets itself up on a fresh machine (venv, CPU torch where there is no CUDA).
 #   make demo   GRPO-train the embedded SmolLM2-135M-Instruct on held-out arithmetic, ~20 min on 2 CPU cores
 #   make test   ruff, then the CPU test tier (unit + tiny-model GRPO through launch/train.py)
-#   make test-distributed   the multi-process tier: 2-process DeepSpeed / DDP / SP launches over gloo (marker distributed)
+#   make test-distributed   the multi-process tier: 2-process DeepSpeed / DDP / SP launches over gloo (marker distributed),
+#                           and the long single-process runs (marker long)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -32,12 +33,13 @@ demo: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
-	$(PY) -m pytest -q -m "not gpu and not vllm and not distributed" --timeout 900
+	$(PY) -m pytest -q -m "not gpu and not vllm and not distributed and not long" --timeout 900
 
-# Several processes per test (each launch ~20 s of imports): their own tier, run by .ci/run after `make test`.
+# Several processes per test (each launch ~20 s of imports), and the long single-process runs (marker `long`: the
+# 200-step soak, the planner's measured step, the benchmark script): their own tier, run by .ci/run after `make test`.
 test-distributed: setup
 	$(PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
-	$(PY) -m pytest -q -m "distributed and not gpu and not vllm" --timeout 900
+	$(PY) -m pytest -q -m "(distributed or long) and not gpu and not vllm" --timeout 900
 
 test-all: setup
 	$(PY) -m pytest -q --timeout 1800

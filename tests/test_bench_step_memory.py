@@ -14,6 +14,7 @@ SCRIPT = ROOT / "benchmarks" / "bench_step_memory.py"
 FIELDS = ["op", "impl", "shape", "metric", "value", "unit", "device", "versions", "git_sha", "date"]
 
 
+@pytest.mark.long  # ~55 s on 2 cores: the benchmark script end to end
 def test_tiny_step_writes_long_csv_and_plot(tmp_path):
     """ours_head_offload, ours_mb1 and trl_tuned (micro-batch 1 + gradient accumulation, transformers' offload):
     padded completions of unequal length; accumulating one row at a time gives the loss of the whole batch."""

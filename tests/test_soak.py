@@ -183,6 +183,7 @@ def test_no_forward_hook_per_generation(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~2.4 min on 2 cores
 def test_host_memory_flat_over_200_steps(tmp_path):
     reports = run_child(tmp_path, steps=200)
     assert reports["rss"]["flat"] and reports["malloc_in_use"]["flat"], reports
