@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from launch_utils import ROOT, child_env, free_port, run_process_group
+from test_sequence_parallel import rel
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 pytest.importorskip("bitsandbytes")
@@ -32,10 +33,6 @@ def result(tmp_path_factory):
     proc = run_process_group(cmd, 400, cwd=ROOT, env=child_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in (0, 1)]
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def assert_same_grads(got, ref):
