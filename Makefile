@@ -1,6 +1,6 @@
 # The README's commands. Each sets itself up on a fresh machine (venv, CPU torch where there is no CUDA).
 #   make demo   GRPO-train the embedded SmolLM2-135M-Instruct on held-out arithmetic, ~20 min on 2 CPU cores
-#   make test   ruff, then the CPU test tier (unit + tiny-model GRPO through launch/train.py)
+#   make test   ruff, the import contract (lint-imports), then the CPU test tier (unit + tiny-model GRPO through launch/train.py)
 #   make test-distributed   the multi-process tier: 2-process DeepSpeed / DDP / SP launches over gloo (marker distributed),
 #                           and the long single-process runs (marker long)
 VENV ?= .venv
@@ -26,19 +26,21 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
+	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
 	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch -q --config_file accelerate_configs/cpu.yaml \
 		launch/train.py --run_name $(RUN) $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
+	# the import contract in pyproject.toml ([tool.importlinter]): a wrong import fails here, naming the rule
+	$(VENV)/bin/lint-imports
+	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
 	$(PY) -m pytest -q -m "not gpu and not vllm and not distributed and not long" --timeout 900
 
 # Several processes per test (each launch ~20 s of imports), and the long single-process runs (marker `long`: the
 # 200-step soak, the planner's measured step, the benchmark script): their own tier, run by .ci/run after `make test`.
 test-distributed: setup
-	$(PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
+	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
 	$(PY) -m pytest -q -m "(distributed or long) and not gpu and not vllm" --timeout 900
 
 test-all: setup
@@ -65,7 +67,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -c "from grpo_accel.models import embedded_model_dir; embedded_model_dir()"
+	$(VLLM_PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
 	$(VLLM_PY) -m pytest -q tests/vllm_engine --timeout 900
 
 clean:

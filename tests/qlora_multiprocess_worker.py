@@ -27,7 +27,7 @@ ROWS, T = 4, 16  # 2 rows of 16 tokens per rank: equal token counts, so the rank
 def qlora_model(model_dir):
     from peft import LoraConfig, get_peft_model
 
-    from grpo_accel.models import load_model
+    from grpo_accel.data.models import load_model
 
     model, _ = load_model(model_dir, quantization="4bit")
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
@@ -92,7 +92,7 @@ def sp_run(model_dir, world, reference_only=False):
     from test_packing import run_hook, unequal_batch
     from test_qlora import make_trainer
 
-    from grpo_accel import sequence_parallel
+    from grpo_accel.parallel import sequence_parallel
 
     trainer = make_trainer(Path(tempfile.mkdtemp()), model_dir)
     inputs = unequal_batch(trainer)  # generated alike on both ranks (same seeds, one thread)
@@ -114,7 +114,7 @@ def rank_main(rank, world, runs, model_dir, out, port, refs):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from grpo_accel.cpu_distributed import prepare_cpu_processes
+    from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
 
     prepare_cpu_processes()
     import deepspeed

@@ -25,9 +25,9 @@ def rank_main(rank, world, out, port, offload):
 
     from test_trainer_parity import grads_of, make_trainer, one_batch
 
-    from grpo_accel import sequence_parallel
-    from grpo_accel.cpu_distributed import prepare_cpu_processes
-    from grpo_accel.trainer import FORCE_OFFLOAD_COPIES_ENV
+    from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
+    from grpo_accel.parallel import sequence_parallel
+    from grpo_accel.trainer.trainer import FORCE_OFFLOAD_COPIES_ENV
 
     os.environ[FORCE_OFFLOAD_COPIES_ENV] = "1" if offload else "0"
     from pathlib import Path
@@ -78,7 +78,7 @@ def rank_main(rank, world, out, port, offload):
     sp_obj.logps_and_entropies = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     sp_obj.uattn.forward = lambda module, q, *a, **k: (shards.append(q.shape[2]), shard_rows.append(q.shape[0]),
                                                              attend(module, q, *a, **k))[-1]
-    from grpo_accel.offload import tiled_sp
+    from grpo_accel.parallel import ulysses_tiles as tiled_sp
 
     layer_tiles, tiled_backward = [], tiled_sp.backward  # each layer's re-run in sequence tiles on the shard
     tiled_sp.backward = lambda run, x, g, tiles, group: (layer_tiles.append(len(tiles)),
@@ -88,9 +88,12 @@ def rank_main(rank, world, out, port, offload):
     sp["layer_tiles"] = list(layer_tiles)
     sp["half"] = {name: measure(dtype) for name, dtype in HALF.items()}  # after the counts above: they are fp32's
     sp["sdpa_patched"] = dict(ALL_ATTENTION_FUNCTIONS._local_mapping) != registry_before
+    sp["sp_head_installed"] = getattr(trainer.model.get_base_model().forward, "accel_labels_kwarg", None) == \
+        "accel_sp_targets"
     sp_obj.remove()  # what the trainer's close() runs: transformers' registry and the models' forwards as before
     sp["sdpa_after_remove"] = dict(ALL_ATTENTION_FUNCTIONS._local_mapping) == registry_before
-    sp["sp_head_after_remove"] = "accel_sp_targets" in trainer.model.get_base_model().forward.__code__.co_varnames
+    sp["sp_head_after_remove"] = getattr(trainer.model.get_base_model().forward, "accel_labels_kwarg", None) == \
+        "accel_sp_targets"
     for g in [*sp["grads"].values(), *(g for h in sp["half"].values() for g in h["grads"].values())]:
         torch.distributed.all_reduce(g)  # the data-parallel engine's mean over the ranks
         g /= world

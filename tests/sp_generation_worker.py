@@ -45,8 +45,8 @@ def prompts_of(step):
 def rank_main(rank, world, out, port):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from grpo_accel.cpu_distributed import prepare_cpu_processes
-    from grpo_accel.sequence_parallel import SequenceParallel
+    from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
+    from grpo_accel.parallel.sequence_parallel import SequenceParallel
 
     lm = model()
     torch.manual_seed(SEED + rank)  # the reference: one process, rank r's share of every step's prompts

@@ -7,12 +7,12 @@ import re
 import pytest
 from launch_utils import TINY_ARGS, error_line, run_train
 
-from grpo_accel.report import atomic_write_text
-from grpo_accel.runner import main_guarded
+from grpo_accel.app.report import atomic_write_text
+from grpo_accel.app.runner import main_guarded
 
 
 def tiny_model_without_chat_template(tmp_path):
-    from grpo_accel.models import load_model
+    from grpo_accel.data.models import load_model
 
     model, tokenizer = load_model("tiny-llama")
     tokenizer.chat_template = None
@@ -86,8 +86,8 @@ def test_pairs_that_cannot_run_together_are_refused(tmp_path, argv, message):
     """The two refused pairs of docs/pairs.md that are not SP's (test_sequence_parallel.py has those): QLoRA without
     adapters, and both half precisions. Parsed in-process as launch/train.py parses them (RunParser.build), each
     becomes one ConfigError line naming the fix (main_guarded prints it as `error: ...` and exits 2)."""
-    from grpo_accel.errors import ConfigError
-    from grpo_accel.run_spec import RunParser
+    from grpo_accel.app.run_spec import RunParser
+    from grpo_accel.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         RunParser().build([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), *argv], {})

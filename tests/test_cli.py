@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpo_accel.cli import main
-from grpo_accel.presets import PRESETS, get_preset
+from grpo_accel.app.cli import main
+from grpo_accel.app.presets import PRESETS, get_preset
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,17 +55,17 @@ def test_plan_bad_preset_is_a_clear_error(capsys):
 
 
 def test_module_entry_point_exit_code():
-    """`python -m grpo_accel.cli` runs main() and hands its exit code to the shell (the 0 path of main() is tested
+    """`python -m grpo_accel.app.cli` runs main() and hands its exit code to the shell (the 0 path of main() is tested
     in-process above; one subprocess is enough for the wiring: 10 s of imports each)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    bad = subprocess.run([sys.executable, "-m", "grpo_accel.cli", "plan", "--preset", "t4_qlora",
+    bad = subprocess.run([sys.executable, "-m", "grpo_accel.app.cli", "plan", "--preset", "t4_qlora",
                           "--gpu-mem-gib", "4"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "does not fit" in bad.stdout and "fits:" not in bad.stdout
 
 
 def test_plan_reads_the_flags_train_reads(capsys):
     """The flags the old pre-load check ignored change the plan, exactly as they change the run."""
-    from grpo_accel.run_spec import resolve_run_spec
+    from grpo_accel.app.run_spec import resolve_run_spec
 
     base = resolve_run_spec(["--preset", "h100_110k"], for_plan=True).plan()
     for flag, value, term in [("--quantization", "none", "weights"), ("--offload_activations", "false",
@@ -103,8 +103,8 @@ def test_every_suggested_fix_is_a_train_flag():
     """The planner's fixes name flags launch/train.py has (they once named planner-only switches)."""
     import re
 
-    from grpo_accel.memory import plan_memory
-    from grpo_accel.run_spec import RunParser
+    from grpo_accel.app.run_spec import RunParser
+    from grpo_accel.planning.memory import plan_memory
 
     flags = set(RunParser().flag_names())
     for kw in (dict(lora_r=16, logprob_impl="trl", use_vllm=True, vllm_share_weights=False),

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from grpo_accel.cpu_distributed import prepare_cpu_processes
+from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/sys/class/net/lo"), reason="no loopback interface named lo")
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/sys/class/net/lo"), reason=
 BACKEND = r"""
 import os
 from datetime import timedelta
-from grpo_accel.cpu_distributed import prepare_cpu_processes
+from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
 prepare_cpu_processes()
 import importlib
 ds_torch = importlib.import_module("deepspeed.comm.torch")
@@ -24,7 +24,7 @@ print("GLOO_SOCKET_IFNAME", os.environ["GLOO_SOCKET_IFNAME"])
 
 
 def test_one_machine_uses_loopback_unless_told(monkeypatch):
-    monkeypatch.setattr("grpo_accel.cpu_distributed.skip_deepspeed_shm_op", lambda: True)
+    monkeypatch.setattr("grpo_accel._compat.cpu_distributed.skip_deepspeed_shm_op", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
@@ -36,7 +36,7 @@ def test_one_machine_uses_loopback_unless_told(monkeypatch):
 
 
 def test_several_machines_keep_gloos_choice(monkeypatch):
-    monkeypatch.setattr("grpo_accel.cpu_distributed.skip_deepspeed_shm_op", lambda: True)
+    monkeypatch.setattr("grpo_accel._compat.cpu_distributed.skip_deepspeed_shm_op", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
@@ -66,7 +66,7 @@ def test_plain_multi_process_runs_count_their_processes(launch, monkeypatch):
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    from grpo_accel.run_spec import cpu_processes_defaults
+    from grpo_accel.app.run_spec import cpu_processes_defaults
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setenv("LOCAL_RANK", "0")

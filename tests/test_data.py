@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from grpo_accel.data import (
+from grpo_accel.data.datasets import (
     LEVELS,
     DatasetError,
     _problems,
@@ -67,7 +67,7 @@ def test_missing_fields_and_bad_line(tmp_path):
 
 def test_prompt_lengths_count_chat_tokens():
     """Tokens as the trainer feeds them (transformers 5 returns a BatchEncoding by default: its len is 2)."""
-    from grpo_accel.models import load_tokenizer
+    from grpo_accel.data.models import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m-instruct")
     short = [{"role": "user", "content": "What is 2 + 3?"}]

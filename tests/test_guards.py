@@ -10,10 +10,10 @@ from launch_utils import ROOT, run_train
 from peft import LoraConfig
 from rewards_for_tests import length_reward
 
-from grpo_accel.config import GRPOAccelConfig
-from grpo_accel.data import arithmetic_dataset
-from grpo_accel.models import load_model
-from grpo_accel.trainer import GRPOAccelTrainer
+from grpo_accel.data.datasets import arithmetic_dataset
+from grpo_accel.data.models import load_model
+from grpo_accel.trainer.config import GRPOAccelConfig
+from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
 ACCELERATE = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
 
@@ -50,7 +50,7 @@ def test_deepspeed_guard_counts_skips_and_waits_out_fp16_calibration():
 
     from transformers import TrainerControl, TrainerState
 
-    from grpo_accel.guards import DeepSpeedSkipGuard
+    from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard
 
     ds_optimizer = SimpleNamespace(loss_scale=2.0**16)
     accelerator = SimpleNamespace(optimizer_step_was_skipped=True,

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo_accel.ops.logprobs import chunked_logprobs, logprobs_reference, plan_blocks, token_logprobs
+from grpo_accel.ops.logprobs import chunked_logprobs, logprobs_reference, plan_blocks
+from grpo_accel.ops.select import token_logprobs
 
 N, H, V = 37, 24, 101  # odd on purpose: no tile divides V
 

@@ -41,7 +41,8 @@ finally:
 
 from test_logprobs import H, grads_out, make_inputs, reference64, rel_err, run  # noqa: E402
 
-from grpo_accel.ops.logprobs import chunked_logprobs, token_logprobs  # noqa: E402
+from grpo_accel.ops.logprobs import chunked_logprobs  # noqa: E402
+from grpo_accel.ops.select import token_logprobs  # noqa: E402
 
 in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET: see "
                                 "test_rerun_in_subprocess")

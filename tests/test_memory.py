@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_accel.architectures import ARCHITECTURES, get_architecture, list_architectures, model_shape
-from grpo_accel.memory import (
+from grpo_accel.core.phase_memory import PhaseMemory
+from grpo_accel.planning.architectures import ARCHITECTURES, get_architecture, list_architectures, model_shape
+from grpo_accel.planning.memory import (
     GIB,
     kv_cache_sequences,
     plan_memory,
     vllm_memory_fraction,
 )
-from grpo_accel.phase_memory import PhaseMemory
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -58,7 +58,7 @@ def test_published_shapes():
 
 
 def test_tiny_architectures_match_the_test_models():
-    from grpo_accel.models import TINY_CONFIGS
+    from grpo_accel.data.models import TINY_CONFIGS
 
     for name, spec in TINY_CONFIGS.items():
         s = model_shape(name)
@@ -115,7 +115,7 @@ def test_offload_moves_checkpointed_inputs_to_host():
 
 @pytest.mark.parametrize("preset", ["t4_qlora", "h100_110k", "8xh100_zero3_offload", "cpu"])
 def test_peak_grows_with_completion_length(preset):
-    from grpo_accel.presets import get_preset
+    from grpo_accel.app.presets import get_preset
 
     p = get_preset(preset)
     peaks = [p.plan(max_completion_length=t).peak_bytes for t in (64, 1024, 8192, 65536)]
@@ -165,7 +165,7 @@ def test_verdict_names_fixes_and_bisection_is_tight():
 
 
 def test_vllm_fraction_leaves_training_its_memory():
-    from grpo_accel.presets import get_preset
+    from grpo_accel.app.presets import get_preset
 
     p = get_preset("a100_80gb_bf16")  # LoRA on bf16 weights: the engine shares them
     plan, gpu = p.plan(), int(79.1 * GIB)
@@ -180,8 +180,8 @@ def test_vllm_fraction_leaves_training_its_memory():
 
 
 def test_planner_mirrors_grouped_recompute():
-    from grpo_accel.memory import RECOMPUTE_TOKENS
     from grpo_accel.offload import OffloadConfig
+    from grpo_accel.planning.memory import RECOMPUTE_TOKENS
 
     assert RECOMPUTE_TOKENS == OffloadConfig().recompute_tokens
     kw = dict(num_generations=8, per_device_train_batch_size=8, max_prompt_length=64, max_completion_length=8192)
@@ -244,8 +244,8 @@ import json, sys
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
-from grpo_accel.architectures import get_architecture
-from grpo_accel.phase_memory import peak_rss_bytes, rss_bytes
+from grpo_accel.planning.architectures import get_architecture
+from grpo_accel.core.phase_memory import peak_rss_bytes, rss_bytes
 
 B, P, T = map(int, sys.argv[1:4])
 torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Planner terms for offload (grpo_accel/memory.py) against what the stash does: the residency split measured by
+"""Planner terms for offload (grpo_accel/planning/memory.py) against what the stash does: the residency split measured by
 the tracker, sequence tiles shrinking the re-run term, and the longest completion that fits a GPU and a host.
 
     OMP_NUM_THREADS=1 pytest tests/test_memory_offload.py -q
@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_offload import FORCED, LAYER_BYTES, B, T, V, tiny_llama
 
-from grpo_accel.architectures import model_shape
-from grpo_accel.memory import GIB, find_max_completion_length, fit_host, plan_memory
+from grpo_accel.planning.architectures import model_shape
+from grpo_accel.planning.memory import GIB, find_max_completion_length, fit_host, plan_memory
 
 
 @pytest.mark.parametrize("kept_layers", [0, 1, 3])

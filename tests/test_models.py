@@ -3,7 +3,7 @@ import time
 import pytest
 import torch
 
-from grpo_accel.models import DEFAULT_MODEL, ModelNotFoundError, embedded_model_dir, load_model, resolve_model_path
+from grpo_accel.data.models import DEFAULT_MODEL, ModelNotFoundError, embedded_model_dir, load_model, resolve_model_path
 
 
 def test_embedded_default_is_the_real_instruct_model():

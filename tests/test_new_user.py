@@ -34,8 +34,8 @@ def assert_user_error(args, pattern, capsys, out_dir):
 
 # 1. hub ids with dots reach the hub; a file is not "missing"
 def test_hub_id_with_a_dot_asks_the_hub():
-    from grpo_accel.errors import UserError
-    from grpo_accel.models import resolve_model_path
+    from grpo_accel.core.errors import UserError
+    from grpo_accel.data.models import resolve_model_path
 
     for name in ("Qwen/Qwen2.5-1.5B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"):
         with pytest.raises(UserError, match="could not be loaded from the hub"):  # HF_HUB_OFFLINE=1 here
@@ -76,7 +76,7 @@ def test_bad_reward_leaves_nothing_behind(reward, pattern, tmp_path, capsys):
 
 
 def test_bf16_spelling_is_accepted(tmp_path):
-    from grpo_accel.run_spec import resolve_run_spec
+    from grpo_accel.app.run_spec import resolve_run_spec
 
     assert resolve_run_spec(["--model_dtype", "bf16", "--output_dir", str(tmp_path)]).script.model_dtype == "bfloat16"
 
@@ -84,7 +84,7 @@ def test_bf16_spelling_is_accepted(tmp_path):
 def test_no_learning_signal_is_said_once_then_every_n_steps():
     from types import SimpleNamespace
 
-    from grpo_accel.learning_signal import LearningSignalWatch
+    from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
 
     watch = LearningSignalWatch(max_completion_length=12, every_steps=3)
     for step in range(1, 8):
@@ -100,7 +100,7 @@ def test_no_learning_signal_is_said_once_then_every_n_steps():
 
 # 3. run directories: --config keys behave as flags; an existing run is refused; overwrite replaces it
 def test_config_yaml_run_name_and_model_choose_the_directory(tmp_path, monkeypatch):
-    from grpo_accel.run_spec import resolve_run_spec
+    from grpo_accel.app.run_spec import resolve_run_spec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.yaml").write_text("run_name: my_exp\nmodel: tiny-qwen2\npreset: cpu\nmax_steps: 3\n")
@@ -151,7 +151,7 @@ def test_existing_run_is_refused_then_overwritten(tmp_path, capsys):
 
 # 6. smaller
 def test_utf8_bom_jsonl_is_read(tmp_path):
-    from grpo_accel.data import read_jsonl
+    from grpo_accel.data.datasets import read_jsonl
 
     path = tmp_path / "notepad.jsonl"
     path.write_bytes('{"question": "1+1?", "answer": "2"}\n'.encode("utf-8-sig"))
@@ -164,7 +164,7 @@ def test_report_steps_are_integers_and_coinciding_lines_differ():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from grpo_accel import report
+    from grpo_accel.app import report
 
     fig, ax = plt.subplots()
     ax.plot([1, 2], [0.5, 0.7])
@@ -191,7 +191,7 @@ def test_user_error_under_accelerate_launch(tmp_path):
 
 
 def test_resolved_config_records_the_preset_and_what_was_given(tmp_path):
-    from grpo_accel.run_spec import resolve_run_spec
+    from grpo_accel.app.run_spec import resolve_run_spec
 
     spec = resolve_run_spec(["--model", "tiny-llama", "--learning_rate", "1e-3", "--output_dir", str(tmp_path)])
     resolved = json.loads(json.dumps(spec.resolved(), default=str))

@@ -389,7 +389,7 @@ ZERO3_SCRIPT = r"""
 import os, torch, transformers, deepspeed
 from deepspeed.utils import safe_get_full_grad
 from peft import LoraConfig, get_peft_model
-from grpo_accel.cpu_distributed import prepare_cpu_processes
+from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
 from grpo_accel.offload import OffloadConfig, install_activation_offload
 prepare_cpu_processes()  # as launch/train.py does on CPU: gloo on loopback, no shm op (no JIT build, no lock)
 torch.distributed.init_process_group("gloo")

@@ -79,7 +79,7 @@ def test_host_budget_is_shared_by_the_ranks_of_a_node(local_ranks, monkeypatch):
     from types import SimpleNamespace
 
     from grpo_accel.offload import residency
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     node_available = 100 * 2**30
     monkeypatch.setattr(residency, "meminfo_bytes", lambda key: node_available if key == "MemAvailable" else None)
@@ -91,7 +91,7 @@ def test_host_budget_is_shared_by_the_ranks_of_a_node(local_ranks, monkeypatch):
     budget = GRPOAccelTrainer._offload_config(fake).host_budget_bytes
     assert budget * local_ranks <= 0.9 * node_available
     assert budget * local_ranks >= 0.89 * node_available  # shared, not shrunk further
-    from grpo_accel.runner import offload_line  # the start-up line says the per-process figure
+    from grpo_accel.app.runner import offload_line  # the start-up line says the per-process figure
 
     fake.offload_enabled, fake.offload_config = True, SimpleNamespace(host_budget_bytes=budget)
     assert f"host budget {budget / 2**30:.1f} GiB per process" in offload_line(fake)

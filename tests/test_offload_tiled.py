@@ -1,4 +1,4 @@
-"""Sequence-tiled re-run (grpo_accel/offload/tiled.py): gradients equal the untiled layer's, dropout masks replayed
+"""Sequence-tiled re-run (grpo_accel/tiling/layer.py): gradients equal the untiled layer's, dropout masks replayed
 per tile, untileable layers fall back to the whole re-run, and one 8K-token row's re-run shrinks >= 4x.
 
     OMP_NUM_THREADS=1 pytest tests/test_offload_tiled.py -q
@@ -15,7 +15,8 @@ import torch
 import transformers
 from test_offload import H, V, tiny_llama
 
-from grpo_accel.offload import OffloadConfig, SavedActivationTracker, install_activation_offload, tiled
+from grpo_accel.offload import OffloadConfig, SavedActivationTracker, install_activation_offload
+from grpo_accel.tiling import layer as tiled
 
 ROOT = Path(__file__).resolve().parents[1]
 T = 32
@@ -204,7 +205,7 @@ def test_untileable_attention_runs_the_layer_whole(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_other_attention_implementations_run_the_layer_whole(monkeypatch):
-    """A registered custom attention (as grpo_accel.packing's, or flash varlen reading packed sequences from position
+    """A registered custom attention (as grpo_accel.parallel.packing's, or flash varlen reading packed sequences from position
     ids) is not SDPA with a mask: the tiled path steps aside."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -220,9 +221,9 @@ def test_other_attention_implementations_run_the_layer_whole(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_packed_row_is_tiled_sequence_by_sequence(monkeypatch):
-    """grpo_accel.packing's packed row (sequences of 12 and 20 tokens, positions restarting, per-sequence SDPA): the
+    """grpo_accel.parallel.packing's packed row (sequences of 12 and 20 tokens, positions restarting, per-sequence SDPA): the
     tiles (8 tokens) cross the boundary, each query still attends within its own sequence only; same gradients."""
-    from grpo_accel.packing import SEGMENTS_KWARG, enable_packed_attention, packed_forward_context
+    from grpo_accel.parallel.packing import SEGMENTS_KWARG, enable_packed_attention, packed_forward_context
 
     calls = spy(monkeypatch)
     ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(9))
@@ -289,7 +290,7 @@ def test_one_8k_row_rerun_falls_4x_with_tiles():
     assert whole["rss_peak_bytes"] >= 4 * tiles["rss_peak_bytes"], (whole, tiles)
     # the planner's re-run term (saved tensors + backward transients of one layer) against the measured RSS peaks:
     # predicted 573 / 99 MB, measured 454 / 89 MB
-    from grpo_accel.memory import plan_memory
+    from grpo_accel.planning.memory import plan_memory
 
     for measured, tokens in ((whole, None), (tiles, 512)):
         plan = plan_memory("smollm2-135m", dtype="fp32", lora_r=0, per_device_train_batch_size=1, max_prompt_length=0,
@@ -303,8 +304,8 @@ def test_cuda_max_memory_allocated_falls_with_offload_and_tiles():
     """Not only the stash's accounting: torch.cuda.max_memory_allocated of one forward + backward (weights
     excluded) over one 16K-token row, SmolLM2-135M shape, 8 layers, bf16, falls with offload (layer inputs to pinned
     host memory) and again by >= 2x with 2048-token tiles; gradients agree (bf16 tolerance)."""
-    from grpo_accel.architectures import get_architecture
     from grpo_accel.offload import OffloadConfig
+    from grpo_accel.planning.architectures import get_architecture
 
     tokens, peaks, grads = 16384, {}, {}
     for name in ("checkpoint", "offload", "offload+tiles"):

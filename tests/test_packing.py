@@ -1,4 +1,4 @@
-"""Padding-free micro-batches (grpo_accel/packing.py) give the padded path's numbers.
+"""Padding-free micro-batches (grpo_accel/parallel/packing.py) give the padded path's numbers.
 
 Batches of very unequal lengths (completions of 1 token to the full length, left-padded prompts of unequal
 length): log-probs, entropies, TRL's loss and every gradient of the packed path equal the padded path's
@@ -16,11 +16,11 @@ from launch_utils import ROOT, TINY_ARGS, run_train
 from peft import LoraConfig
 from rewards_for_tests import length_reward
 
-from grpo_accel.config import GRPOAccelConfig
-from grpo_accel.data import arithmetic_dataset
-from grpo_accel.models import load_model
-from grpo_accel.packing import pack_rows, plan_micro_batches, split_to_count, unpack
-from grpo_accel.trainer import GRPOAccelTrainer
+from grpo_accel.data.datasets import arithmetic_dataset
+from grpo_accel.data.models import load_model
+from grpo_accel.parallel.packing import pack_rows, plan_micro_batches, split_to_count, unpack
+from grpo_accel.trainer.config import GRPOAccelConfig
+from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
 ROWS, K = 8, 10  # rows of the batch, max completion tokens
 
@@ -138,7 +138,7 @@ def test_tiles_mini_batches_and_our_head_equal_stock_trl(tmp_path, monkeypatch):
     """tiling x mini-batch and tiling x fused head (docs/pairs.md): packed forwards within a token budget of about two
     rows, our chunked head, offload copies with each layer re-run in tiles of 8 tokens, against the same trainer after
     close(): TRL's own head on padded rows, transformers' checkpointing, no offload. Same log-probs, loss, grads."""
-    from grpo_accel.offload import tiled
+    from grpo_accel.tiling import layer as tiled
 
     monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")
     trainer = make_trainer(tmp_path, offload_activations="true", gradient_checkpointing=True,
@@ -233,7 +233,7 @@ def test_unsupported_reasons(config, reason):
 
     from transformers import AutoConfig
 
-    from grpo_accel.packing import packing_unsupported_reason
+    from grpo_accel.parallel.packing import packing_unsupported_reason
 
     cfg = AutoConfig.for_model(**config, num_hidden_layers=2)
     got = packing_unsupported_reason(cfg)  # before any weights load: the config alone

@@ -13,10 +13,10 @@ from launch_utils import ROOT, child_env
 from peft import LoraConfig
 from rewards_for_tests import length_reward
 
-from grpo_accel.config import GRPOAccelConfig
-from grpo_accel.data import arithmetic_dataset
-from grpo_accel.models import load_model
-from grpo_accel.trainer import FORCE_OFFLOAD_COPIES_ENV, GRPOAccelTrainer
+from grpo_accel.data.datasets import arithmetic_dataset
+from grpo_accel.data.models import load_model
+from grpo_accel.trainer.config import GRPOAccelConfig
+from grpo_accel.trainer.trainer import FORCE_OFFLOAD_COPIES_ENV, GRPOAccelTrainer
 
 
 def registries():
@@ -59,7 +59,7 @@ def test_second_trainer_runs_stock_code(tmp_path, monkeypatch):
 
     gc.collect()  # earlier tests' trainers that never trained: dropped, so their patches are undone
     before = registries()
-    from grpo_accel.packing import ATTN_NAME
+    from grpo_accel.parallel.packing import ATTN_NAME
 
     assert ATTN_NAME not in before["attention"], "an earlier test left packing's attention registered"
     monkeypatch.setenv(FORCE_OFFLOAD_COPIES_ENV, "1")  # the real stash / copy / re-run path on CPU

@@ -31,10 +31,10 @@ def test_sigterm_mid_step_finishes_it_saves_and_stops(tmp_path):
     and the process's own SIGTERM handler is back once train() returns."""
     from rewards_for_tests import length_reward
 
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.data import arithmetic_dataset
-    from grpo_accel.models import load_model
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel.data.datasets import arithmetic_dataset
+    from grpo_accel.data.models import load_model
+    from grpo_accel.trainer.config import GRPOAccelConfig
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     class SigtermInStep2(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -64,11 +64,11 @@ def test_sigterm_mid_step_finishes_it_saves_and_stops(tmp_path):
 def test_handlers_are_restored_when_train_raises(tmp_path):
     """A reward that raises stops train() with RewardFunctionError; every signal handler is then what it was before
     train() (the handler went in at on_train_begin, and on_train_end never runs when train() raises)."""
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.data import arithmetic_dataset
-    from grpo_accel.models import load_model
-    from grpo_accel.rewards import RewardFunctionError
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel.data.datasets import arithmetic_dataset
+    from grpo_accel.data.models import load_model
+    from grpo_accel.data.rewards import RewardFunctionError
+    from grpo_accel.trainer.config import GRPOAccelConfig
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     def broken_reward(prompts, completions, **kwargs):
         raise ValueError("reward server down")

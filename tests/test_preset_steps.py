@@ -15,10 +15,10 @@ import json
 
 import pytest
 
-from grpo_accel import presets
-from grpo_accel.presets import PRESETS
-from grpo_accel.run_spec import resolve_run_spec
-from grpo_accel.runner import run
+from grpo_accel.app import presets
+from grpo_accel.app.presets import PRESETS
+from grpo_accel.app.run_spec import resolve_run_spec
+from grpo_accel.app.runner import run
 
 FAMILY = {"llama": "tiny-llama", "smollm2": "tiny-llama", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3"}
 GPU_PRESETS = [n for n, p in PRESETS.items() if p.is_gpu]

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from grpo_accel.presets import (
+from grpo_accel.app.presets import (
     CONFIG_DIR,
     PRESETS,
     GPUProps,
@@ -206,7 +206,7 @@ def test_launching_yaml_walks_the_real_parent_processes(tmp_path):
     if not os.path.exists("/proc/self/cmdline"):
         pytest.skip("needs /proc")
     repo = str(CONFIG_DIR.parent)
-    child = (f"import sys; sys.path.insert(0, {repo!r}); from grpo_accel.presets import select_preset; "
+    child = (f"import sys; sys.path.insert(0, {repo!r}); from grpo_accel.app.presets import select_preset; "
              "p, why = select_preset(None, gpu_props=None); print(p.name, '|', why)")
     # the parent: a python process with `--config_file ...cpu_zero2.yaml` in its argv, like accelerate launch
     parent = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', sys.argv[3]]))"
@@ -222,8 +222,8 @@ def test_lora_rank_on_a_full_finetuning_preset_gets_a_working_alpha(capsys):
     adapter to nothing: zero gradients and a run that never learns. It must get alpha 2r."""
     import types
 
-    from grpo_accel.presets import get_preset
-    from grpo_accel.runner import lora_config, settle_lora_alpha
+    from grpo_accel.app.presets import get_preset
+    from grpo_accel.app.runner import lora_config, settle_lora_alpha
 
     assert get_preset("cpu_zero2").lora_alpha == 0
     args = types.SimpleNamespace(lora_r=16, lora_alpha=get_preset("cpu_zero2").lora_alpha,

@@ -19,10 +19,10 @@ from rewards_for_tests import length_reward
 from test_packing import ROWS, K, count_packed_forwards, run_hook, unequal_batch
 from trl import GRPOTrainer
 
-from grpo_accel.config import GRPOAccelConfig
-from grpo_accel.data import arithmetic_dataset
-from grpo_accel.models import load_model
-from grpo_accel.trainer import GRPOAccelTrainer
+from grpo_accel.data.datasets import arithmetic_dataset
+from grpo_accel.data.models import load_model
+from grpo_accel.trainer.config import GRPOAccelConfig
+from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
 pytest.importorskip("bitsandbytes")
 
@@ -110,7 +110,7 @@ def test_offload_matches_offload_off(tmp_path, model_dir, batch, monkeypatch, pa
 def test_tiles_match_offload_off(tmp_path, model_dir, batch, monkeypatch, padding_free):
     """offload_recompute_tokens 16, shorter than all rows but the shortest: rows re-run in sequence tiles (packed:
     one row per forward, as the re-run's budget caps the packing budget); vs offload and checkpointing off."""
-    from grpo_accel.offload import tiled
+    from grpo_accel.tiling import layer as tiled
 
     inputs, ref, _ = batch
     monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")

@@ -21,7 +21,7 @@ RUNS = ["ddp", "zero2", "sp", "zero3"]
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from grpo_accel.models import load_model
+    from grpo_accel.data.models import load_model
 
     model_dir = tmp_path_factory.mktemp("tiny-llama-saved")
     model, tokenizer = load_model("tiny-llama")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_accel.cli import main
-from grpo_accel.presets import GPUProps, detect_preset
+from grpo_accel.app.cli import main
+from grpo_accel.app.presets import GPUProps, detect_preset
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 GPU_SECTION = README[README.index("## Training on your GPU"):README.index("## When things go wrong")]
@@ -27,7 +27,7 @@ def test_readme_plan_commands_run():
 
 
 def test_readme_launch_flags_are_flags():
-    from grpo_accel.run_spec import RunParser
+    from grpo_accel.app.run_spec import RunParser
 
     flags = set(RunParser().flag_names())
     launch = GPU_SECTION[GPU_SECTION.index("accelerate launch"):].split("```")[0]

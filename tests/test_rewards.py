@@ -3,7 +3,7 @@ from fractions import Fraction
 
 import pytest
 
-from grpo_accel.rewards import (
+from grpo_accel.data.rewards import (
     RewardFunctionError,
     accuracy,
     correctness_reward,
@@ -89,6 +89,6 @@ def test_guarded_names_the_failing_function():
 
 def test_resolve_rewards():
     assert resolve_rewards("correctness,format") == [correctness_reward, format_reward]
-    assert resolve_rewards("grpo_accel.rewards:format_reward") == [format_reward]
+    assert resolve_rewards("grpo_accel.data.rewards:format_reward") == [format_reward]
     with pytest.raises(RewardFunctionError, match="neither built in"):
         resolve_rewards("nope")

@@ -1,9 +1,9 @@
-"""Ulysses sequence parallelism (grpo_accel/sequence_parallel.py) with SP = 2 over gloo equals one process without
+"""Ulysses sequence parallelism (grpo_accel/parallel/sequence_parallel.py) with SP = 2 over gloo equals one process without
 it: the group's two ranks hold the same batch, each runs half of every row's tokens, and both get the one-process
 per-token log-probs, entropies and TRL loss; the LoRA gradients averaged over the ranks (as the engine does) equal
 the one-process gradients (fp32, <= 1e-5 relative). tiny-llama with LoRA on q/v/down, completions of unequal length,
 layer offload with gradient checkpointing (the checkpoint's re-run in backward goes through Ulysses' all-to-all
-again, one row at a time, in sequence tiles whose attention reaches the other rank's keys: offload/tiled_sp.py).
+again, one row at a time, in sequence tiles whose attention reaches the other rank's keys: parallel/ulysses_tiles.py).
 How the ranks come to hold the same rows (sampler, generation split over the group, RNG) is checked by the launches
 below and by test_group_shared_sampler_deals_each_batch_to_one_group. Measured: log-probs 9.5e-7 abs, loss equal,
 gradients 3.8e-7 relative; 1.4e-2 with the tiles' dK dropped."""
@@ -59,7 +59,7 @@ def test_sp2_equals_one_process(sp_results):
         ref, sp, scored = r["ref"], r["sp"], r["mask"].bool()
         assert sp["sp_calls"] == 2  # the no-grad pass and the loss's policy pass went through SP
         # SP's attention stood in for stock SDPA process-wide while on, and is gone once removed
-        assert sp["sdpa_patched"] and sp["sdpa_after_remove"] and not sp["sp_head_after_remove"]
+        assert sp["sdpa_patched"] and sp["sdpa_after_remove"] and sp["sp_head_installed"] and not sp["sp_head_after_remove"]
         # the batch's rows ran in one forward, padded to the longest, as 2 shards of half its tokens: B rows per
         # rank, not the group's 2·B
         assert set(sp["shard_lengths"]) == halves and max(sp["shard_rows"]) == len(r["row_tokens"])
@@ -155,7 +155,7 @@ def test_group_shared_sampler_deals_each_batch_to_one_group():
     from torch.utils.data import BatchSampler
     from trl.trainer.utils import RepeatSampler
 
-    from grpo_accel.sequence_parallel import GroupSharedSampler
+    from grpo_accel.parallel.sequence_parallel import GroupSharedSampler
 
     def base():  # each process builds its own, seeded alike (as TRL's processes do)
         return RepeatSampler(list(range(40)), mini_repeat_count=4, batch_size=4, repeat_count=2, shuffle=True, seed=3)
@@ -176,8 +176,8 @@ def test_sp_group_batch_is_checked_when_the_config_is_made(tmp_path, monkeypatch
     """Under SP an SP group is one data-parallel rank: TRL's generation batch counts world/sp ranks, and one group's
     batch must split over its processes and hold whole groups of num_generations; else one line names the fix.
     (The method reads WORLD_SIZE as a launch sets it; called directly so no process group is needed.)"""
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.errors import ConfigError
+    from grpo_accel.core.errors import ConfigError
+    from grpo_accel.trainer.config import GRPOAccelConfig
 
     cfg = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=4,
                           gradient_accumulation_steps=2, sequence_parallel_size=2, report_to="none", use_cpu=True)
@@ -201,8 +201,8 @@ def test_accelerates_own_sp_is_refused_when_the_config_is_made(tmp_path):
     the flag that does it."""
     from accelerate.parallelism_config import ParallelismConfig
 
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.errors import ConfigError
+    from grpo_accel.core.errors import ConfigError
+    from grpo_accel.trainer.config import GRPOAccelConfig
 
     with pytest.raises(ConfigError, match=r"parallelism_config sp_size=2: .* Fix: .*--sequence_parallel_size 2\.$"):
         GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, report_to="none",
@@ -240,8 +240,8 @@ def test_what_sp_does_not_run_is_refused_when_the_config_is_made(tmp_path, monke
     length, so a rows/tokens cap per forward would be dropped; colocated engines under SP have never been run. Both
     are refused with one line when the config is made on a multi-process launch; one process (SP off) keeps them.
     (The check reads WORLD_SIZE as a launch sets it; called directly so no process group is needed.)"""
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.errors import ConfigError
+    from grpo_accel.core.errors import ConfigError
+    from grpo_accel.trainer.config import GRPOAccelConfig
 
     cfg = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                           report_to="none", use_cpu=True, sequence_parallel_size=2, **option)
@@ -262,8 +262,8 @@ def test_sp_with_trls_head_is_refused():
     it), so TRL's own head would leave SP off unsaid. Refused before any process group is needed, with one line."""
     from types import SimpleNamespace
 
-    from grpo_accel import sequence_parallel
-    from grpo_accel.errors import ConfigError
+    from grpo_accel.core.errors import ConfigError
+    from grpo_accel.parallel import sequence_parallel
 
     with pytest.raises(ConfigError, match=r"^--sequence_parallel_size 2 needs grpo_accel's log-prob head\. Fix: "
                                           r"--logprob_impl auto\.$"):

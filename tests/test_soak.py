@@ -79,12 +79,12 @@ def child(steps: int, out: str, device: str, leak_bytes: int) -> None:
     sys.path.insert(0, HERE)
     from rewards_for_tests import length_reward
 
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.data import arithmetic_dataset
-    from grpo_accel.hook_leak import input_embedding_hooks
-    from grpo_accel.models import load_model
-    from grpo_accel.phase_memory import rss_bytes
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel._compat.hook_leak import input_embedding_hooks
+    from grpo_accel.core.phase_memory import rss_bytes
+    from grpo_accel.data.datasets import arithmetic_dataset
+    from grpo_accel.data.models import load_model
+    from grpo_accel.trainer.config import GRPOAccelConfig
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     torch.manual_seed(0)
     cuda = device == "cuda"
@@ -154,16 +154,16 @@ def test_fit_slope_recovers_a_line():
 
 def test_no_forward_hook_per_generation(tmp_path):
     """TRL turns checkpointing off and on around each generate(); transformers re-registers an input-embedding hook
-    each time and (PEFT-wrapped) never removes it: +2 hooks per step before grpo_accel.hook_leak."""
+    each time and (PEFT-wrapped) never removes it: +2 hooks per step before grpo_accel._compat.hook_leak."""
     from peft import LoraConfig
     from rewards_for_tests import length_reward
     from transformers import TrainerCallback
 
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.data import arithmetic_dataset
-    from grpo_accel.hook_leak import input_embedding_hooks
-    from grpo_accel.models import load_model
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel._compat.hook_leak import input_embedding_hooks
+    from grpo_accel.data.datasets import arithmetic_dataset
+    from grpo_accel.data.models import load_model
+    from grpo_accel.trainer.config import GRPOAccelConfig
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     counts = []
 

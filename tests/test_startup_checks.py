@@ -5,10 +5,10 @@
 
 import pytest
 
-from grpo_accel.memory import GIB
-from grpo_accel.presets import PRESETS
-from grpo_accel.run_spec import resolve_run_spec
-from grpo_accel.startup_checks import context_tokens, model_config, run_checks
+from grpo_accel.app.presets import PRESETS
+from grpo_accel.app.run_spec import resolve_run_spec
+from grpo_accel.app.startup_checks import context_tokens, model_config, run_checks
+from grpo_accel.planning.memory import GIB
 
 
 def failures(argv, gpu_gib=None):
@@ -23,7 +23,7 @@ def test_every_preset_passes_its_startup_checks(name, monkeypatch):
     """Context (rope scaling included), attention mask at the planned length, engine vs the distributed setup,
     sequence parallelism vs the heads, memory on the preset's smallest GPU: a preset that cannot start fails here,
     not on a rented GPU. (vLLM installed counts as given: that is an install step, checked below.)"""
-    monkeypatch.setattr("grpo_accel.vllm_colocate.vllm_unavailable_reason", lambda: None)
+    monkeypatch.setattr("grpo_accel.generation.vllm_colocate.vllm_unavailable_reason", lambda: None)
     assert failures(["--preset", name]) == []
 
 
@@ -57,7 +57,7 @@ def test_yarn_rope_scaling_extends_the_context():
 
 
 def test_rope_parameters_without_theta_is_refused():
-    from grpo_accel.errors import UserError
+    from grpo_accel.core.errors import UserError
 
     spec = resolve_run_spec(["--preset", "h100_110k", "--model_init_kwargs",
                              '{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}'], for_plan=True)
@@ -70,7 +70,7 @@ def test_host_memory_is_checked_before_any_load():
     the GPU, which an 80 GB GPU absorbs and a 60 GB one does not."""
     assert failures(["--preset", "h100_110k"], gpu_gib=79.1) == []
     spec = resolve_run_spec(["--preset", "h100_110k"], for_plan=True)
-    from grpo_accel.startup_checks import check_memory
+    from grpo_accel.app.startup_checks import check_memory
 
     assert check_memory(spec, int(79.1 * GIB), int(120 * GIB)) is None
     assert check_memory(spec, int(79.1 * GIB), int(2 * GIB)) is None  # the GPU can keep what the host cannot

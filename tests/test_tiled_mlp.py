@@ -1,4 +1,4 @@
-"""The sequence-tiled MLP (grpo_accel/offload/tiled_mlp.py) is the same function as the whole MLP: a tiny-llama's
+"""The sequence-tiled MLP (grpo_accel/tiling/mlp.py) is the same function as the whole MLP: a tiny-llama's
 output and every gradient (inputs, LoRA or full weights) equal the untiled model's in fp32 (<= 1e-5 relative) on rows
 of unequal length with left padding; with LoRA dropout live, backward replays each tile's forward masks (checked
 against plain autograd over the same tiles drawn from the same seed); and the MLP's saved tensors fall to its input."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from grpo_accel.models import load_model
-from grpo_accel.offload import tiled_mlp
+from grpo_accel.data.models import load_model
+from grpo_accel.tiling import mlp as tiled_mlp
 
 TOKENS = 5
 

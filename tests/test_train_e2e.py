@@ -10,7 +10,7 @@ import pytest
 from launch_utils import TINY_ARGS, error_line, run_train
 from safetensors.torch import load_file
 
-from grpo_accel.tracking import read_wandb_history
+from grpo_accel.app.tracking import read_wandb_history
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_reward_that_raises_is_named(tmp_path):
 
 
 def test_report_renders_the_run(tiny_run):
-    from grpo_accel.cli import main
+    from grpo_accel.app.cli import main
 
     out, _ = tiny_run
     os.remove(out / "reward_curve.png")

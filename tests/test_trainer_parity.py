@@ -13,10 +13,10 @@ from peft import LoraConfig
 from rewards_for_tests import length_reward
 from trl import GRPOTrainer
 
-from grpo_accel.config import GRPOAccelConfig
-from grpo_accel.data import arithmetic_dataset
-from grpo_accel.models import load_model
-from grpo_accel.trainer import GRPOAccelTrainer
+from grpo_accel.data.datasets import arithmetic_dataset
+from grpo_accel.data.models import load_model
+from grpo_accel.trainer.config import GRPOAccelConfig
+from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
 HOOK_PARAMS = ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
                "compute_aux_loss"]
@@ -98,7 +98,7 @@ def test_head_hidden_offload_keeps_grads(tmp_path, monkeypatch):
     ours = make_trainer(tmp_path, "chunked", offload_activations="true", gradient_checkpointing=True)
     assert ours.offload_enabled
     inputs = one_batch(ours)
-    import grpo_accel.head as head
+    import grpo_accel.head.logprob_head as head
     import grpo_accel.offload as offload
 
     packed = []

@@ -8,11 +8,11 @@ import types
 import pytest
 import torch
 
-from grpo_accel import vllm_setup as vs
-from grpo_accel.architectures import model_shape
-from grpo_accel.config import GRPOAccelConfig
-from grpo_accel.data import train_eval_datasets
-from grpo_accel.models import embedded_model_dir, load_tokenizer
+from grpo_accel.data.datasets import train_eval_datasets
+from grpo_accel.data.models import embedded_model_dir, load_tokenizer
+from grpo_accel.generation import vllm_setup as vs
+from grpo_accel.planning.architectures import model_shape
+from grpo_accel.trainer.config import GRPOAccelConfig
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def _fake_gpu(monkeypatch, total_bytes):
 def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
     """On a (faked) 80 GB GPU the engine gets what training leaves: less when training needs more, enough for one
     full-length sequence of KV beside its weights; full fine-tuning sleeps; a fraction the user chose is kept."""
-    from grpo_accel.memory import _kv_bytes_per_token, _weights_bytes
+    from grpo_accel.planning.memory import _kv_bytes_per_token, _weights_bytes
 
     args, long_args = _args(tmp_path), _args(tmp_path, max_completion_length=4000)
     chosen = _args(tmp_path, vllm_gpu_memory_utilization=0.5)  # built before the fake GPU
@@ -129,7 +129,7 @@ def test_unsupported_options_are_refused_in_one_line():
     dropped; the start-up check, the engine's route and SharedVLLMGeneration all say this line."""
     from types import SimpleNamespace
 
-    from grpo_accel.vllm_colocate import unsupported_options
+    from grpo_accel.generation.vllm_colocate import unsupported_options
 
     defaults = dict(vllm_structured_outputs_regex=None, vllm_tensor_parallel_size=1, vllm_model_impl="vllm")
     assert unsupported_options(SimpleNamespace(**defaults)) is None

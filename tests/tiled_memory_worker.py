@@ -15,9 +15,9 @@ import time
 import torch
 import transformers
 
-from grpo_accel.architectures import get_architecture
+from grpo_accel.core.phase_memory import proc_status_bytes, reset_peak_rss
 from grpo_accel.offload import OffloadConfig, SavedActivationTracker, install_activation_offload
-from grpo_accel.phase_memory import proc_status_bytes, reset_peak_rss
+from grpo_accel.planning.architectures import get_architecture
 
 p = argparse.ArgumentParser()
 p.add_argument("--tokens", type=int, default=8192)

@@ -115,7 +115,7 @@ def rank_main(rank, world, runs, out, port, refs):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from grpo_accel.cpu_distributed import prepare_cpu_processes
+    from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
 
     prepare_cpu_processes()
     import deepspeed

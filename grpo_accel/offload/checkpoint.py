@@ -1,5 +1,5 @@
 """The checkpoint function: reentrant-style, its saved inputs live in an `ActivationStash`; backward reloads them
-and re-runs the layer (whole, in row groups, or in sequence tiles: `rerun.py`, `tiled.py`).
+and re-runs the layer (whole, in row groups, or in sequence tiles: `rerun.py`, `tiling/layer.py`).
 
 The layer's trainable parameters are explicit inputs of the Function, and its backward returns their grads (the
 re-run's pieces summed on hook-free aliases, `rerun.param_aliases`) instead of a nested backward into the
@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import rerun, tiled
-from .config import OffloadConfig
-from .replay import _forward_state, _restore_rng
-from .stash import ActivationStash
+from grpo_accel.offload import rerun
+from grpo_accel.offload.config import OffloadConfig
+from grpo_accel.offload.replay import _forward_state, _restore_rng
+from grpo_accel.offload.stash import ActivationStash
+from grpo_accel.tiling import layer as tiled
 
 _TENSOR = object()  # marks where the tensor outputs go back into the output pytree
 
@@ -74,10 +75,10 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
 
 def _run_forward(ctx, run, args, kwargs, preserve_rng: bool):
     """The layer under no_grad, in the pieces its re-run will use: row groups of <= recompute_tokens tokens, and
-    sequence tiles when a row is longer (tiled.py); else whole. Pieces bound the forward's transient tensors too
+    sequence tiles when a row is longer (tiling/layer.py); else whole. Pieces bound the forward's transient tensors too
     (the MLP's [tokens, I] ones: 3 x 1.9 GB for 8 rows x 8K tokens of Llama-3.1-8B in one piece)."""
     module = rerun._module_of(run)
-    ctx.tiles, ctx.tile_rng, ctx.sp_group = None, None, tiled.current_sp_group()
+    ctx.tiles, ctx.tile_rng, ctx.shard = None, None, tiled.current_shard()
     if rerun._shared_params(module) is False:
         ctx.tiles = tiled.seq_tiles(run, args, kwargs, ctx.recompute_tokens, module)
     single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
@@ -86,10 +87,10 @@ def _run_forward(ctx, run, args, kwargs, preserve_rng: bool):
         try:
             if not groups:
                 out, ctx.tile_rng = tiled.forward(run, args[0], ctx.tiles,
-                                                  preserve_rng and rerun._live_dropout(module), ctx.sp_group)
+                                                  preserve_rng and rerun._live_dropout(module), ctx.shard)
                 return out
             return _grouped_forward(run, args[0], groups,
-                                    lambda r, x: tiled.forward(r, x, ctx.tiles, False, ctx.sp_group)[0])
+                                    lambda r, x: tiled.forward(r, x, ctx.tiles, False, ctx.shard)[0])
         except tiled.Untileable:
             ctx.tiles = None
             _restore_rng(ctx)  # the first tile may have drawn dropout masks

@@ -22,7 +22,7 @@ class OffloadConfig:
     # re-run's saved tensors exist for one group only: rows are independent sequences through a decoder layer
     # (attention is per row), so the FLOPs are the same. Llama-3.1-8B, G=8, T=8192: one layer's re-run saves
     # ~15 GB for the whole batch. None = the whole batch at once. See `_row_groups` for when it stays whole.
-    # A row longer than this runs in sequence tiles of this many tokens (tiled.py), forward and re-run.
+    # A row longer than this runs in sequence tiles of this many tokens (tiling/layer.py), forward and re-run.
     recompute_tokens: int | None = 16384
     # Residency (residency.py): layer inputs stay on the device while those kept there total <= this many bytes,
     # the rest go to host memory; 0 = all but the newest go. The planner sizes it from what the step leaves free.
@@ -32,7 +32,7 @@ class OffloadConfig:
 
     @classmethod
     def from_plan(cls, plan, host_budget_bytes: int | None = None, **overrides) -> OffloadConfig:
-        """The stash settings a grpo_accel.memory plan assumed: its piece size (recompute_tokens) and device
+        """The stash settings a grpo_accel.planning.memory plan assumed: its piece size (recompute_tokens) and device
         budget (offload_device_budget_bytes, e.g. chosen by memory.fit_host); `host_budget_bytes` caps the host
         side (what the start-up check found available): a wrong plan stops with HostMemoryError, not the OOM killer."""
         inp = plan.inputs

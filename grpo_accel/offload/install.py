@@ -6,21 +6,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from .checkpoint import OffloadedCheckpoint
-from .config import OffloadConfig
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """PeftModel -> base transformers model; DDP / DeepSpeedEngine -> .module."""
-    for _ in range(8):
-        if hasattr(type(model), "get_base_model"):
-            model = model.get_base_model()
-        elif not hasattr(type(model), "_set_gradient_checkpointing") and isinstance(
-                getattr(model, "module", None), torch.nn.Module):
-            model = model.module
-        else:
-            break
-    return model
+from grpo_accel.core.model_access import causal_lm_of
+from grpo_accel.offload.checkpoint import OffloadedCheckpoint
+from grpo_accel.offload.config import OffloadConfig
 
 
 class _StickyOffload:
@@ -44,7 +32,7 @@ def install_activation_offload(model: torch.nn.Module, config: OffloadConfig | N
     """Turn on gradient checkpointing of `model`'s decoder layers with `OffloadedCheckpoint`.
     `model`: a transformers model, a PeftModel around one, or a DDP/DeepSpeed wrapper. Stays in force
     across later `gradient_checkpointing_enable()` calls until `remove_activation_offload`."""
-    base = _unwrap(model)
+    base = causal_lm_of(model)
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(base).__name__} does not support gradient checkpointing, so its layers "
                          "cannot be offloaded: pass a transformers model (or a PeftModel around one)")
@@ -60,7 +48,7 @@ def install_activation_offload(model: torch.nn.Module, config: OffloadConfig | N
 
 def remove_activation_offload(model: torch.nn.Module) -> bool:
     """Undo `install_activation_offload`: each module's checkpointing flag and function as before."""
-    base = _unwrap(model)
+    base = causal_lm_of(model)
     if not isinstance(base.__dict__.get("_set_gradient_checkpointing"), _StickyOffload):
         return False
     for module, func, flag in base.__dict__.pop("_set_gradient_checkpointing").saved:

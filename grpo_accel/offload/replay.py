@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils.checkpoint import get_device_states, set_device_states
+from torch.utils.checkpoint import set_device_states
+
+from grpo_accel.core import rng as rng_state
 
 
 @contextlib.contextmanager
@@ -29,15 +31,10 @@ def _forward_state(ctx, tensors, preserve_rng: bool) -> None:
     ctx.autocast = {d: dict(enabled=torch.is_autocast_enabled(d), dtype=torch.get_autocast_dtype(d),
                             cache_enabled=torch.is_autocast_cache_enabled())
                     for d in ("cpu", ctx.device_type) if d is not None and torch.amp.is_autocast_available(d)}
-    ctx.rng = None
-    if preserve_rng:  # device RNG only when the device is initialized, like torch's checkpoint
-        mod = torch.get_device_module(ctx.device_type) if ctx.device_type not in (None, "meta") else None
-        states = get_device_states(*tensors) if getattr(mod, "_initialized", False) else ([], [])
-        ctx.rng = (torch.get_rng_state(), *states)
+    ctx.rng = rng_state.capture(*tensors) if preserve_rng else None  # device RNG only once initialized
 
 
 def _restore_rng(ctx) -> None:
     """Back to the RNG state recorded at the forward's start (after an abandoned attempt that may have drawn)."""
     if ctx.rng:
-        torch.set_rng_state(ctx.rng[0])
-        set_device_states(ctx.rng[1], ctx.rng[2], device_type=ctx.device_type or "cuda")
+        rng_state.restore(ctx.rng, ctx.device_type or "cuda")

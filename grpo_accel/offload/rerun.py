@@ -11,8 +11,8 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import tiled
-from .replay import _replay
+from grpo_accel.offload.replay import _replay
+from grpo_accel.tiling import layer as tiled
 
 
 def _has_rows(x, rows: int) -> bool:
@@ -26,12 +26,12 @@ def _rows_of(x, rows: slice, n: int):
 
 def _rerun(ctx, inputs, grads, run=None) -> None:
     """Re-run the checkpointed function (or `run`) on `inputs` with grad, and back-propagate `grads` through it;
-    in sequence tiles when the forward ran in tiles (tiled.py)."""
+    in sequence tiles when the forward ran in tiles (tiling/layer.py)."""
     if getattr(ctx, "tiles", None):
         if grads[0] is not None:
             with _replay(ctx):
                 tiled.backward(run or ctx.run, inputs[0], grads[0], ctx.tiles, ctx.tile_rng,
-                               getattr(ctx, "sp_group", None))
+                               getattr(ctx, "shard", None))
         return
     flat = list(ctx.flat)
     for i, t in zip(ctx.idx, inputs):

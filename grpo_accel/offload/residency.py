@@ -17,8 +17,9 @@ import os
 
 import torch
 
-from ..errors import UserError
-from ..phase_memory import proc_field_bytes
+from grpo_accel.core.errors import UserError
+from grpo_accel.core.phase_memory import proc_field_bytes
+from grpo_accel.core.processes import local_processes
 
 GIB = 1 << 30
 
@@ -41,11 +42,6 @@ def host_available_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
-
-
-def local_processes() -> int:
-    """Processes sharing this machine's memory (LOCAL_WORLD_SIZE, set by torchrun / accelerate launch), else 1."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
 def host_budget_per_process(fraction: float = 0.9) -> int | None:

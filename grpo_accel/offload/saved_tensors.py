@@ -8,8 +8,8 @@ import weakref
 
 import torch
 
-from .config import OffloadConfig
-from .stash import _Entry, _policy
+from grpo_accel.offload.config import OffloadConfig
+from grpo_accel.offload.stash import _Entry, _policy
 
 
 @contextlib.contextmanager

@@ -8,10 +8,10 @@ import weakref
 
 import torch
 
-from . import tracker as _tracker
-from .config import OffloadConfig
-from .residency import BufferPool, host_error
-from .tracker import _nbytes
+from grpo_accel.offload import tracker as _tracker
+from grpo_accel.offload.config import OffloadConfig
+from grpo_accel.offload.residency import BufferPool, host_error
+from grpo_accel.offload.tracker import _nbytes
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 

@@ -1,1 +1,2 @@
-"""Kernels: fused log-prob head (torch chunked reference path and Triton)."""
+"""Kernels with their float64 references: the fused log-prob head (torch chunked path and Triton). No TRL, no
+trainer state: what these compute is checked against `logprobs_reference` on fresh random inputs."""

@@ -5,13 +5,13 @@ tokens and V = 128K that tensor is 80 GB in fp32, twice over with its gradient. 
 [chunk, tile] block at a time; each block is folded into per-token online-logsumexp statistics in fp32 and
 dropped; backward recomputes the blocks (one extra GEMM, the cost of never storing them).
 
-    logp, entropy = token_logprobs(hidden, lm_head.weight, targets, temperature=0.7, compute_entropy=True)
+    logp, entropy = token_logprobs(hidden, lm_head.weight, targets, temperature=0.7, compute_entropy=True)  # ops/select.py
 
 Logit transform, in the order HF models apply it (Gemma 2/3 `final_logit_softcapping` inside the model, then the
 sampler's temperature, as TRL 1.16's chunked head does): z = softcap * tanh((h @ w) / softcap) / temperature.
 Tokens whose target is `ignore_index` get logp 0, entropy 0, zero gradient, and cost no compute.
 
-Implementations, picked by one string (`token_logprobs(..., impl=...)`):
+Implementations, picked by one string (`grpo_accel.ops.select.token_logprobs(..., impl=...)`):
   "reference"  plain torch over the full logits: the spec, used by the tests (fp64 in, fp64 out).
   "chunked"    `ChunkedLogprobs`: torch GEMM per block + in-place torch elementwise folds (any device).
   "triton"     the same blocks, folds done by Triton kernels (`logprobs_triton.py`), for CUDA.
@@ -343,39 +343,3 @@ def _apply(hidden, weight, targets, temperature, softcap, ignore_index, compute_
     with torch.autocast(dev, enabled=False):
         return ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), softcap, ignore_index,
                                      compute_entropy, chunk_size, vocab_tile, folds, cdt, weight_ctx)
-
-
-def triton_usable(device) -> bool:
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def token_logprobs(hidden, weight, targets, *, impl="auto", temperature=1.0, softcap=None, ignore_index=-100,
-                   compute_entropy=False, chunk_size=None, vocab_tile=None, weight_ctx=None):
-    """Per-token log p(target) [...] and entropy [...] (or None) for hidden [..., H], targets [...].
-
-    impl: "auto" (triton on CUDA when importable, else chunked) | "chunked" | "triton" | "reference".
-    """
-    lead = targets.shape
-    h2, t2 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if impl == "auto":
-        impl = "triton" if triton_usable(hidden.device) else "chunked"
-    if impl == "reference":
-        logp, ent = logprobs_reference(h2, weight, t2, temperature, softcap, ignore_index)
-        ent = ent if compute_entropy else None
-    elif impl in ("chunked", "triton"):
-        if impl == "triton":
-            from .logprobs_triton import triton_logprobs as fn  # ImportError names the fix when triton is absent
-        else:
-            fn = chunked_logprobs
-        logp, ent = fn(h2, weight, t2, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
-                       compute_entropy=compute_entropy, chunk_size=chunk_size, vocab_tile=vocab_tile,
-                       weight_ctx=weight_ctx)
-    else:
-        raise ValueError(f"impl={impl!r}: choose one of 'auto', 'chunked', 'triton', 'reference'")
-    return logp.view(lead), (ent.view(lead) if ent is not None else None)

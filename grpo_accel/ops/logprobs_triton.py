@@ -31,7 +31,7 @@ except ImportError as err:  # the dispatcher imports this module only for impl="
 
 import torch
 
-from .logprobs import _apply
+from grpo_accel.ops.logprobs import _apply
 
 _BLOCK_V = 1024
 

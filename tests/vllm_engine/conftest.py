@@ -30,14 +30,14 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from grpo_accel.models import embedded_model_dir
+    from grpo_accel.data.models import embedded_model_dir
 
     return str(embedded_model_dir())
 
 
 @pytest.fixture(scope="session")
 def engine(model_dir):
-    from grpo_accel.vllm_colocate import EngineConfig, SharedVLLM, vllm_unavailable_reason
+    from grpo_accel.generation.vllm_colocate import EngineConfig, SharedVLLM, vllm_unavailable_reason
 
     if vllm_unavailable_reason():
         pytest.skip(f"no vllm: {vllm_unavailable_reason()}")

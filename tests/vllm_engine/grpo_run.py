@@ -43,7 +43,8 @@ def reward_digits(completions, **kwargs):
 def count_saver_work() -> dict[str, int]:
     """Counters proving each saver ran: host copies of the offload stash (out and back), sequence-tiled re-runs,
     log-prob forwards with grad and backwards (several forwards per backward = mini-batches)."""
-    from grpo_accel.offload import stash, tiled
+    from grpo_accel.offload import stash
+    from grpo_accel.tiling import layer as tiled
 
     counts = {"offload_copies": 0, "tiled_backwards": 0, "grad_forwards": 0, "backwards": 0}
 
@@ -93,18 +94,18 @@ def main() -> None:
 
     from peft import LoraConfig
 
-    from grpo_accel import vllm_colocate as vc
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.data import train_eval_datasets
-    from grpo_accel.models import embedded_model_dir, load_tokenizer
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel.data.datasets import train_eval_datasets
+    from grpo_accel.data.models import embedded_model_dir, load_tokenizer
+    from grpo_accel.generation import vllm_colocate as vc
+    from grpo_accel.trainer.config import GRPOAccelConfig
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     model_dir = str(embedded_model_dir())
     tokenizer = load_tokenizer(model_dir)
     half = "float16" if args.dtype == "fp16" else "bfloat16"
     model = model_dir
     if args.quantization == "4bit":  # loaded here: the engine starts beside it and quantizes its own copy
-        from grpo_accel.models import load_model
+        from grpo_accel.data.models import load_model
 
         model, _ = load_model(model_dir, dtype=half, quantization="4bit")
     train, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=0)

@@ -26,11 +26,11 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")))
     from peft import LoraConfig
 
-    from grpo_accel import vllm_colocate as vc
-    from grpo_accel.config import GRPOAccelConfig
-    from grpo_accel.data import train_eval_datasets
-    from grpo_accel.models import embedded_model_dir, load_tokenizer
-    from grpo_accel.trainer import GRPOAccelTrainer
+    from grpo_accel.data.datasets import train_eval_datasets
+    from grpo_accel.data.models import embedded_model_dir, load_tokenizer
+    from grpo_accel.generation import vllm_colocate as vc
+    from grpo_accel.trainer.config import GRPOAccelConfig
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     model_dir = str(embedded_model_dir())
     tokenizer = load_tokenizer(model_dir)

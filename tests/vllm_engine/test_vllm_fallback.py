@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
-from grpo_accel import vllm_colocate as vc
+from grpo_accel.generation import vllm_colocate as vc
 
 
 def test_fallback_line_when_vllm_missing():
     # A fresh interpreter where `import vllm` fails, as in the main venv (which has no vllm at all).
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "from grpo_accel.vllm_colocate import use_vllm_or_fallback, vllm_unavailable_reason\n"
+            "from grpo_accel.generation.vllm_colocate import use_vllm_or_fallback, vllm_unavailable_reason\n"
             "assert vllm_unavailable_reason() is not None\n"
             "print('use_vllm ->', use_vllm_or_fallback(True))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -57,8 +57,8 @@ def test_qlora_falls_back_where_vllm_has_no_bitsandbytes(tmp_path, monkeypatch):
     import torch
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
-    from grpo_accel import vllm_setup as vs
-    from grpo_accel.config import GRPOAccelConfig
+    from grpo_accel.generation import vllm_setup as vs
+    from grpo_accel.trainer.config import GRPOAccelConfig
 
     four_bit = torch.nn.Linear(2, 2)
     four_bit.is_loaded_in_4bit = True

@@ -123,8 +123,8 @@ def test_launch_train_use_vllm(tmp_path):
     # The engine is sized from the longest prompt the start-up checks measured, not the model's 8192-token context.
     import re
 
-    from grpo_accel.data import prompt_lengths, train_eval_datasets
-    from grpo_accel.models import load_tokenizer
+    from grpo_accel.data.datasets import prompt_lengths, train_eval_datasets
+    from grpo_accel.data.models import load_tokenizer
 
     train_ds, _ = train_eval_datasets("arithmetic", 16, 4, level=1, seed=42)
     longest = max(prompt_lengths(load_tokenizer("smollm2-135m-instruct"), train_ds["prompt"]))
@@ -165,7 +165,7 @@ def test_cuda_fp16_engine_agrees_with_the_trainer(tmp_path_factory):
     keeps the adapter in fp32). Engine vs trainer log-probs while sampling and after the last push, within the
     engine's own fp16 start-up tolerance (vllm_colocate.SELF_CHECK_TOL, 0.05; bf16 gets 0.05 above and has 3 fewer
     mantissa bits); the stale engine must be further off, or the push proves nothing."""
-    from grpo_accel.vllm_colocate import SELF_CHECK_TOL
+    from grpo_accel.generation.vllm_colocate import SELF_CHECK_TOL
 
     tol = SELF_CHECK_TOL[torch.float16]
     r = grpo_run("shared", tmp_path_factory, "--cuda", "--dtype", "fp16")
@@ -227,8 +227,8 @@ def test_two_ranks_each_with_an_engine_under_ddp(tmp_path):
     assert_each_rank_synced(proc, out)
     # accelerate counted both processes (DDP): step 1's token count is gathered over both ranks' 4 rows, more than
     # one rank's 4 rows could hold (without use_cpu it saw none: no DDP, and TRL failed in step 1)
-    from grpo_accel.data import prompt_lengths, train_eval_datasets
-    from grpo_accel.models import load_tokenizer
+    from grpo_accel.data.datasets import prompt_lengths, train_eval_datasets
+    from grpo_accel.data.models import load_tokenizer
 
     train_ds, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=42)
     longest = max(prompt_lengths(load_tokenizer("smollm2-135m-instruct"), train_ds["prompt"]))

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.vllm
 
 from conftest import report  # noqa: E402
 
-from grpo_accel import vllm_colocate as vc  # noqa: E402
+from grpo_accel.generation import vllm_colocate as vc  # noqa: E402
 
 
 def test_grpo_step_generates_through_shared_engine(engine, tokenizer, tmp_path):

@@ -1,0 +1,176 @@
+"""`grpo-accel` command: presets, plan, report.
+
+    grpo-accel presets                                        # the preset table with predicted peaks
+    grpo-accel plan --preset h100_110k                        # breakdown, checks, verdict; exit 1 when it cannot run
+    grpo-accel plan --preset l4_24gb_qlora --max_completion_length 32768 --gpu-mem-gib 22
+    grpo-accel plan --preset a100_80gb_bf16 --model ./my_model_dir   # any config.json / named architecture
+    (plan takes launch/train.py's flags, so it plans exactly what train.py with the same flags would run)
+    grpo-accel report runs/demo                               # PNGs of a finished or crashed run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from grpo_accel.planning.memory import GIB, kv_cache_sequences, vllm_memory_fraction
+
+
+def _table(rows: list[dict], headers: dict) -> str:
+    cols = list(headers)
+    cells = [[str(headers[c]) for c in cols]] + [[str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    numeric = [all(r[c] is not None and isinstance(r[c], (int, float)) for r in rows) for c in cols]
+    out = []
+    for row in cells:
+        out.append("  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(row, widths, numeric)).rstrip())
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def cmd_presets(args) -> int:
+    from grpo_accel.app.presets import preset_table_rows
+
+    headers = dict(name="preset", gpu="GPU", model="model", precision="precision", lora_r="LoRA r",
+                   completion="completion", generations="G", peak_gib="peak GiB", yaml="accelerate YAML")
+    print(_table(preset_table_rows(), headers))
+    print("\npeak GiB: the planner's prediction per GPU (host RAM for the cpu presets); "
+          "`grpo-accel plan --preset NAME` for the breakdown.")
+    return 0
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-mem-gib", type=float, help="GPU memory to plan for (default: this GPU, else the preset's "
+                   "minimum)")
+    p.add_argument("--host-mem-gib", type=float, help="host memory for offloaded activations (default: this "
+                   "machine's when it has the GPU, else unchecked)")
+    p.add_argument("--find-max-t", action="store_true", help="print the longest completion (tokens per sequence) "
+                   "that fits this GPU and host, and the model's context limit")
+    p.epilog = ("Every other flag is launch/train.py's (--preset, --model, --max_completion_length, --quantization, "
+                "--offload_activations, ...): plan prints what train.py with the same flags would run.")
+
+
+def cmd_plan(args, train_flags: list[str]) -> int:
+    from grpo_accel.app.presets import current_gpu_props
+    from grpo_accel.app.run_spec import resolve_run_spec
+    from grpo_accel.app.startup_checks import model_config, run_checks
+
+    spec = resolve_run_spec(train_flags, for_plan=True)
+    preset, gpu = spec.preset, current_gpu_props()
+    plan = spec.plan()
+    if args.gpu_mem_gib is not None:
+        gpu_bytes, where = int(args.gpu_mem_gib * GIB), "--gpu-mem-gib"
+    elif gpu is not None and preset.is_gpu:
+        gpu_bytes, where = gpu.total_memory, gpu.name
+    else:
+        gpu_bytes, where = int(preset.min_gpu_mem_gib * GIB), f"{preset.name}'s minimum"
+    inp, shape = plan.inputs, plan.shape
+    print(f"preset {preset.name} ({spec.preset_why}), model {shape.name} ({shape.n_params / 1e9:.2f}B params, "
+          f"L={shape.layers} H={shape.hidden} V={shape.vocab}), {inp['dtype']}"
+          f"{'+nf4' if inp['quantization'] == '4bit' else ''}, LoRA r={inp['lora_r'] or 'full'}, "
+          f"{inp['per_device_train_batch_size']} x ({inp['max_prompt_length']} + {inp['max_completion_length']}) "
+          f"tokens, G={inp['num_generations']}")
+    print(plan.format())
+    planned_gpu = preset.is_gpu or args.gpu_mem_gib is not None
+    failures = run_checks(spec, model_config(spec, prefer_named=True), preset.max_prompt_length,
+                          gpu_bytes if planned_gpu else None, host_bytes(args, gpu) if planned_gpu else None)
+    if not planned_gpu:
+        print("CPU preset: the peak is host RAM beyond the Python interpreter; no GPU verdict.")
+    else:
+        verdict = plan.verdict(gpu_bytes)
+        print(f"GPU memory: {gpu_bytes / GIB:.1f} GiB ({where})")
+        print(verdict)
+        if verdict.fits and inp["use_vllm"]:
+            frac = vllm_memory_fraction(plan, gpu_bytes)
+            print(f"vLLM gpu_memory_utilization {frac:.3f}: KV cache for {kv_cache_sequences(plan, gpu_bytes)} "
+                  f"full-length sequences at once (of {inp['num_generations']} per prompt)")
+    for failure in failures:
+        if not failure.startswith("memory:"):
+            print(f"check failed: {failure}")
+    if args.find_max_t and planned_gpu:
+        print_max_completion(spec, plan, gpu_bytes, host_bytes(args, gpu))
+        return 0
+    return 1 if failures else 0
+
+
+def host_bytes(args, gpu) -> int | None:
+    if args.host_mem_gib is not None:
+        return int(args.host_mem_gib * GIB)
+    if gpu is None:
+        return None  # planning for another machine: its host memory is unknown
+    from grpo_accel.app.startup_checks import host_memory_bytes
+
+    return host_memory_bytes()
+
+
+def print_max_completion(spec, plan, gpu_bytes: int, host: int | None) -> None:
+    """The longest completion the planner fits on this GPU (and host), beside the model's context."""
+    from grpo_accel.app.startup_checks import context_tokens, model_config
+    from grpo_accel.planning.memory import find_max_completion_length
+
+    limit = 1 << 24  # 16.8M tokens: past that a plan is no longer a useful prediction
+    longest, fitted = find_max_completion_length(plan, gpu_bytes, host, limit=limit)
+    context = context_tokens(model_config(spec, prefer_named=True))
+    prompt = plan.inputs["max_prompt_length"]
+    where = f"{gpu_bytes / GIB:.1f} GiB GPU" + (f", {host / GIB:.0f} GiB host" if host else ", host unchecked")
+    if not longest:
+        print(f"longest completion: none fits ({where}) — a prompt of {prompt} tokens alone does not")
+        return
+    print(f"longest completion that fits ({where}): {'at least ' if longest >= limit else ''}{longest} tokens per "
+          f"sequence (a prediction; device peak {fitted.peak_gib:.1f} GiB, host {sum(fitted.host.values()) / GIB:.1f} "
+          f"GiB)")
+    if context and prompt + longest > context:
+        print(f"the model's context caps it at {context - prompt} tokens ({context} with {prompt} prompt tokens)")
+
+
+# subcommand -> (help, add_arguments, handler); train / report register here
+def add_report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run directory, e.g. runs/demo")
+
+
+def cmd_report(args) -> int:
+    from grpo_accel.app.report import render_report
+
+    for path in render_report(args.run_dir):
+        print(path)
+    return 0
+
+
+COMMANDS: dict[str, tuple[str, Callable | None, Callable]] = {
+    "presets": ("list the GPU presets with the planner's predicted peak", None, cmd_presets),
+    "plan": ("plan a run (launch/train.py's flags): memory and start-up checks; exit 1 when it cannot run",
+             add_plan_args, cmd_plan),
+    "report": ("render a run's PNGs (reward, rewards, completion length, memory per phase)", add_report_args,
+               cmd_report),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-accel", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_args, handler) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if add_args:
+            add_args(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from grpo_accel.core.errors import UserError
+
+    args, rest = build_parser().parse_known_args(argv)
+    try:
+        if args.command == "plan":
+            return cmd_plan(args, rest)
+        if rest:
+            build_parser().parse_args(argv)  # argparse's own message for unknown arguments, exit 2
+        return args.handler(args)
+    except UserError as exc:  # named-fix errors; anything else is a bug and keeps its traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

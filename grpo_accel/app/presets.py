@@ -1,0 +1,439 @@
+"""GPU presets: the training side of each accelerate YAML, GPU detection, and which preset a run uses.
+
+accelerate refuses unknown keys in its YAML and does not pass the YAML's path to the script, so the training
+settings of `accelerate_configs/<name>.yaml` live here, keyed by the file name; `select_preset` finds the YAML
+that launched this process from the parent processes' command lines.
+
+    accelerate launch --config_file accelerate_configs/h100_110k.yaml launch/train.py
+    grpo-accel presets                                   # the table, with the planner's predicted peak
+
+Choice order (`select_preset`): --preset, else the launching YAML's preset, else the detected GPU's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_accel.core import dtypes
+from grpo_accel.core.errors import UserError
+from grpo_accel.planning.architectures import model_shape
+from grpo_accel.planning.memory import GIB, MemoryPlan, engine_shares_weights, plan_memory
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "accelerate_configs"
+
+
+
+
+class PresetError(UserError, ValueError):
+    """A preset that cannot run here; the message names the preset to use instead."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    target_gpu: str  # "none (CPU)", "NVIDIA H100 80GB", "8x NVIDIA H100 80GB", ...
+    min_gpu_mem_gib: float  # per GPU; the planner's predicted peak must stay under it (tested)
+    min_compute_capability: tuple  # (8, 0) for bf16; (0, 0) for CPU presets
+    num_processes: int
+    model: str  # what launch/train.py loads (hub name or the embedded default)
+    architecture: str  # named shape in grpo_accel.planning.architectures, for planning offline
+    dtype: str  # "fp32" | "fp16" | "bf16": weights and compute
+    quantization: str  # "none" | "4bit"
+    lora_r: int  # 0 = full fine-tune
+    lora_alpha: int
+    max_prompt_length: int  # the planner's prompt budget (TRL 1.16 no longer truncates prompts)
+    max_completion_length: int
+    num_generations: int
+    per_device_train_batch_size: int  # sequences per forward/backward
+    gradient_accumulation_steps: int
+    gradient_checkpointing: bool
+    logprob_impl: str  # "auto" | "chunked" | "triton" | "trl"
+    logprob_chunk_size: int | None  # None = chosen from free memory
+    offload_activations: bool
+    use_vllm: bool
+    vllm_share_weights: bool  # share the base weights with colocated vLLM where possible (LoRA on unquantized)
+    deepspeed_stage: int  # 0 = no DeepSpeed
+    offload_optimizer: bool
+    offload_params: bool
+    yaml: str  # accelerate config file name in accelerate_configs/
+    recipe: dict  # the training recipe: GRPOConfig fields (learning rate, steps, sampling, saving)
+    model_init_kwargs: dict  # passed to from_pretrained: rope scaling past the native context, attention kernel
+    sequence_parallel_size: int = 1  # Ulysses SP (grpo_accel/parallel/sequence_parallel.py): ranks sharing one sequence
+    vllm_mode: str = "colocate"  # "server": generation on a `trl vllm-serve` machine, no engine on these GPUs
+
+    @property
+    def yaml_path(self) -> Path:
+        return CONFIG_DIR / self.yaml
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.min_gpu_mem_gib > 0
+
+    @property
+    def precision(self) -> str:
+        return self.dtype + ("+nf4" if self.quantization == "4bit" else "")
+
+    def plan(self, fields: dict | None = None, **overrides) -> MemoryPlan:
+        """The planner's prediction for one process of this preset run with `fields` (flag names, e.g. a resolved
+        run's) over the preset's own values; `overrides`: plan_memory arguments (shape=, vllm_kv_seqs=, ...)."""
+        f = {**self.training_overrides(), **(fields or {})}
+        named = self.architecture if f["model"] == self.model else f["model"]
+        shape = overrides.pop("shape", None) or model_shape(named)
+        return plan_memory(shape, **{**self.plan_inputs(f), **overrides})
+
+    def plan_inputs(self, f: dict) -> dict:
+        """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names): the one mapping."""
+        cuda = self.is_gpu
+        offload = str(f["offload_activations"]).lower()
+        # a vLLM server generates on its own machine: nothing of it on these GPUs
+        colocated = bool(f["use_vllm"]) and f.get("vllm_mode", "colocate") == "colocate"
+        return dict(
+            dtype=dtypes.short_name(f["model_dtype"]), quantization=f["quantization"], lora_r=f["lora_r"],
+            num_generations=f["num_generations"], max_prompt_length=self.max_prompt_length,
+            max_completion_length=f["max_completion_length"],
+            per_device_train_batch_size=f["per_device_train_batch_size"],
+            gradient_checkpointing=bool(f["gradient_checkpointing"]),
+            offload_activations=offload == "true" or (offload == "auto" and cuda and bool(f["gradient_checkpointing"])),
+            logprob_impl=f["logprob_impl"], logprob_chunk_size=f["logprob_chunk_size"], use_vllm=colocated,
+            vllm_share_weights=engine_shares_weights(colocated, f["lora_r"], f["quantization"],
+                                                     f.get("vllm_share_weights", True)),
+            # vLLM needs one full-length sequence of KV cache to start; what is left over goes to more of them
+            vllm_kv_seqs=1, vllm_sleep=bool(colocated and f["lora_r"] == 0 and cuda),
+            deepspeed_stage=self.deepspeed_stage, num_processes=int(os.environ.get("WORLD_SIZE", self.num_processes)),
+            offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
+            recompute_tokens=f.get("offload_recompute_tokens") or 16384,
+            sequence_parallel_size=int(f.get("sequence_parallel_size") or 1),
+            offload_device_budget_bytes=int((f.get("offload_device_budget_gib") or 0) * GIB),
+            device="cuda" if cuda else "cpu")
+
+    def training_overrides(self) -> dict:
+        """Every value this preset sets, in GRPOAccelConfig / ScriptArguments field names: a complete override
+        (the recipe, the model and how to load it, LoRA, lengths, memory savers)."""
+        return dict(
+            **self.recipe, model_init_kwargs=dict(self.model_init_kwargs) or None,
+            model=self.model, model_dtype=dtypes.long_name(self.dtype),
+            quantization=self.quantization, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
+            bf16=self.dtype == "bf16", fp16=self.dtype == "fp16", max_completion_length=self.max_completion_length,
+            num_generations=self.num_generations, per_device_train_batch_size=self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            gradient_checkpointing=self.gradient_checkpointing, logprob_impl=self.logprob_impl,
+            logprob_chunk_size=self.logprob_chunk_size, offload_activations=str(self.offload_activations).lower(),
+            use_vllm=self.use_vllm, vllm_mode=self.vllm_mode, vllm_share_weights=self.vllm_share_weights,
+            sequence_parallel_size=self.sequence_parallel_size,
+        )
+
+
+_CPU, _BF16, _FP16 = (0, 0), (8, 0), (7, 5)
+# The CPU demo's recipe (DESIGN.md: measured with plain TRL on 2 cores); the cpu presets alone use it.
+DEMO_RECIPE = dict(
+    learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, temperature=0.7, max_steps=60,
+    logging_steps=1, save_steps=20, save_total_limit=2, report_to="none", seed=42, disable_tqdm=False,
+)
+# GPU presets: a GRPO LoRA recipe in the range Unsloth's and TRL's GRPO examples use (lr 5e-6 to 1e-5, cosine,
+# short warm-up, temperature 1.0 for diverse samples); a starting point, every field a flag.
+GPU_RECIPE = dict(
+    learning_rate=1e-5, lr_scheduler_type="cosine", warmup_steps=0.05, beta=0.0, temperature=1.0, max_steps=500,
+    logging_steps=1, save_steps=50, save_total_limit=3, report_to="none", seed=42, disable_tqdm=False,
+)
+# Qwen3 past its native 32K: YaRN, factor 4 over 32,768 positions = 131,072 tokens (the model card's setting).
+QWEN3_YARN = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                                  "rope_theta": 1000000.0}}
+# factor 16: a 524,288-token context; Qwen validates YaRN up to factor 4 (131,072), past it quality is the user's to
+# check (the 8xh100_sp8_512k preset exists for the memory, not as a quality claim)
+QWEN3_YARN_512K = {"rope_parameters": {**QWEN3_YARN["rope_parameters"], "factor": 16.0}}
+_COMMON = dict(quantization="none", lora_r=16, lora_alpha=32, max_prompt_length=512, gradient_checkpointing=True,
+               logprob_impl="auto", logprob_chunk_size=None, offload_activations=False, use_vllm=True,
+               vllm_share_weights=True, deepspeed_stage=0,
+               offload_optimizer=False, offload_params=False, num_processes=1, gradient_accumulation_steps=1,
+               recipe=GPU_RECIPE, model_init_kwargs={})
+
+
+def _p(**kw) -> Preset:
+    return Preset(**{**_COMMON, "yaml": kw["name"] + ".yaml", **kw})
+
+
+_TINY = dict(target_gpu="none (CPU, 2 processes over gloo)", min_gpu_mem_gib=0, min_compute_capability=_CPU,
+             num_processes=2, model="tiny-llama", architecture="tiny-llama", dtype="fp32", lora_r=0, lora_alpha=0,
+             max_prompt_length=64, max_completion_length=16, num_generations=4, per_device_train_batch_size=4,
+             gradient_checkpointing=False, use_vllm=False, recipe=DEMO_RECIPE)
+_8B_FULL = dict(min_gpu_mem_gib=75, min_compute_capability=_BF16, num_processes=8, dtype="bf16", lora_r=0,
+                lora_alpha=0, num_generations=8, per_device_train_batch_size=1,
+                gradient_accumulation_steps=8, offload_activations=True)
+# Colocated vLLM under ZeRO-3 would gather the whole model on every rank to push it (vllm_setup refuses it):
+# those presets generate with transformers' generate() (or a vLLM server, vllm_mode="server").
+_ZERO3 = dict(deepspeed_stage=3, use_vllm=False)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    _p(name="cpu", description="The demo: SmolLM2-135M-Instruct LoRA in fp32 on CPU, short completions",
+       target_gpu="none (CPU)", min_gpu_mem_gib=0, min_compute_capability=_CPU, model="smollm2-135m-instruct",
+       architecture="smollm2-135m", dtype="fp32", max_prompt_length=64, max_completion_length=40,
+       num_generations=8, per_device_train_batch_size=16, gradient_checkpointing=False, use_vllm=False,
+       recipe=DEMO_RECIPE),
+    _p(name="cpu_zero2", description="Tiny random model, full fine-tune, DeepSpeed ZeRO-2 over gloo (tests)",
+       deepspeed_stage=2, **_TINY),
+    _p(name="cpu_zero3", description="Tiny random model, full fine-tune, DeepSpeed ZeRO-3 over gloo (tests)",
+       deepspeed_stage=3, **_TINY),
+    _p(name="cpu_ulysses2", description="Tiny random model, full fine-tune, Ulysses sequence parallelism over 2 "
+       "processes (gloo) with DeepSpeed ZeRO-2 (tests)", deepspeed_stage=2, sequence_parallel_size=2, **_TINY),
+    _p(name="t4_qlora", description="1.5B QLoRA in fp16 (T4 has no bf16), 4K-token completions",
+       target_gpu="NVIDIA T4 16GB", min_gpu_mem_gib=14, min_compute_capability=_FP16,
+       model="Qwen/Qwen2.5-1.5B-Instruct", architecture="qwen2.5-1.5b", dtype="fp16", quantization="4bit",
+       max_completion_length=4096, num_generations=8, per_device_train_batch_size=2,
+       gradient_accumulation_steps=4, offload_activations=True),
+    _p(name="l4_24gb_qlora", description="7B QLoRA in bf16, 8K-token completions",
+       target_gpu="NVIDIA L4 24GB", min_gpu_mem_gib=21, min_compute_capability=_BF16,
+       model="Qwen/Qwen2.5-7B-Instruct", architecture="qwen2.5-7b", dtype="bf16", quantization="4bit",
+       max_completion_length=8192, num_generations=8, per_device_train_batch_size=1,
+       gradient_accumulation_steps=8, offload_activations=True),
+    _p(name="a100_40gb_lora", description="7B bf16 LoRA, 8K-token completions",
+       target_gpu="NVIDIA A100 40GB", min_gpu_mem_gib=38, min_compute_capability=_BF16,
+       model="Qwen/Qwen2.5-7B-Instruct", architecture="qwen2.5-7b", dtype="bf16", lora_r=32, lora_alpha=64,
+       max_completion_length=8192, num_generations=8, per_device_train_batch_size=2,
+       gradient_accumulation_steps=4, offload_activations=True),
+    _p(name="a100_80gb_bf16", description="8B bf16 LoRA (no quantization), 16K-token completions",
+       target_gpu="NVIDIA A100 80GB", min_gpu_mem_gib=75, min_compute_capability=_BF16,
+       model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b", dtype="bf16", lora_r=64,
+       lora_alpha=128, max_completion_length=16384, num_generations=8, per_device_train_batch_size=2,
+       gradient_accumulation_steps=4, offload_activations=True),
+    _p(name="h100_110k", description="Qwen3-8B-class QLoRA, 110K-token completions (Qwen3 needs YaRN rope "
+       "scaling, factor 4, past 32K)", target_gpu="NVIDIA H100 80GB", min_gpu_mem_gib=75,
+       min_compute_capability=_BF16, model="Qwen/Qwen3-8B", architecture="qwen3-8b", dtype="bf16",
+       quantization="4bit", max_completion_length=110_000, num_generations=8, per_device_train_batch_size=1,
+       gradient_accumulation_steps=8, offload_activations=True,
+       model_init_kwargs=QWEN3_YARN),
+    _p(name="h200_200k", description="7B bf16 LoRA, 200K-token completions (Qwen2.5-7B-Instruct-1M: 1M context)",
+       target_gpu="NVIDIA H200 141GB", min_gpu_mem_gib=130, min_compute_capability=_BF16,
+       model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b-1m", dtype="bf16",
+       max_completion_length=200_000, num_generations=8, per_device_train_batch_size=1,
+       gradient_accumulation_steps=8, offload_activations=True),
+    _p(name="b200_380k", description="7B long-context bf16 LoRA, 380K-token completions (Qwen2.5-7B-Instruct-1M)",
+       target_gpu="NVIDIA B200 192GB", min_gpu_mem_gib=175, min_compute_capability=_BF16,
+       model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b-1m", dtype="bf16",
+       max_completion_length=380_000, num_generations=8, per_device_train_batch_size=1,
+       gradient_accumulation_steps=8, offload_activations=True),
+    _p(name="8xh100_zero2", description="7B full fine-tune, bf16, ZeRO-2 on 8 GPUs, 16K-token completions",
+       target_gpu="8x NVIDIA H100 80GB", model="Qwen/Qwen2.5-7B-Instruct", architecture="qwen2.5-7b",
+       max_completion_length=16384, deepspeed_stage=2, **_8B_FULL),
+    _p(name="8xh100_zero3", description="8B full fine-tune, bf16, ZeRO-3 on 8 GPUs, 32K-token completions",
+       target_gpu="8x NVIDIA H100 80GB", model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b",
+       max_completion_length=32768, **_ZERO3, **_8B_FULL),
+    _p(name="8xh100_zero3_offload", description="8B full fine-tune, ZeRO-3 with optimizer + parameter offload "
+       "to CPU, 64K-token completions (YaRN past 32K)", target_gpu="8x NVIDIA H100 80GB", model="Qwen/Qwen3-8B",
+       architecture="qwen3-8b", max_completion_length=65536, offload_optimizer=True, offload_params=True,
+       model_init_kwargs=QWEN3_YARN, **_ZERO3, **_8B_FULL),
+    _p(name="8xh100_sp8_512k", description="Qwen3-8B QLoRA, 500K-token completions: Ulysses SP over the 8 GPUs "
+       "(each holds 1/8 of every sequence), generation on a separate `trl vllm-serve` node (YaRN factor 16)",
+       target_gpu="8x NVIDIA H100 80GB (+ a vLLM server node)", min_gpu_mem_gib=75, min_compute_capability=_BF16,
+       num_processes=8, model="Qwen/Qwen3-8B", architecture="qwen3-8b", dtype="bf16", quantization="4bit",
+       max_completion_length=500_000, num_generations=8, per_device_train_batch_size=1,
+       gradient_accumulation_steps=8, offload_activations=True, deepspeed_stage=2, sequence_parallel_size=8,
+       use_vllm=True, vllm_mode="server", model_init_kwargs=QWEN3_YARN_512K),
+    _p(name="multinode_zero3", description="Template: 2 nodes x 8 GPUs, 8B full fine-tune, ZeRO-3 (set the "
+       "address and machine_rank in the YAML)", target_gpu="2 nodes x 8 NVIDIA H100 80GB",
+       model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b", max_completion_length=32768,
+       **_ZERO3, **{**_8B_FULL, "num_processes": 16}),
+]}
+
+
+def list_presets() -> list[Preset]:
+    """Every preset, in the order of the table (`grpo-accel presets`)."""
+    return list(PRESETS.values())
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name` (or the one an accelerate_configs/<name>.yaml path names); PresetError lists the
+    valid names otherwise."""
+    key = Path(str(name)).stem if str(name).endswith((".yaml", ".yml")) else str(name)
+    if key not in PRESETS:
+        raise PresetError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU detection
+
+@dataclass(frozen=True)
+class GPUProps:
+    """What detection reads from torch.cuda.get_device_properties(0) (injectable so tests can fake GPUs)."""
+
+    name: str
+    total_memory: int  # bytes
+    major: int
+    minor: int
+    count: int = 1
+
+    @property
+    def mem_gib(self) -> float:
+        return self.total_memory / GIB
+
+
+def current_gpu_props() -> GPUProps | None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            return None
+        p = torch.cuda.get_device_properties(0)
+        return GPUProps(p.name, p.total_memory, p.major, p.minor, torch.cuda.device_count())
+    except Exception:
+        return None
+
+
+def _props(gpu) -> GPUProps | None:
+    if gpu is None or getattr(gpu, "count", 1) == 0:
+        return None
+    if isinstance(gpu, GPUProps):
+        return gpu
+    return GPUProps(gpu.name, int(gpu.total_memory), int(gpu.major), int(gpu.minor), int(getattr(gpu, "count", 1)))
+
+
+def _describe(gpu: GPUProps) -> str:
+    many = f"{gpu.count}x " if gpu.count > 1 else ""
+    return f"{many}{gpu.name} ({gpu.mem_gib:.1f} GiB, sm{gpu.major}{gpu.minor})"
+
+
+def _gpu_model(text: str) -> str | None:
+    """'t4', 'l4', 'a100', 'h100', 'h200', 'b200' from a device name ('NVIDIA GH200' is none of them)."""
+    found = re.findall(r"\b([abhlt]\d{1,3})\b", text.lower())
+    return found[0] if found else None
+
+
+def _detect(gpu) -> tuple[Preset, str]:
+    gpu = _props(gpu)
+    if gpu is None:
+        return PRESETS["cpu"], "no CUDA GPU found: cpu"
+    cc = (gpu.major, gpu.minor)
+    ok = [p for p in PRESETS.values()
+          if p.is_gpu and p.min_gpu_mem_gib <= gpu.mem_gib and tuple(p.min_compute_capability) <= cc
+          and p.num_processes <= gpu.count and p.name != "multinode_zero3"]
+    if not ok:
+        smallest = min((p for p in PRESETS.values() if p.is_gpu), key=lambda p: p.min_gpu_mem_gib)
+        sm = "".join(map(str, smallest.min_compute_capability))
+        return PRESETS["cpu"], (f"{_describe(gpu)} is below every GPU preset (smallest: {smallest.name}, "
+                                f"≥ {smallest.min_gpu_mem_gib:g} GiB, sm{sm}+): cpu")
+    model = _gpu_model(gpu.name)
+    # most processes used, then most memory, then the preset made for this GPU model (A100 vs H100 at 80 GB)
+    best = max(ok, key=lambda p: (p.num_processes, p.min_gpu_mem_gib,
+                                  model is not None and _gpu_model(p.target_gpu) == model))
+    return best, f"detected {_describe(gpu)}: {best.name}"
+
+
+def detect_preset(gpu_props="current") -> Preset:
+    """The preset for a GPU (props: name, total_memory bytes, major, minor, count); None or no GPU -> cpu."""
+    return _detect(current_gpu_props() if gpu_props == "current" else gpu_props)[0]
+
+
+def check_preset_fits_gpu(preset: Preset | str, gpu_props="current") -> None:
+    """Raise PresetError naming a preset that fits, before any weights load."""
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    gpu = _props(current_gpu_props() if gpu_props == "current" else gpu_props)
+    if not preset.is_gpu:
+        return
+    if gpu is None:
+        raise PresetError(f"preset {preset.name} needs a CUDA GPU ({preset.target_gpu}); none found: try cpu")
+    suggestion = _detect(gpu)[0].name
+    if gpu.mem_gib < preset.min_gpu_mem_gib:
+        raise PresetError(f"preset {preset.name} needs ≥ {preset.min_gpu_mem_gib:g} GiB of GPU memory, this GPU "
+                          f"({gpu.name}) has {gpu.mem_gib:.0f} GiB: try {suggestion}")
+    if (gpu.major, gpu.minor) < tuple(preset.min_compute_capability):
+        need = ".".join(map(str, preset.min_compute_capability))
+        why = "bf16 needs compute capability ≥ 8.0" if preset.dtype == "bf16" else f"it needs sm ≥ {need}"
+        raise PresetError(f"preset {preset.name} trains in {preset.dtype}: {why}, this GPU ({gpu.name}) is "
+                          f"{gpu.major}.{gpu.minor}: try {suggestion}")
+    if gpu.count < preset.num_processes and preset.name != "multinode_zero3":
+        raise PresetError(f"preset {preset.name} runs {preset.num_processes} processes, one per GPU; this machine "
+                          f"has {gpu.count}: try {suggestion}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which YAML launched us
+
+def preset_for_yaml(path) -> Preset | None:
+    """The preset of an accelerate YAML, by file stem (None for a YAML that is not one of ours)."""
+    return PRESETS.get(Path(str(path)).stem)
+
+
+def _config_file_arg(argv: list[str]) -> str | None:
+    for i, tok in enumerate(argv):
+        if tok == "--config_file" and i + 1 < len(argv):
+            return argv[i + 1]
+        if tok.startswith("--config_file="):
+            return tok.split("=", 1)[1]
+    return None
+
+
+def _read_cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [t.decode(errors="replace") for t in f.read().split(b"\0") if t]
+
+
+def _parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    return 0
+
+
+def launching_yaml(cmdline=None, max_depth: int = 12) -> Path | None:
+    """The `--config_file X.yaml` that `accelerate launch` got, from this process or its ancestors.
+
+    cmdline: a command line to read instead (str or list, for tests). Otherwise walks /proc/<pid>/cmdline from
+    this process up through its parents (accelerate -> torchrun / deepspeed launcher -> this script); a relative
+    path is resolved against that process's working directory.
+    """
+    if cmdline is not None:
+        argv = cmdline.split() if isinstance(cmdline, str) else list(cmdline)
+        found = _config_file_arg(argv)
+        return Path(found) if found else None
+    pid = os.getpid()
+    for _ in range(max_depth):
+        if pid <= 1:
+            break
+        try:
+            found = _config_file_arg(_read_cmdline(pid))
+            if found:
+                path = Path(found)
+                if not path.is_absolute():
+                    try:
+                        path = Path(os.readlink(f"/proc/{pid}/cwd")) / path
+                    except OSError:
+                        pass
+                return path
+            pid = _parent_pid(pid)
+        except OSError:  # not Linux, or a parent we may not read
+            break
+    return None
+
+
+def select_preset(cli_preset: str | None = None, cmdline=None, gpu_props="current") -> tuple[Preset, str]:
+    """(preset, why): --preset wins; else the launching YAML's preset; else the detected GPU's."""
+    if cli_preset:
+        return get_preset(cli_preset), f"--preset {cli_preset} on the command line"
+    yaml_path = launching_yaml(cmdline)
+    if yaml_path is not None:
+        preset = preset_for_yaml(yaml_path)
+        if preset is not None:
+            return preset, f"launched with --config_file {yaml_path}"
+    preset, why = _detect(current_gpu_props() if gpu_props == "current" else gpu_props)
+    if yaml_path is not None:
+        why = f"{yaml_path.name} is not a grpo_accel preset YAML; {why}"
+    return preset, why
+
+
+def preset_table_rows() -> list[dict]:
+    rows = []
+    for p in PRESETS.values():
+        rows.append(dict(name=p.name, gpu=p.target_gpu, model=p.model, precision=p.precision,
+                         lora_r=p.lora_r or "full", completion=p.max_completion_length, generations=p.num_generations,
+                         peak_gib=round(p.plan().peak_gib, 1), yaml=p.yaml))
+    return rows
+
+
+__all__ = ["CONFIG_DIR", "GPUProps", "PRESETS", "Preset", "PresetError", "check_preset_fits_gpu",
+           "current_gpu_props", "detect_preset", "get_preset", "launching_yaml", "list_presets", "preset_for_yaml",
+           "preset_table_rows", "select_preset"]

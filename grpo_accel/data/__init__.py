@@ -1,0 +1,1 @@
+"""Models (the embedded default, tiny test models, hub loading), datasets, rewards and held-out evaluation."""

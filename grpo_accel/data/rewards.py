@@ -1,0 +1,173 @@
+"""Rewards and answer extraction for math prompts.
+
+Two readings of a completion's answer:
+- strict: an explicit final answer (`Answer: N`, `The answer is N`, `\\boxed{N}`, GSM8K's `#### N`);
+- lenient: the strict one if present, else the last number in the text ("last-number fallback").
+Numbers are read robustly: `1,234`, `$12`, `12 apples`, `12.`, `12.0`, `-5`, `3/4` (a fraction
+counts only when it is exact).
+
+Rewards follow the recipe measured in DESIGN.md: 1.0 for a correct (lenient) answer, +0.2 for a
+strict final line. TRL calls them as `f(prompts, completions, answer=[...], **kwargs) -> list[float]`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from fractions import Fraction
+
+from grpo_accel.core.errors import UserError
+
+_NUM = r"-?\$?\s?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?"
+_STRICT_PATTERNS = [
+    re.compile(r"\\boxed\{\s*(" + _NUM + r")[^}]*\}"),
+    re.compile(r"####\s*(" + _NUM + ")"),
+    re.compile(r"(?:final\s+)?answer\s*(?:is|:|=)\s*\**\s*(" + _NUM + ")", re.IGNORECASE),
+]
+_ANY_NUMBER = re.compile(_NUM)
+# The format reward wants the answer as the last line, e.g. "Answer: 12" or "The answer is 12."
+_FINAL_LINE = re.compile(
+    r"(?:^|\n)\s*(?:\*\*)?(?:final\s+)?(?:answer:|the answer is)\s*\**\s*" + _NUM + r"\s*\**\.?\s*$",
+    re.IGNORECASE,
+)
+
+
+def parse_number(text: str) -> Fraction | None:
+    """'$1,234.50' → 1234.5, '-3' → -3, '3/4' → 3/4; None when it is not a number."""
+    cleaned = text.replace("$", "").replace(",", "").replace(" ", "").rstrip(".")
+    try:
+        if "/" in cleaned:
+            num, den = cleaned.split("/")
+            return Fraction(num) / Fraction(den) if Fraction(den) != 0 else None
+        return Fraction(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def completion_text(completion) -> str:
+    """TRL passes conversational completions as [{'role': 'assistant', 'content': ...}]."""
+    if isinstance(completion, list):
+        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def extract_answer(text: str, mode: str = "lenient") -> Fraction | None:
+    """The completion's final answer as a number, or None. `mode`: 'strict' | 'lenient'."""
+    for pattern in _STRICT_PATTERNS:
+        matches = pattern.findall(text)
+        if matches:
+            return parse_number(matches[-1])
+    if mode == "strict":
+        return None
+    numbers = _ANY_NUMBER.findall(text)
+    return parse_number(numbers[-1]) if numbers else None
+
+
+def is_correct(text: str, answer: str, mode: str = "lenient") -> bool:
+    got, want = extract_answer(text, mode), parse_number(str(answer))
+    return got is not None and want is not None and got == want
+
+
+def has_strict_format(text: str) -> bool:
+    return bool(_FINAL_LINE.search(text.strip()))
+
+
+def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the (lenient) final answer equals the reference, else 0.0."""
+    return [float(is_correct(completion_text(c), a)) for c, a in zip(completions, answer)]
+
+
+def format_reward(prompts, completions, **kwargs) -> list[float]:
+    """0.2 for a strict final line `Answer: N` / `The answer is N.`, else 0.0."""
+    return [0.2 * has_strict_format(completion_text(c)) for c in completions]
+
+
+REWARDS = {"correctness": correctness_reward, "format": format_reward}
+DEFAULT_REWARDS = (correctness_reward, format_reward)
+
+
+def resolve_rewards(spec: str) -> list:
+    """'correctness,format' or 'my_pkg.my_module:my_reward' (any importable function), comma-separated."""
+    import importlib
+
+    funcs = []
+    for name in [s.strip() for s in spec.split(",") if s.strip()]:
+        if name in REWARDS:
+            funcs.append(REWARDS[name])
+            continue
+        module, _, attr = name.partition(":")
+        try:
+            func = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise RewardFunctionError(
+                f"reward {name!r} is neither built in ({', '.join(REWARDS)}) nor an importable "
+                f"'module:function' ({type(exc).__name__}: {exc}). Fix: check the name and PYTHONPATH."
+            ) from exc
+        if not callable(func):
+            raise RewardFunctionError(f"reward {name!r} is a {type(func).__name__}, not a function. Fix: point "
+                                      f"--rewards at a function (prompts, completions, **columns) -> list of floats.")
+        funcs.append(func)
+    if not funcs:
+        raise RewardFunctionError(f"no reward functions in {spec!r}. Fix: e.g. --rewards correctness,format")
+    return funcs
+
+
+def accuracy(texts: list[str], answers: list[str]) -> dict[str, float]:
+    """Strict and lenient accuracy of a batch of completions (fractions in [0, 1])."""
+    n = max(len(texts), 1)
+    return {
+        "accuracy_strict": sum(is_correct(t, a, "strict") for t, a in zip(texts, answers)) / n,
+        "accuracy_lenient": sum(is_correct(t, a, "lenient") for t, a in zip(texts, answers)) / n,
+    }
+
+
+class RewardFunctionError(UserError, RuntimeError):
+    pass
+
+
+# A reward that returns None for a whole batch this many times in a row is broken, not "not applicable"
+# (with several rewards a batch may legitimately hold no row for one of them); the only reward: at once.
+ALL_NONE_BATCHES = 3
+
+
+def guarded(func, sole: bool = False):
+    """Wrap a reward function so its failures are loud and named, never a silent 0.
+
+    Raises RewardFunctionError naming the function when it raises, returns the wrong number of
+    rewards, or returns NaN/inf. None entries are allowed (TRL treats them as "not applicable"), but None for
+    every completion of a batch (`sole`: the run's only reward; else ALL_NONE_BATCHES batches in a row) would
+    train on a blank column and raises.
+    """
+    name = getattr(func, "__name__", type(func).__name__)
+    all_none = [0]
+
+    @functools.wraps(func)
+    def wrapper(prompts, completions, **kwargs):
+        try:
+            rewards = func(prompts=prompts, completions=completions, **kwargs)
+        except Exception as exc:
+            raise RewardFunctionError(
+                f"reward function {name!r} raised {type(exc).__name__}: {exc}. "
+                f"Fix the function (it gets prompts, completions and the dataset's columns as keyword arguments)."
+            ) from exc
+        if rewards is None or len(rewards) != len(completions):
+            got = "None" if rewards is None else len(rewards)
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {got} rewards for {len(completions)} completions. "
+                f"Fix: return one float (or None) per completion."
+            )
+        all_none[0] = all_none[0] + 1 if all(r is None for r in rewards) else 0
+        if all_none[0] >= (1 if sole else ALL_NONE_BATCHES):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned None for every completion ({all_none[0]} batch(es) in a row): "
+                f"the run would train on a blank reward. Fix: return a float per completion (None only for rows "
+                f"the reward does not apply to).")
+        bad = [r for r in rewards if r is not None and not math.isfinite(float(r))]
+        if bad:
+            raise RewardFunctionError(
+                f"reward function {name!r} returned non-finite rewards {bad[:3]}. Fix: return finite floats or None."
+            )
+        return rewards
+
+    return wrapper

@@ -1,0 +1,2 @@
+"""Generation for the trainer: colocated vLLM sharing the training model's weights (vllm_colocate.py), the choice of
+engine, its size and seed, and the fallback to transformers' generate() (vllm_setup.py)."""

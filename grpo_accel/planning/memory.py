@@ -1,0 +1,391 @@
+"""Memory planner: predicts the peak footprint of one GRPO step (what a run measures: phase_memory.py).
+
+    plan = plan_memory(model_shape("qwen3-8b"), dtype="bf16", quantization="4bit", lora_r=16, num_generations=8,
+                       max_prompt_length=512, max_completion_length=110_000, per_device_train_batch_size=1,
+                       offload_activations=True, use_vllm=True, vllm_share_weights=True)
+    print(plan.format()); print(plan.verdict(80 * 2**30))
+    grpo-accel plan --preset h100_110k          # the same from the command line
+
+A prediction, not a measurement: every term is a formula over the shape (L layers, hidden H, intermediate I,
+vocab V) and the batch (B sequences of T = prompt + completion tokens per forward/backward, N_c = B * completion
+tokens scored by the log-prob head). tests/test_memory.py checks it against a measured CPU step.
+Terms are summed as if they were alive at once (the backward of the first layer is where they are); with
+`vllm_sleep` the generation-only terms (KV cache, engine runtime) are released while training runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grpo_accel.core.dtypes import dtype_bytes
+from grpo_accel.core.units import GIB, MIB
+from grpo_accel.planning.architectures import ModelShape, model_shape
+
+# bitsandbytes NF4 with double quantization: 4 bits per weight, an 8-bit absmax per 64-weight block, and an fp32
+# scale per 256 blocks.
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# Assumptions (not measured here): what the CUDA context, cuBLAS workspaces and NCCL take outside
+# torch.cuda.max_memory_allocated, and the caching allocator's fragmentation on top of the live bytes.
+CUDA_CONTEXT_BYTES = 1 * GIB
+FRAGMENTATION = 0.05
+# vLLM's own working memory besides weights and KV cache (CUDA graphs, sampler, prefill activations): assumed.
+VLLM_RUNTIME_BYTES = 1 * GIB
+RECOMPUTE_TOKENS = 16384  # grpo_accel.offload.OffloadConfig.recompute_tokens (test_memory checks they agree)
+TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py, trl/trainer/utils.py (TRL 1.16)
+LOGPROB_IMPLS = ("trl", "chunked", "triton", "auto")  # what --logprob_impl takes (GRPOAccelConfig)
+PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the naive baseline (benchmarks)
+
+# Device-side terms; "peak" is their sum. Generation-only terms are released during training with vllm_sleep.
+DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "activations_checkpointed",
+                "recompute_working_set", "sp_all_to_all", "logprob_workspace", "vllm_weights", "vllm_kv_cache",
+                "vllm_runtime", "allocator_margin")
+GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime")
+TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_working_set", "sp_all_to_all",
+                            "logprob_workspace")
+
+
+def layer_saved_bytes_per_token(shape: ModelShape, act_bytes: int, lora_r: int) -> float:
+    """Bytes one decoder layer saves for its backward, per token (HF Llama/Qwen layer, SDPA/flash attention).
+
+    a = activation bytes (2 for bf16/fp16, 4 for fp32). Counted from what autograd keeps:
+      two RMSNorms, each: the fp32 upcast of its input (4H), the normalized tensor (aH), the output (aH)
+      q, k, v projection outputs (q + 2kv), the rotate_half copies of q and k (q + kv), rotated q and k (q + kv)
+      attention output as SDPA saves it plus o_proj's contiguous input (2q), logsumexp (4 bytes x heads)
+      MLP: gate, silu(gate), up, silu(gate)*up (4I)
+      Qwen3 q/k norms: the same three tensors per RMSNorm on q and kv
+      LoRA on the 7 linears: each lora_B saves lora_A's output (r); inputs are shared with the base layer.
+    Measured on CPU (fp32, SmolLM2-135M shape, no checkpointing): 51.6 KB vs 53.5 KB predicted per token-layer.
+    """
+    H, I, q, kv, a = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, act_bytes
+    norms = 2 * (4 * H + 2 * a * H)
+    attention = a * (5 * q + 4 * kv) + 4 * shape.heads
+    mlp = a * 4 * I
+    qk_norm = (4 + 2 * a) * (q + kv) if shape.qk_norm else 0
+    return norms + attention + mlp + qk_norm + 7 * lora_r * a
+
+
+def layer_backward_transient_per_token(shape: ModelShape, act_bytes: int) -> int:
+    """Gradients alive while one layer runs backward: d(out), d(in) [H each] and two MLP-sized grads [I each]."""
+    return act_bytes * (2 * shape.hidden + 2 * shape.intermediate)
+
+
+def auto_logprob_block(n_tokens: int, vocab: int, device: str, act_bytes: int, chunk: int | None = None):
+    """(chunk tokens, vocab tile, bytes of the live blocks): the kernel's own block planning
+    (grpo_accel.ops.logprobs.plan_blocks_for_budget) at the budget it takes with >= 16 GiB free."""
+    from grpo_accel.ops.logprobs import live_blocks, plan_blocks_for_budget, planned_budget_bytes
+
+    bpe = 4 * live_blocks(None, True) + (2 if act_bytes == 2 else 0)  # fp32 blocks (+ entropy grad) + a half copy
+    chunk, tile = plan_blocks_for_budget(n_tokens, vocab, device, planned_budget_bytes(device), bpe, chunk)
+    return chunk, tile, chunk * tile * bpe
+
+
+def _logprob_workspace(impl, shape, n_c, a, device, chunk_tokens, head_trainable) -> int:
+    """Bytes of the log-prob head beyond the hidden states it reads ([N_c, H], counted with the activations)."""
+    V, H = shape.vocab, shape.hidden
+    if impl == "naive":
+        # logits.float().log_softmax(-1).gather(): in backward the saved log-softmax output, gather's dense
+        # gradient and log_softmax's input gradient are alive at once: 3 fp32 [N_c, V] (measured 2.8 on CPU).
+        return 3 * n_c * V * 4
+    grad_w = V * H * 4 if head_trainable else 0  # fp32 accumulator of the lm_head gradient (full fine-tune)
+    if impl == "trl":
+        # TRL's ChunkedLogProbFunction: one [4096, 32768] GEMM tile in the compute dtype, fp32 d(hidden) [N_c, H],
+        # 7 fp32 per-token statistics
+        return min(n_c, TRL_TOKEN_CHUNK) * min(V, TRL_VOCAB_CHUNK) * a + n_c * H * 4 + 7 * n_c * 4 + grad_w
+    chunk, _, blocks = auto_logprob_block(n_c, V, device, a, chunk_tokens)
+    if a == 2 and device == "cuda" and chunk >= n_c:
+        grad_w = 0  # one token chunk: the d(weight) GEMMs write the half-precision gradient directly
+    # ours: the live blocks, d(hidden) [N_c, H] in the hidden dtype, lse / logp / entropy fp32 per token
+    return blocks + n_c * H * a + 3 * n_c * 4 + grad_w
+
+
+def _weights_bytes(shape: ModelShape, dtype_bytes: int, quantization: str) -> float:
+    if quantization == "4bit":  # QLoRA: decoder linears in NF4; embeddings, lm_head, norms in the compute dtype
+        linear = shape.layers * shape.layer_linear_params
+        return linear * NF4_BYTES_PER_PARAM + (shape.n_params - linear) * dtype_bytes
+    return shape.n_params * dtype_bytes
+
+
+def _kv_bytes_per_token(shape: ModelShape, a: int) -> int:
+    return 2 * shape.layers * shape.kv_dim * a  # K and V, every layer
+
+
+def engine_shares_weights(use_vllm: bool, lora_r: int, quantization: str, vllm_share_weights: bool = True) -> bool:
+    """The colocated engine's base weights are the trainer's only with LoRA on unquantized weights: a 4-bit engine
+    quantizes its own copy, and full fine-tuning keeps a copy the optimizer cannot move under a generation."""
+    return bool(use_vllm and lora_r > 0 and quantization == "none" and vllm_share_weights)
+
+
+def _rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pieces: bool, tokens) -> float:
+    """One layer's backward re-run (its saved tensors + backward transients, `per_token` bytes each). With offload
+    and without ZeRO-3 (any number of processes: the checkpoint returns parameter grads once) it runs in pieces of
+    <= `tokens` tokens (OffloadConfig.recompute_tokens): row groups while a row fits (grpo_accel.offload.rerun),
+    sequence tiles past that (grpo_accel.tiling.layer), whose full-length tensors stay: d(out) and d(in) [H], K and V
+    [kv_dim] in the compute dtype, dK and dV in fp32."""
+    if not pieces or not tokens:
+        return B * T * per_token
+    if T <= tokens:
+        return min(B, max(1, tokens // T)) * T * per_token
+    return tokens * per_token + T * (2 * shape.hidden * a + 2 * shape.kv_dim * (a + 4))
+
+
+def _sp_rerun_bytes(shape: ModelShape, a: int, B: int, T: int, sp: int, per_token: float, pieces: bool,
+                    tokens) -> float:
+    """Under Ulysses SP, one layer's re-run on shards of T tokens a row: as `_rerun_bytes` while a shard row fits a
+    piece; past that in sequence tiles (grpo_accel.parallel.ulysses_tiles) whose full-length tensors are the shard's d(out),
+    d(in) [H] and dq [q_dim] in the compute dtype, and the whole sequence's (sp·T) K, V, one tile's full-length
+    d(K), d(V) and the fp32 dK, dV sums for this rank's heads/sp of the kv heads (repeated up to sp when fewer)."""
+    if not pieces or not tokens or T <= tokens:
+        return _rerun_bytes(shape, a, B, T, per_token, pieces, tokens)
+    kv = max(shape.kv_heads, sp) * shape.head_dim // sp
+    return tokens * per_token + T * (2 * shape.hidden + shape.q_dim) * a + sp * T * 2 * kv * (2 * a + 4)
+
+
+def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
+                max_completion_length=1024, per_device_train_batch_size=8, gradient_checkpointing=True,
+                offload_activations=False, logprob_impl="auto", logprob_chunk_size=None, use_vllm=False,
+                vllm_share_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
+                offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
+                recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
+                sequence_parallel_size=1) -> MemoryPlan:
+    """Predicted per-device bytes of one GRPO training step (see the module docstring)."""
+    inputs = {k: v for k, v in locals().items() if k != "shape"}
+    shape = model_shape(shape)
+    if logprob_impl not in PLANNED_LOGPROB_IMPLS:
+        raise ValueError(f"logprob_impl={logprob_impl!r}: use one of {PLANNED_LOGPROB_IMPLS}")
+    if quantization not in ("none", "4bit"):
+        raise ValueError(f"quantization={quantization!r}: use 'none' or '4bit'")
+    if quantization == "4bit" and lora_r <= 0:
+        raise ValueError("quantization='4bit' trains adapters only: set lora_r > 0 (QLoRA)")
+    a = dtype_bytes(dtype)  # weights of non-quantized parts and activations use the compute dtype
+    B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
+    T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
+    # Ulysses SP (grpo_accel.parallel.sequence_parallel): an SP group of sp GPUs shares its B rows (per_device_train_batch_size
+    # counts rows per group), each GPU runs T/sp tokens of each row (row groups or sequence tiles in the re-run) and
+    # scores its shard; generation's KV cache (a colocated engine generates whole sequences) does not shrink
+    sp = max(int(sequence_parallel_size or 1), 1)
+    T_gpu, rows = -(-T // sp), B
+    n_tok, n_c = rows * T_gpu, -(-B * max_completion_length // sp)  # tokens through the layers / scored by the head
+    world = max(num_processes, 1) if deepspeed_stage else 1
+    dev, host = {}, {}
+
+    # weights: base model; ZeRO-3 shards them and gathers ~2 layers plus the embedding at a time
+    weights = _weights_bytes(shape, a, quantization)
+    if deepspeed_stage >= 3:
+        gathered = (2 * shape.layer_linear_params + shape.vocab * H) * a
+        host["weights"] = weights / world if offload_params else 0
+        weights = gathered + (0 if offload_params else weights / world)
+    dev["weights"] = weights
+    # trainable params: LoRA adapters live in fp32 (PEFT upcasts them); full fine-tune trains the weights above
+    trainable = shape.lora_params(lora_r) if lora_r > 0 else shape.n_params
+    dev["lora_weights"] = trainable * 4 if lora_r > 0 else 0
+    grad_bytes = 4 if lora_r > 0 else a
+    dev["gradients"] = trainable * grad_bytes / (world if deepspeed_stage >= 2 else 1)
+    # optimizer: fp32 master copy when the trained weights are not fp32, then Adam m and v (fp32, or 1 byte each
+    # for 8-bit Adam); ZeRO-1+ shards them, offload_optimizer moves them to host
+    master = 4 if (lora_r <= 0 and a != 4) else 0
+    moments = {"adamw": 8, "adamw_8bit": 2, "sgd": 0}[optimizer]
+    opt = trainable * (master + moments) / (world if deepspeed_stage >= 1 else 1)
+    dev["optimizer_states"], host["optimizer_states"] = (0, opt) if offload_optimizer else (opt, 0)
+
+    # activations
+    saved = layer_saved_bytes_per_token(shape, a, lora_r)
+    transient = layer_backward_transient_per_token(shape, a)
+    if gradient_checkpointing:
+        # each layer's input [B, T, H] plus the final hidden states fed to the head: (L + 1) tensors;
+        # offload keeps <= 2 of them on the device (the one in use and the one being prefetched), plus the first
+        # ones up to offload_device_budget_bytes (OffloadConfig.device_budget_bytes, grpo_accel.offload.residency)
+        ckpt, layer_input = (L + 1) * n_tok * H * a, n_tok * H * a
+        kept = min(L - 1, int(offload_device_budget_bytes // layer_input)) if offload_activations else 0
+        on_device = min(2 + max(kept, 0), L + 1) * layer_input if offload_activations else ckpt
+        dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
+        pieces = offload_activations and deepspeed_stage < 3
+        dev["recompute_working_set"] = (
+            _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, recompute_tokens) if sp == 1 else
+            _sp_rerun_bytes(shape, a, rows, T_gpu, sp, saved + transient, pieces, recompute_tokens))
+    else:
+        dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
+        dev["recompute_working_set"] = n_tok * transient
+    # Ulysses all-to-all: q, k, v and the attention output of one layer call, each once as sent and once as received
+    # ([T/sp, all heads] <-> [T, heads/sp]: the same bytes), for the rows of one re-run piece, or one sequence tile
+    # of a longer shard (all rows without offload); kv heads repeated up to sp when fewer (DeepSpeed)
+    kv_dim = max(shape.kv_heads, sp) * shape.head_dim
+    pieces = gradient_checkpointing and offload_activations and deepspeed_stage < 3 and recompute_tokens
+    a2a_tokens = (min(rows, max(1, recompute_tokens // T_gpu)) * T_gpu if T_gpu <= recompute_tokens else
+                  recompute_tokens) if pieces else n_tok
+    dev["sp_all_to_all"] = 2 * a2a_tokens * (2 * shape.heads * shape.head_dim + 2 * kv_dim) * a if sp > 1 else 0
+    head_trainable = lora_r <= 0
+    dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_size,
+                                                  head_trainable)
+    # generation: vLLM's weights (none when it shares the training model's base weights) and a KV cache that must
+    # hold vllm_kv_seqs full-length sequences (vLLM refuses to start below one)
+    vllm_weights_bytes = _weights_bytes(shape, a, quantization)
+    dev["vllm_weights"] = vllm_weights_bytes if use_vllm and not vllm_share_weights else 0
+    dev["vllm_kv_cache"] = vllm_kv_seqs * T * _kv_bytes_per_token(shape, a) if use_vllm else 0
+    dev["vllm_runtime"] = VLLM_RUNTIME_BYTES if use_vllm else 0
+    live = sum(dev.values()) - (min(sum(dev[k] for k in GENERATION_TERMS),
+                                    sum(dev[k] for k in TRAINING_TRANSIENT_TERMS)) if vllm_sleep else 0)
+    dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
+    return MemoryPlan(shape, inputs, {k: int(dev[k]) for k in DEVICE_TERMS}, {k: int(v) for k, v in host.items()})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    fits: bool
+    peak_bytes: int
+    gpu_bytes: int
+    fixes: tuple = ()  # (description, predicted peak bytes, fits alone)
+    message: str = ""
+
+    def __str__(self):
+        return self.message
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    shape: ModelShape
+    inputs: dict
+    device: dict  # term -> bytes on each device (DEVICE_TERMS)
+    host: dict = field(default_factory=dict)  # term -> bytes in host memory per process
+
+    @property
+    def peak_bytes(self) -> int:
+        total = sum(self.device.values())
+        if self.inputs.get("vllm_sleep"):
+            total -= min(sum(self.device[k] for k in GENERATION_TERMS),
+                         sum(self.device[k] for k in TRAINING_TRANSIENT_TERMS))
+        return int(total)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    @property
+    def vllm_bytes(self) -> int:
+        """What vLLM's gpu_memory_utilization budget must cover: its weights (the shared ones too), KV, runtime."""
+        shared = self.device["weights"] if self.inputs["use_vllm"] and self.inputs["vllm_share_weights"] else 0
+        return int(shared + sum(self.device[k] for k in ("vllm_weights", "vllm_kv_cache", "vllm_runtime")))
+
+    def replan(self, **changes) -> MemoryPlan:
+        return plan_memory(self.shape, **{**self.inputs, **changes})
+
+    def format(self) -> str:
+        lines = [f"{'term':<26}{'GiB':>10}"]
+        lines += [f"{k:<26}{v / GIB:>10.2f}" for k, v in self.device.items() if v]
+        lines.append(f"{'peak (device)':<26}{self.peak_gib:>10.2f}")
+        lines += [f"{'host: ' + k:<26}{v / GIB:>10.2f}" for k, v in self.host.items() if v]
+        return "\n".join(lines)
+
+    def verdict(self, gpu_mem_bytes: int) -> Verdict:
+        return _verdict(self, int(gpu_mem_bytes))
+
+
+def _largest_fitting(plan: MemoryPlan, key: str, hi: int, gpu: int, step: int = 1):
+    """Largest value of integer input `key` in [1, hi) that fits, by bisection (the peak grows with it)."""
+    lo = 1
+    if plan.replan(**{key: lo}).peak_bytes > gpu:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan.replan(**{key: mid}).peak_bytes <= gpu else (lo, mid)
+    return lo // step * step if lo >= step else lo
+
+
+def fit_host(plan: MemoryPlan, host_bytes: int | None) -> MemoryPlan:
+    """`plan` with its offloaded layer inputs fitted to `host_bytes` of host memory: what the host cannot hold stays
+    on the device (offload_device_budget_bytes, whole layer inputs), the rest goes to host. Unchanged when it fits."""
+    inp = plan.inputs
+    over = sum(plan.host.values()) - host_bytes if host_bytes is not None else 0
+    if over <= 0 or not (inp["offload_activations"] and inp["gradient_checkpointing"]):
+        return plan
+    layer_input = (plan.device["activations_checkpointed"] + plan.host["activations_offloaded"]) // (
+        plan.shape.layers + 1)  # checkpointing keeps L layer inputs and the head's, all [B, T, H]
+    budget = -(-over // layer_input) * layer_input + inp["offload_device_budget_bytes"]
+    return plan.replan(offload_device_budget_bytes=budget)
+
+
+def find_max_completion_length(plan: MemoryPlan, gpu_bytes: int, host_bytes: int | None = None, step: int = 128,
+                               limit: int = 1 << 22) -> tuple[int, MemoryPlan | None]:
+    """(longest max_completion_length, a multiple of `step`, whose plan fits `gpu_bytes` on the device and
+    `host_bytes` of host memory (None: unchecked), that plan) or (0, None). Layer inputs the host cannot hold stay
+    on the device (`fit_host`). Doubling from `step`, then bisection: the peak grows with the length."""
+    def fitted(t):
+        p = fit_host(plan.replan(max_completion_length=t), host_bytes)
+        ok = p.peak_bytes <= gpu_bytes and (host_bytes is None or sum(p.host.values()) <= host_bytes)
+        return p if ok else None
+
+    lo, hi = 0, step
+    while hi <= limit and fitted(hi) is not None:
+        lo, hi = hi, hi * 2
+    if lo == 0:
+        return 0, None
+    hi = min(hi, limit + step)
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fitted(mid) is not None else (lo, mid)
+    return lo, fitted(lo)
+
+
+def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
+    p, inp = plan.peak_bytes, plan.inputs
+    head = f"predicted peak {p / GIB:.1f} GiB of {gpu / GIB:.1f} GiB"
+    if p <= gpu:
+        return Verdict(True, p, gpu, (), f"fits: {head} ({(gpu - p) / GIB:.1f} GiB headroom)")
+    toggles = []
+    if inp["gradient_checkpointing"] and not inp["offload_activations"]:
+        toggles.append(("--offload_activations true", dict(offload_activations=True)))
+    if not inp["gradient_checkpointing"]:
+        toggles.append(("--gradient_checkpointing true", dict(gradient_checkpointing=True)))
+    if inp["logprob_impl"] in ("naive", "trl"):
+        toggles.append(("--logprob_impl auto (fused head)", dict(logprob_impl="auto")))
+    if inp["use_vllm"] and not inp["vllm_share_weights"] and inp["lora_r"] > 0:
+        toggles.append(("--vllm_share_weights true", dict(vllm_share_weights=True)))
+    if inp["use_vllm"]:
+        toggles.append(("--use_vllm false (generate with transformers)", dict(use_vllm=False)))
+    if inp["quantization"] == "none" and inp["lora_r"] > 0:
+        toggles.append(("--quantization 4bit (QLoRA)", dict(quantization="4bit")))
+    if inp["lora_r"] <= 0:
+        toggles.append(("--lora_r 16 (LoRA instead of all weights)", dict(lora_r=16)))
+    fixes = [(text, plan.replan(**chg).peak_bytes) for text, chg in toggles]
+    if inp["per_device_train_batch_size"] > 1:
+        b = _largest_fitting(plan, "per_device_train_batch_size", inp["per_device_train_batch_size"], gpu)
+        if b:
+            fixes.append((f"--per_device_train_batch_size {b}", plan.replan(per_device_train_batch_size=b).peak_bytes))
+    t = _largest_fitting(plan, "max_completion_length", inp["max_completion_length"], gpu, step=128)
+    if t:
+        fixes.append((f"--max_completion_length {t}", plan.replan(max_completion_length=t).peak_bytes))
+    combined = plan.replan(**{k: v for _, chg in toggles for k, v in chg.items()}) if toggles else None
+    fixes = [(text, peak, peak <= gpu) for text, peak in sorted(fixes, key=lambda f: f[1])]
+    parts = [f"{text} (-> {peak / GIB:.1f} GiB{', fits' if ok else ''})" for text, peak, ok in fixes]
+    # each fix is a launch/train.py flag (tests/test_cli.py holds them to the parser)
+    msg = f"does not fit: {head}, short by {(p - gpu) / GIB:.1f} GiB. Fixes, each alone: " + "; ".join(parts)
+    if combined is not None and not any(ok for *_, ok in fixes):
+        msg += f". All switches together: {combined.peak_gib:.1f} GiB" + (
+            ", fits" if combined.peak_bytes <= gpu else ": still too big, use a bigger GPU or a smaller model")
+    return Verdict(False, p, gpu, tuple(fixes), msg)
+
+
+def vllm_memory_fraction(plan: MemoryPlan, gpu_bytes: int, cap: float = 0.95) -> float:
+    """vLLM's gpu_memory_utilization: everything the training side leaves, rounded down to 0.001.
+
+    The engine checks at start that this fraction of the GPU is free; its KV cache then gets what remains of the
+    fraction after its weights and runtime, so giving it all the leftover maximizes concurrent generations.
+    """
+    training_only = plan.peak_bytes - plan.vllm_bytes
+    fraction = min(cap, int((gpu_bytes - training_only) / gpu_bytes * 1000) / 1000)
+    if fraction * gpu_bytes < plan.vllm_bytes:
+        raise ValueError(f"vLLM needs {plan.vllm_bytes / GIB:.1f} GiB but training leaves "
+                         f"{max(fraction, 0) * gpu_bytes / GIB:.1f} GiB: {plan.verdict(gpu_bytes)}")
+    return fraction
+
+
+def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
+    """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
+    inp = plan.inputs
+    per_seq = (inp["max_prompt_length"] + inp["max_completion_length"]) * _kv_bytes_per_token(
+        plan.shape, dtype_bytes(inp["dtype"]))
+    budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
+    return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
+
+
+__all__ = ["GIB", "MemoryPlan", "Verdict", "auto_logprob_block", "kv_cache_sequences", "layer_saved_bytes_per_token",
+           "plan_memory", "vllm_memory_fraction", "find_max_completion_length", "fit_host"]

@@ -1,0 +1,310 @@
+"""GRPOAccelTrainer: TRL's GRPOTrainer with grpo_accel's memory savers plugged into its hooks.
+
+Overrides as little as possible; the loss math stays TRL's (`_compute_loss`), so our numbers are
+TRL's numbers. What it adds:
+- `_get_per_token_logps_and_entropies` (TRL's one hook for the policy, old and reference log-probs)
+  goes through our fused head (`logprob_impl`: chunked / triton / auto; "trl" keeps TRL's own), in
+  mini-batches of `logprob_mini_batch` rows;
+- activation offload installed as the model's gradient-checkpointing function (`offload_activations`);
+- reward functions are wrapped so a failing one is named in a clear error, never a silent 0;
+- per-phase peak memory (generation, old/ref log-probs, policy forward, backward, optimizer step)
+  logged with every step (`telemetry.py`);
+- `use_vllm=True, vllm_mode="colocate"`: one in-process engine whose base weights are the training model's
+  (LoRA), sized by the memory planner, the adapter pushed from memory after each optimizer step
+  (`vllm_setup.py`, `vllm_colocate.py`). Without vLLM, one line says generation falls back to generate().
+Every patch a saver makes (the models' forwards, checkpointing function, attention registrations) is undone when
+train() ends, however it ends (`close()`, `patches.py`): a second model in the same process runs stock code.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+
+import torch
+from trl import GRPOTrainer
+
+from grpo_accel._compat.hook_leak import dedupe_input_require_grads
+from grpo_accel.core.console import log
+from grpo_accel.core.model_access import causal_lm_of
+from grpo_accel.core.patches import Patches
+from grpo_accel.core.processes import several_processes
+from grpo_accel.data.rewards import guarded
+from grpo_accel.generation.vllm_colocate import attach_shared_vllm
+from grpo_accel.generation.vllm_setup import colocated_route, start_colocated_engine
+from grpo_accel.head.logprob_head import head_unsupported_reason, install_logprob_head
+from grpo_accel.offload import OffloadConfig, install_activation_offload, remove_activation_offload, resolve_offload
+from grpo_accel.offload.residency import host_budget_per_process
+from grpo_accel.ops.select import triton_usable
+from grpo_accel.parallel.packing import (
+    ATTN_NAME,
+    SEGMENTS_KWARG,
+    default_token_budget,
+    enable_packed_attention,
+    pack_rows,
+    packable_lengths,
+    packed_forward_context,
+    packing_unsupported_reason,
+    plan_micro_batches,
+    split_to_count,
+    unpack,
+)
+from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGuard
+from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
+from grpo_accel.trainer.callbacks.preemption import Preemption
+from grpo_accel.trainer.callbacks.telemetry import PhaseTelemetry
+from grpo_accel.trainer.config import GRPOAccelConfig
+
+# Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
+FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
+
+
+class GRPOAccelTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer with the memory savers wired into its hooks: the fused log-prob head and padding-free
+    packing in `_get_per_token_logps_and_entropies`, activation offload and sequence tiles as the model's
+    gradient-checkpointing function, Ulysses SP around the policy forward, a colocated vLLM engine that shares the
+    training model's weights as `vllm_generation`. Everything it adds is undone by `close()` (end of `train()`)."""
+
+    def __init__(self, model, reward_funcs, args: GRPOAccelConfig | None = None, vllm_engine=None, **kwargs):
+        """As GRPOTrainer; `vllm_engine`: an engine already started with `vllm_setup.start_colocated_engine`
+        whose training model is `model` (else one is started here when args ask for colocated vLLM)."""
+        if not isinstance(reward_funcs, (list, tuple)):
+            reward_funcs = [reward_funcs]
+        # Reward models (nn.Module) and hub ids (str) are TRL's business; plain functions get the guard.
+        reward_funcs = [f if isinstance(f, (str, torch.nn.Module)) else guarded(f, sole=len(reward_funcs) == 1)
+                        for f in reward_funcs]
+        if vllm_engine is None and args is not None and args.use_vllm and args.vllm_mode == "colocate":
+            vllm_engine, model = self._start_engine(model, args, kwargs)
+        if vllm_engine is not None:
+            args.use_vllm = False  # TRL must not start its own engine: a second copy of the weights
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        self.vllm_engine = vllm_engine
+        if vllm_engine is not None:
+            args.use_vllm = True
+            attach_shared_vllm(self, vllm_engine)
+        self.learning_signal = LearningSignalWatch(self.args.max_completion_length)
+        self.add_callback(self.learning_signal)
+        self.telemetry = PhaseTelemetry()
+        self.telemetry.wrap_backward(self.accelerator)
+        self.add_callback(self.telemetry.callback())
+        # SIGTERM: finish the step in flight, save, stop (added before the guard, whose no-save on a stop wins).
+        self.preemption = Preemption(self.accelerator)
+        self.add_callback(self.preemption)
+        # TRL re-enables checkpointing around each generate(); transformers then adds an embedding hook each time.
+        dedupe_input_require_grads(self.model)
+        # Under DeepSpeed the engine owns the optimizer step and skips non-finite ones itself: count its skips.
+        max_bad = getattr(self.args, "max_nonfinite_steps", 3)
+        self.nonfinite_guard = (DeepSpeedSkipGuard(max_bad, self.accelerator) if self.is_deepspeed_enabled
+                                else NonFiniteGuard(max_bad, self.accelerator))
+        self.add_callback(self.nonfinite_guard)
+        self.patches = Patches()
+        weakref.finalize(self, self.patches.undo)  # a trainer dropped without train() (a notebook cell) undoes too
+        self._install_savers()
+
+    def _install_savers(self) -> None:
+        """Every saver that patches a model or a process-wide registry, its undo kept in `self.patches`: `close()`
+        (run when train() ends, however it ends) leaves the models and transformers' registries as they were."""
+        self.offload_config = self._offload_config()
+        self.offload_enabled = self.offload_config is not None
+        if self.offload_enabled:
+            install_activation_offload(self.model, self.offload_config)
+            self.patches.add(lambda model=self.model: remove_activation_offload(model))
+        self.logprob_impl = self._install_logprob_head()
+        self.sequence_parallel = self._install_sequence_parallel()
+        if self.sequence_parallel is not None:
+            self.patches.add(self.sequence_parallel.remove)
+        # SP shards carry their own positions through Ulysses' SDPA: no packed rows under it
+        self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
+        if self.sequence_parallel is not None and self.args.padding_free:  # mini-batch caps: refused in config.py
+            log("sequence parallelism: each pass runs the group's rows in one forward, unpadded and split along "
+                "their length; padding_free does not apply")
+        self.savers_installed = True
+
+    def close(self) -> None:
+        """Undo the savers' patches. The trainer then runs TRL's own paths (its attributes still say which savers it
+        ran with); train() installs them again."""
+        self.patches.undo()
+        self.savers_installed = False
+
+    def train(self, *args, **kwargs):
+        """TRL's train() with the savers on; however it ends (on_train_end never runs when a step raises), the SIGTERM
+        handler and the savers' patches are undone: a second model in this process runs stock code."""
+        if not self.savers_installed:
+            self._install_savers()
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.preemption.uninstall()
+            self.close()
+
+    @staticmethod
+    def _start_engine(model, args, kwargs):
+        """(engine, model) for colocated generation, or (None, model) with one line when it cannot run here."""
+        route, reason = colocated_route(model, args)
+        if route == "fallback":
+            log(reason)
+            args.use_vllm = False
+            return None, model
+        return start_colocated_engine(model, args, peft_config=kwargs.get("peft_config"),
+                                      train_dataset=kwargs.get("train_dataset"),
+                                      tokenizer=kwargs.get("processing_class"))
+
+    def _install_logprob_head(self) -> str:
+        impl = getattr(self.args, "logprob_impl", "trl")
+        if impl == "trl":
+            return impl
+        if impl == "auto":
+            impl = "triton" if triton_usable(self.accelerator.device) else "chunked"
+        reason = head_unsupported_reason(causal_lm_of(self.model))
+        if reason:
+            warnings.warn(f"logprob_impl={impl!r} falls back to TRL's head: {reason}.", stacklevel=3)
+            return "trl"
+        for m in (self.model, self.ref_model):
+            if m is not None:
+                self.patches.add(install_logprob_head(
+                    m, temperature=self.temperature, impl=impl, chunk_size=self.args.logprob_chunk_size,
+                    vocab_tile=self.args.logprob_vocab_tile, offload=self.offload_config if m is self.model else None))
+        return impl
+
+    def _install_sequence_parallel(self):
+        """Ulysses SP for the log-prob passes (sequence_parallel.py) when sequence_parallel_size > 1, else None."""
+        sp = getattr(self.args, "sequence_parallel_size", 1) or 1
+        if sp <= 1:
+            return None
+        from grpo_accel.parallel import sequence_parallel
+
+        return sequence_parallel.enable(self, sp)
+
+    def _install_padding_free(self) -> bool:
+        """Whether the log-prob passes pack rows (packing.py); one line saying why not when asked for and impossible."""
+        if not getattr(self.args, "padding_free", False):
+            return False
+        # unwrapped: under DeepSpeed TRL has already wrapped the reference model in an engine
+        models = [causal_lm_of(m) for m in (self.model, self.ref_model) if m is not None]
+        reason = next(filter(None, map(packing_unsupported_reason, models)), None)
+        if reason:
+            log(f"padding_free falls back to padded rows: {reason}.")
+            return False
+        for m in models:
+            self.patches.add(enable_packed_attention(m).undo)
+        log("padding_free: log-prob passes run on packed rows of real tokens (no padding).")
+        return True
+
+    def _offload_config(self) -> OffloadConfig | None:
+        """None when offload is off; else how to offload (the layer inputs and the head's hidden states)."""
+        setting = getattr(self.args, "offload_activations", "false")
+        device = self.accelerator.device
+        if not resolve_offload(setting, device, gradient_checkpointing=self.args.gradient_checkpointing):
+            return None
+        sizing = dict(recompute_tokens=getattr(self.args, "offload_recompute_tokens", 16384),
+                      device_budget_bytes=int(getattr(self.args, "offload_device_budget_gib", 0) * 2**30))
+        if os.environ.get(FORCE_OFFLOAD_COPIES_ENV) == "1":
+            return OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, **sizing)
+        # 90% of what the host has free now, shared by this machine's processes: a wrong plan stops with
+        # HostMemoryError, not the OOM killer
+        host = host_budget_per_process(0.9) if torch.device(device).type == "cuda" else None
+        return OffloadConfig(host_budget_bytes=host, **sizing)
+
+    def _generate(self, prompts):
+        with self.telemetry.phase("generation"):
+            # under SP: once per SP group, split over its ranks
+            if getattr(self, "sequence_parallel", None) is not None and self.model.training:
+                return self.sequence_parallel.generate_once(super()._generate, prompts)
+            return super()._generate(prompts)
+
+    def _get_train_sampler(self, dataset=None):
+        """TRL's sampler; under SP each batch goes to every rank of an SP group (sequence_parallel.py)."""
+        sampler = super()._get_train_sampler(dataset)
+        if getattr(self, "sequence_parallel", None) is None:
+            return sampler
+        from grpo_accel.parallel.sequence_parallel import GroupSharedSampler
+
+        return GroupSharedSampler(sampler, self._train_batch_size * self.args.steps_per_generation,
+                                  self.sequence_parallel.sp)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training:
+            logs.update(self.telemetry.pop_metrics())
+            if self.nonfinite_guard is not None:
+                logs.update(self.nonfinite_guard.metrics())
+        super().log(logs, start_time)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        # No grad: the old-policy / reference passes in generate-and-score; with grad: the policy forward.
+        if not getattr(self, "savers_installed", False):  # closed (after train()), or made without our __init__
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
+        with self.telemetry.phase("policy_forward" if torch.is_grad_enabled() else "logps_no_grad"):
+            return self._logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                             compute_entropy, compute_aux_loss, **multimodal)
+
+    def _logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                             compute_entropy, compute_aux_loss, **multimodal):
+        batch_size = getattr(self.args, "logprob_mini_batch", None) or batch_size or input_ids.size(0)
+        multimodal_inputs = any(v is not None for v in multimodal.values())
+        trl_head = self.logprob_impl == "trl"
+        sequence_parallel = getattr(self, "sequence_parallel", None)
+        if self.padding_free and sequence_parallel is None and not (compute_aux_loss or multimodal_inputs):
+            packed = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                      compute_entropy, trl_head)
+            if packed is not None:
+                return packed
+        if trl_head or compute_aux_loss or multimodal_inputs:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
+        if sequence_parallel is not None:
+            return (*sequence_parallel.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                           compute_entropy, self.accelerator.autocast), None)
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            # Only the completion tokens are scored (same labels as TRL's hook)
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, :-logits_to_keep] = -100
+            with self.accelerator.autocast():
+                out = model(input_ids=ids, attention_mask=mask, accel_labels=labels, accel_entropy=compute_entropy)
+            all_logps.append(out.log_probs[:, -logits_to_keep:])
+            if compute_entropy:
+                all_entropies.append(out.entropy[:, -logits_to_keep:])
+        entropies = torch.cat(all_entropies) if compute_entropy else None
+        return torch.cat(all_logps), entropies, None
+
+    def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, rows_per_forward,
+                                    compute_entropy, trl_head=False):
+        """As the padded loop, one packed row of real tokens per forward, <= logprob_token_budget tokens each,
+        through our head or TRL's (`trl_head`: same label shift, same [1, N-1] outputs); None (padded) when a
+        row's tokens are not one block."""
+        lengths, ok = packable_lengths(attention_mask)
+        recompute_tokens = self.offload_config.recompute_tokens if self.offload_enabled else None
+        budget = (getattr(self.args, "logprob_token_budget", None)
+                  or default_token_budget(rows_per_forward, input_ids.size(1), recompute_tokens))
+        groups = plan_micro_batches(lengths, budget) if ok else []
+        if several_processes():  # same forwards on every rank: see split_to_count
+            plan = torch.tensor([len(groups), int(not ok)], device=self.accelerator.device)
+            torch.distributed.all_reduce(plan, op=torch.distributed.ReduceOp.MAX)
+            ok = ok and not plan[1]
+            groups = split_to_count(groups, int(plan[0])) if ok else []
+        if not ok:
+            if not getattr(self, "_padding_free_warned", False):
+                log("padding_free: a batch has a row whose attention mask has holes or no tokens; it runs padded.")
+                self._padding_free_warned = True
+            return None
+        # `model` may be a DeepSpeed engine / DDP wrapper here (whose .config is not the model's)
+        segment_kwarg = causal_lm_of(model).config._attn_implementation == ATTN_NAME
+        outs = []
+        for rows in groups:
+            p = pack_rows(input_ids, attention_mask, logits_to_keep, rows)
+            extra = {SEGMENTS_KWARG: p.segments} if segment_kwarg else {}
+            extra.update(dict(labels=p.labels, fused_lm_head=True) if trl_head
+                         else dict(accel_labels=p.labels, accel_entropy=compute_entropy))
+            with self.accelerator.autocast(), packed_forward_context():
+                out = model(input_ids=p.input_ids, position_ids=p.position_ids, **extra)
+            outs.append((p, out.log_probs, out.entropy))
+        rows = input_ids.size(0)
+        logps = unpack([(p, lp) for p, lp, _ in outs], rows, logits_to_keep)
+        entropies = unpack([(p, e) for p, _, e in outs], rows, logits_to_keep) if compute_entropy else None
+        return logps, entropies, None
