@@ -1,7 +1,7 @@
 """One GRPO loss step (policy forward + backward, no generation) on one long row: the row whole on one process
 (`sp1`) against Ulysses SP = 2 over gloo (`sp2`: both processes hold the row, each runs half of its tokens), memory
-per process and time. What the group-shared layout (grpo_accel/parallel/sequence_parallel.py) is for: per-GPU memory that
-falls with the group's size.
+per process and time. What the group-shared layout (grpo_accel/parallel/sequence_parallel.py) is for: per-GPU memory
+that falls with the group's size.
 
     # CPU: SmolLM2-135M shape with 8 heads (its 9 do not split 2 ways), LoRA r=16, fp32, offload + checkpointing,
     # one row of 64 prompt + 4096 completion tokens, re-run pieces of 1024 tokens (~6 min on 2 cores)

@@ -20,9 +20,9 @@
     python benchmarks/bench_step_memory.py --arch llama-3.1-8b --num-generations 8 --prompt-length 512 \
         --completion-length 19968 --reps 1 --impls trl_tuned ours_mb1 ours_head_offload
 
-Model: a named architecture (`grpo_accel.planning.architectures`) with random weights, bf16 on CUDA / fp32 on CPU, LoRA r=16
-(alpha 32) on all linear layers; `--quant 4bit` loads the decoder linears in NF4 (QLoRA; CUDA + bitsandbytes only:
-a random bf16 checkpoint is saved once under --ckpt-cache and loaded through BitsAndBytesConfig).
+Model: a named architecture (`grpo_accel.planning.architectures`) with random weights, bf16 on CUDA / fp32 on CPU,
+LoRA r=16 (alpha 32) on all linear layers; `--quant 4bit` loads the decoder linears in NF4 (QLoRA; CUDA + bitsandbytes
+only: a random bf16 checkpoint is saved once under --ckpt-cache and loaded through BitsAndBytesConfig).
 Step: G rows of P prompt + up to T completion tokens (random ids; completion lengths spread from T/2 to T and
 right-padded with mask 0 as TRL batches them, --equal-lengths for all T), random advantages, a fixed
 `old_per_token_logps` (-log V, so the loss depends on the log-probs instead of being -mean(advantage)), then
@@ -46,8 +46,8 @@ cannot lower the CPU peak: CPU rows measure overhead and correctness; the memory
 Metrics per variant: peak_step_mem_mib = peak during a measured step minus the memory after the model and trainer
 are built, peak_step_mem_with_weights_mib = the same peak with them; CUDA: peak_reserved_mib (and _with_weights)
 from torch.cuda.max_memory_reserved; time_per_token_us = step time / real (unpadded) tokens. Peaks: CUDA
-torch.cuda.max_memory_allocated, CPU peak RSS via VmHWM (both through grpo_accel.core.phase_memory.PhaseMemory), max over the
-measured steps; step_time_ms = median over --reps steps after one warm-up step; loss, entropy (TRL's
+torch.cuda.max_memory_allocated, CPU peak RSS via VmHWM (both through grpo_accel.core.phase_memory.PhaseMemory), max
+over the measured steps; step_time_ms = median over --reps steps after one warm-up step; loss, entropy (TRL's
 logged mean) and lora_grad_norm of the first measured step (equal across variants = same computation);
 offloaded_peak_mib = saved-activation bytes the offload stash held on the host (0 without offload).
 CPU workers run with MALLOC_MMAP_THRESHOLD_=131072 (--cpu-mmap-threshold). With glibc's dynamic default the RSS peak
@@ -392,8 +392,8 @@ def run_steps(args):
 
 
 def planned_max_t(args, impl) -> int:
-    """The planner's longest completion for `impl` on this GPU and host (grpo_accel.planning.memory), 0 on CPU: the first
-    probe of --find-max-t, and the figure the planner goal compares with the measured one."""
+    """The planner's longest completion for `impl` on this GPU and host (grpo_accel.planning.memory), 0 on CPU: the
+    first probe of --find-max-t, and the figure the planner goal compares with the measured one."""
     if args.device != "cuda":
         return 0
     import torch
@@ -493,7 +493,8 @@ def plot(rows, path):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", metavar="IMPL", choices=list(VARIANTS), help=argparse.SUPPRESS)
-    p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.planning.architectures (tiny-llama for tests)")
+    p.add_argument("--arch", default="smollm2-135m",
+                   help="a name from grpo_accel.planning.architectures (tiny-llama for tests)")
     p.add_argument("--quant", default="none", choices=["none", "4bit"], help="4bit = QLoRA (CUDA + bitsandbytes)")
     p.add_argument("--num-generations", type=int, default=4, help="G: rows in the step")
     p.add_argument("--prompt-length", type=int, default=64, help="P: prompt tokens per row")

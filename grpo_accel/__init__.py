@@ -31,7 +31,9 @@ _EXPORTS = {
     "find_max_completion_length": "grpo_accel.planning.memory",
     "model_shape": "grpo_accel.planning.architectures",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["GRPOAccelConfig", "GRPOAccelTrainer", "MemoryPlan", "Preset", "find_max_completion_length", "get_preset",
+           "list_presets", "model_shape", "plan_memory"]
+assert sorted(_EXPORTS) == __all__
 
 if TYPE_CHECKING:
     from grpo_accel.app.presets import Preset, get_preset, list_presets

@@ -1,5 +1,5 @@
-"""Planner terms for offload (grpo_accel/planning/memory.py) against what the stash does: the residency split measured by
-the tracker, sequence tiles shrinking the re-run term, and the longest completion that fits a GPU and a host.
+"""Planner terms for offload (grpo_accel/planning/memory.py) against what the stash does: the residency split measured
+by the tracker, sequence tiles shrinking the re-run term, and the longest completion that fits a GPU and a host.
 
     OMP_NUM_THREADS=1 pytest tests/test_memory_offload.py -q
 """
@@ -10,8 +10,9 @@ import pytest
 import torch
 from test_offload import FORCED, LAYER_BYTES, B, T, V, tiny_llama
 
+from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape
-from grpo_accel.planning.memory import GIB, find_max_completion_length, fit_host, plan_memory
+from grpo_accel.planning.memory import find_max_completion_length, fit_host, plan_memory
 
 
 @pytest.mark.parametrize("kept_layers", [0, 1, 3])

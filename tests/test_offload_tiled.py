@@ -205,8 +205,8 @@ def test_untileable_attention_runs_the_layer_whole(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_other_attention_implementations_run_the_layer_whole(monkeypatch):
-    """A registered custom attention (as grpo_accel.parallel.packing's, or flash varlen reading packed sequences from position
-    ids) is not SDPA with a mask: the tiled path steps aside."""
+    """A registered custom attention (as grpo_accel.parallel.packing's, or flash varlen reading packed sequences from
+    position ids) is not SDPA with a mask: the tiled path steps aside."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -221,8 +221,9 @@ def test_other_attention_implementations_run_the_layer_whole(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_packed_row_is_tiled_sequence_by_sequence(monkeypatch):
-    """grpo_accel.parallel.packing's packed row (sequences of 12 and 20 tokens, positions restarting, per-sequence SDPA): the
-    tiles (8 tokens) cross the boundary, each query still attends within its own sequence only; same gradients."""
+    """grpo_accel.parallel.packing's packed row (sequences of 12 and 20 tokens, positions restarting, per-sequence
+    SDPA): the tiles (8 tokens) cross the boundary, each query still attends within its own sequence only; same
+    gradients."""
     from grpo_accel.parallel.packing import SEGMENTS_KWARG, enable_packed_attention, packed_forward_context
 
     calls = spy(monkeypatch)

@@ -1,12 +1,12 @@
-"""Ulysses sequence parallelism (grpo_accel/parallel/sequence_parallel.py) with SP = 2 over gloo equals one process without
-it: the group's two ranks hold the same batch, each runs half of every row's tokens, and both get the one-process
-per-token log-probs, entropies and TRL loss; the LoRA gradients averaged over the ranks (as the engine does) equal
-the one-process gradients (fp32, <= 1e-5 relative). tiny-llama with LoRA on q/v/down, completions of unequal length,
-layer offload with gradient checkpointing (the checkpoint's re-run in backward goes through Ulysses' all-to-all
-again, one row at a time, in sequence tiles whose attention reaches the other rank's keys: parallel/ulysses_tiles.py).
-How the ranks come to hold the same rows (sampler, generation split over the group, RNG) is checked by the launches
-below and by test_group_shared_sampler_deals_each_batch_to_one_group. Measured: log-probs 9.5e-7 abs, loss equal,
-gradients 3.8e-7 relative; 1.4e-2 with the tiles' dK dropped."""
+"""Ulysses sequence parallelism (grpo_accel/parallel/sequence_parallel.py) with SP = 2 over gloo equals one process
+without it: the group's two ranks hold the same batch, each runs half of every row's tokens, and both get the
+one-process per-token log-probs, entropies and TRL loss; the LoRA gradients averaged over the ranks (as the engine
+does) equal the one-process gradients (fp32, <= 1e-5 relative). tiny-llama with LoRA on q/v/down, completions of
+unequal length, layer offload with gradient checkpointing (the checkpoint's re-run in backward goes through Ulysses'
+all-to-all again, one row at a time, in sequence tiles whose attention reaches the other rank's keys:
+parallel/ulysses_tiles.py). How the ranks come to hold the same rows (sampler, generation split over the group, RNG)
+is checked by the launches below and by test_group_shared_sampler_deals_each_batch_to_one_group. Measured: log-probs
+9.5e-7 abs, loss equal, gradients 3.8e-7 relative; 1.4e-2 with the tiles' dK dropped."""
 
 import math
 import os
@@ -59,7 +59,8 @@ def test_sp2_equals_one_process(sp_results):
         ref, sp, scored = r["ref"], r["sp"], r["mask"].bool()
         assert sp["sp_calls"] == 2  # the no-grad pass and the loss's policy pass went through SP
         # SP's attention stood in for stock SDPA process-wide while on, and is gone once removed
-        assert sp["sdpa_patched"] and sp["sdpa_after_remove"] and sp["sp_head_installed"] and not sp["sp_head_after_remove"]
+        assert sp["sdpa_patched"] and sp["sdpa_after_remove"]
+        assert sp["sp_head_installed"] and not sp["sp_head_after_remove"]
         # the batch's rows ran in one forward, padded to the longest, as 2 shards of half its tokens: B rows per
         # rank, not the group's 2·B
         assert set(sp["shard_lengths"]) == halves and max(sp["shard_rows"]) == len(r["row_tokens"])

@@ -1,11 +1,12 @@
-"""The planner under Ulysses sequence parallelism (grpo_accel.planning.memory.plan_memory(sequence_parallel_size=...)) as
-grpo_accel.parallel.sequence_parallel runs it: an SP group shares its rows, so each GPU holds T/sp tokens of each (checkpointed
-layer inputs and scored tokens fall by sp), re-runs a long shard in sequence tiles, and adds the all-to-all
-buffers; a colocated engine's KV cache (whole sequences) does not shrink. And what it predicts for Qwen3-8B QLoRA on
-8 x H100 with SP = 8 against one H100 (predictions, not measurements: no multi-GPU machine has run them)."""
+"""The planner under Ulysses sequence parallelism (grpo_accel.planning.memory.plan_memory(sequence_parallel_size=...))
+as grpo_accel.parallel.sequence_parallel runs it: an SP group shares its rows, so each GPU holds T/sp tokens of each
+(checkpointed layer inputs and scored tokens fall by sp), re-runs a long shard in sequence tiles, and adds the
+all-to-all buffers; a colocated engine's KV cache (whole sequences) does not shrink. And what it predicts for Qwen3-8B
+QLoRA on 8 x H100 with SP = 8 against one H100 (predictions, not measurements: no multi-GPU machine has run them)."""
 
 from grpo_accel.app.presets import PRESETS
-from grpo_accel.planning.memory import GIB, find_max_completion_length, plan_memory
+from grpo_accel.core.units import GIB
+from grpo_accel.planning.memory import find_max_completion_length, plan_memory
 
 KW = dict(dtype="bf16", quantization="4bit", lora_r=16, num_generations=8, max_prompt_length=512,
           max_completion_length=110_000, per_device_train_batch_size=1, offload_activations=True, use_vllm=True,

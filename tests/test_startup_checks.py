@@ -8,7 +8,7 @@ import pytest
 from grpo_accel.app.presets import PRESETS
 from grpo_accel.app.run_spec import resolve_run_spec
 from grpo_accel.app.startup_checks import context_tokens, model_config, run_checks
-from grpo_accel.planning.memory import GIB
+from grpo_accel.core.units import GIB
 
 
 def failures(argv, gpu_gib=None):

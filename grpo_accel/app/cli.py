@@ -14,7 +14,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from grpo_accel.planning.memory import GIB, kv_cache_sequences, vllm_memory_fraction
+from grpo_accel.core.units import GIB
+from grpo_accel.planning.memory import kv_cache_sequences, vllm_memory_fraction
 
 
 def _table(rows: list[dict], headers: dict) -> str:
@@ -107,6 +108,7 @@ def host_bytes(args, gpu) -> int | None:
 def print_max_completion(spec, plan, gpu_bytes: int, host: int | None) -> None:
     """The longest completion the planner fits on this GPU (and host), beside the model's context."""
     from grpo_accel.app.startup_checks import context_tokens, model_config
+    from grpo_accel.core.units import GIB
     from grpo_accel.planning.memory import find_max_completion_length
 
     limit = 1 << 24  # 16.8M tokens: past that a plan is no longer a useful prediction

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from grpo_accel.core import dtypes
 from grpo_accel.core.errors import UserError
+from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape
-from grpo_accel.planning.memory import GIB, MemoryPlan, engine_shares_weights, plan_memory
+from grpo_accel.planning.memory import MemoryPlan, engine_shares_weights, plan_memory
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "accelerate_configs"
 

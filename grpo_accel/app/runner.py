@@ -143,7 +143,8 @@ def load_training_model(spec, tokenizer, longest_prompt: int):
     route, _ = colocated_route(script.model, config, script.quantization)
     if route == "from_path":
         engine, model = start_colocated_engine(script.model, config, peft_config=lora_config(script),
-                                               longest_prompt=longest_prompt, dtype=dtypes.torch_dtype(script.model_dtype))
+                                               longest_prompt=longest_prompt,
+                                               dtype=dtypes.torch_dtype(script.model_dtype))
         return model, engine
     # Otherwise (no vLLM, a 4-bit or tiny model) the trainer starts an unshared engine or says why it cannot.
     model, _ = load_model(script.model, dtype=script.model_dtype, quantization=script.quantization, **init_kwargs)
@@ -174,7 +175,8 @@ def startup(spec, tokenizer, train_ds) -> int:
         host_bytes //= local_processes()
     raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes, host_bytes))
     if host_bytes is not None:
-        from grpo_accel.planning.memory import GIB, fit_host
+        from grpo_accel.core.units import GIB
+        from grpo_accel.planning.memory import fit_host
 
         fitted = fit_host(spec.plan(), host_bytes)
         budget = fitted.inputs["offload_device_budget_bytes"]

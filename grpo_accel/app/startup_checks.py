@@ -10,7 +10,7 @@ learns in a second that 110K tokens exceed a model's context, not after loading 
 from __future__ import annotations
 
 from grpo_accel.core.errors import ConfigError
-from grpo_accel.planning.memory import GIB
+from grpo_accel.core.units import GIB
 
 # A padded [B, 1, T, T] boolean mask for SDPA above this size is refused (12 GiB per row at T = 110K).
 MAX_MASK_BYTES = 1 * GIB
@@ -163,6 +163,7 @@ def check_sequence_parallel(spec, config) -> str | None:
 def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None) -> str | None:
     """The planner's verdict on this GPU; with `host_bytes`, offloaded layer inputs the host cannot hold are
     planned on the device (`fit_host`), and a host too small even then is named."""
+    from grpo_accel.core.units import GIB
     from grpo_accel.planning.memory import fit_host
 
     if gpu_bytes is None:

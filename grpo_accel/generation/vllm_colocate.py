@@ -519,5 +519,5 @@ def attach_shared_vllm(trainer, engine: SharedVLLM) -> SharedVLLMGeneration:
 
 __all__ = ["EngineConfig", "FALLBACK_LINE", "SUPPORTED_VLLM", "SharedVLLM", "SharedVLLMGeneration",
            "VLLMVersionError", "attach_shared_vllm", "build_shared_model", "check_vllm_version", "create_engine",
-           "engine_model", "fallback_line", "hf_token_logprobs", "keep_cpu_weights", "sampling_settings", "shared_fraction",
-           "unsupported_options", "use_vllm_or_fallback", "vllm_missing", "vllm_unavailable_reason"]
+           "engine_model", "fallback_line", "hf_token_logprobs", "import_vllm", "keep_cpu_weights", "sampling_settings",
+           "shared_fraction", "unsupported_options", "use_vllm_or_fallback", "vllm_missing", "vllm_unavailable_reason"]

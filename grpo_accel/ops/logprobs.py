@@ -5,7 +5,8 @@ tokens and V = 128K that tensor is 80 GB in fp32, twice over with its gradient. 
 [chunk, tile] block at a time; each block is folded into per-token online-logsumexp statistics in fp32 and
 dropped; backward recomputes the blocks (one extra GEMM, the cost of never storing them).
 
-    logp, entropy = token_logprobs(hidden, lm_head.weight, targets, temperature=0.7, compute_entropy=True)  # ops/select.py
+    logp, entropy = token_logprobs(hidden, lm_head.weight, targets, temperature=0.7, compute_entropy=True)
+    # token_logprobs: ops/select.py
 
 Logit transform, in the order HF models apply it (Gemma 2/3 `final_logit_softcapping` inside the model, then the
 sampler's temperature, as TRL 1.16's chunked head does): z = softcap * tanh((h @ w) / softcap) / temperature.

@@ -205,9 +205,9 @@ class SequenceParallel:
         self.patches = Patches()
         self.patches.add(register(ALL_ATTENTION_FUNCTIONS._local_mapping, core, attention))
         for m in models:
-            self.patches.add(install_logprob_head(m, labels_kwarg=SP_TARGETS_KWARG, shift=False, temperature=temperature,
-                                                  impl=impl, chunk_size=chunk_size, vocab_tile=vocab_tile,
-                                                  offload=offload))
+            self.patches.add(install_logprob_head(m, labels_kwarg=SP_TARGETS_KWARG, shift=False,
+                                                  temperature=temperature, impl=impl, chunk_size=chunk_size,
+                                                  vocab_tile=vocab_tile, offload=offload))
             if offload is not None and offload.recompute_tokens:  # the long-sequence setup: MLP in sequence tiles
                 tiled_mlp.install(m, offload.recompute_tokens)
                 self.patches.add(lambda m=m: tiled_mlp.uninstall(m))

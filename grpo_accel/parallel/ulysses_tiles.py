@@ -1,13 +1,14 @@
-"""Sequence tiles on a Ulysses SP shard: tiling/layer.py's layer tiles when each rank of an SP group holds L tokens of every
-row (grpo_accel.parallel.sequence_parallel) and a tile's queries need keys that other ranks hold.
+"""Sequence tiles on a Ulysses SP shard: tiling/layer.py's layer tiles when each rank of an SP group holds L tokens of
+every row (grpo_accel.parallel.sequence_parallel) and a tile's queries need keys that other ranks hold.
 
 Naive equivalent: the shard's layer re-run whole, its attention through Ulysses' all-to-all; the re-run's saved
-tensors (~150 KB a token for Qwen3-8B in bf16 without the MLP) exist for all L tokens at once. Here, as in tiling/layer.py,
-the layer runs `recompute_tokens` tokens at a time, every rank its tile i at the same step; inside the attention call
-(HF's attention interface, hooked) a tile's q / k / v go through an all-to-all of their own: [t tokens, all heads]
+tensors (~150 KB a token for Qwen3-8B in bf16 without the MLP) exist for all L tokens at once. Here, as in
+tiling/layer.py, the layer runs `recompute_tokens` tokens at a time, every rank its tile i at the same step; inside
+the attention call (HF's attention interface, hooked) a tile's q / k / v go through an all-to-all of their own: [t
+tokens, all heads]
 -> [the sp ranks' tile i, heads/sp]. Keys: a query at global position p needs every key <= p, and with shards
-[r·L, (r+1)·L) those include the *later* tiles of lower ranks, so unlike tiling/layer.py the keys cannot be filled as the
-queries go:
+[r·L, (r+1)·L) those include the *later* tiles of lower ranks, so unlike tiling/layer.py the keys cannot be filled as
+the queries go:
 
 - forward (no grad): pass 1 runs every tile's pre-attention part and fills full-length head-sharded K, V
   [B, kv/sp, sp·L, d]; pass 2 runs every tile again, its queries attending (per source rank, causal, lower-right
@@ -21,8 +22,8 @@ Cost against a whole-shard re-run: the pre-attention part (norm, q/k/v projectio
 layer's FLOPs in forward + backward), 3 more all-to-alls of q/k/v-sized tiles per pass (the same bytes as Ulysses'
 own); memory: K, V, one tile's d(K), d(V) and the fp32 dK, dV sums for the whole sequence but heads/sp of them
 (2·T·kv/sp·d·(2a+4) bytes), dq and d(x) for the shard, and one tile's layer. Not tiled (Untileable, whole-shard
-re-run, as in tiling/layer.py): live dropout, attention dropout, attention calls the hook does not understand. Every rank
-decides alike (same shapes, same model), so the collectives stay in step.
+re-run, as in tiling/layer.py): live dropout, attention dropout, attention calls the hook does not understand. Every
+rank decides alike (same shapes, same model), so the collectives stay in step.
 """
 
 from __future__ import annotations

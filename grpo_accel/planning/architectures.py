@@ -18,7 +18,8 @@ from typing import Any
 
 from grpo_accel.core.errors import ConfigError
 
-__all__ = ["ALIASES", "ARCHITECTURES", "TINY_CONFIGS", "ModelShape", "get_architecture", "list_architectures", "model_shape"]
+__all__ = ["ALIASES", "ARCHITECTURES", "TINY_CONFIGS", "ModelShape",
+           "get_architecture", "list_architectures", "model_shape"]
 
 # Tiny random-init models share the embedded model's tokenizer (49152 tokens, ChatML template):
 # tests get real tokenization and chat templates at ~0.6 s per GRPO step on CPU.

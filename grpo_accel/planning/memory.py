@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from grpo_accel.core.dtypes import dtype_bytes
-from grpo_accel.core.units import GIB, MIB
+from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import ModelShape, model_shape
 
 # bitsandbytes NF4 with double quantization: 4 bits per weight, an 8-bit absmax per 64-weight block, and an fp32
@@ -131,8 +131,8 @@ def _rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pi
 def _sp_rerun_bytes(shape: ModelShape, a: int, B: int, T: int, sp: int, per_token: float, pieces: bool,
                     tokens) -> float:
     """Under Ulysses SP, one layer's re-run on shards of T tokens a row: as `_rerun_bytes` while a shard row fits a
-    piece; past that in sequence tiles (grpo_accel.parallel.ulysses_tiles) whose full-length tensors are the shard's d(out),
-    d(in) [H] and dq [q_dim] in the compute dtype, and the whole sequence's (sp·T) K, V, one tile's full-length
+    piece; past that in sequence tiles (grpo_accel.parallel.ulysses_tiles) whose full-length tensors are the shard's
+    d(out), d(in) [H] and dq [q_dim] in the compute dtype, and the whole sequence's (sp·T) K, V, one tile's full-length
     d(K), d(V) and the fp32 dK, dV sums for this rank's heads/sp of the kv heads (repeated up to sp when fewer)."""
     if not pieces or not tokens or T <= tokens:
         return _rerun_bytes(shape, a, B, T, per_token, pieces, tokens)
@@ -159,9 +159,10 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     a = dtype_bytes(dtype)  # weights of non-quantized parts and activations use the compute dtype
     B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
     T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
-    # Ulysses SP (grpo_accel.parallel.sequence_parallel): an SP group of sp GPUs shares its B rows (per_device_train_batch_size
-    # counts rows per group), each GPU runs T/sp tokens of each row (row groups or sequence tiles in the re-run) and
-    # scores its shard; generation's KV cache (a colocated engine generates whole sequences) does not shrink
+    # Ulysses SP (grpo_accel.parallel.sequence_parallel): an SP group of sp GPUs shares its B rows
+    # (per_device_train_batch_size counts rows per group), each GPU runs T/sp tokens of each row (row groups or
+    # sequence tiles in the re-run) and scores its shard; generation's KV cache (a colocated engine generates whole
+    # sequences) does not shrink
     sp = max(int(sequence_parallel_size or 1), 1)
     T_gpu, rows = -(-T // sp), B
     n_tok, n_c = rows * T_gpu, -(-B * max_completion_length // sp)  # tokens through the layers / scored by the head

@@ -21,8 +21,8 @@ Cost: one more forward of the pre-attention part (norm + q/k/v projections, ~11%
 forward, ~4% of its forward + backward); full-length tensors left in the re-run: x, d(out), d(x) [H each], K, V and
 fp32 dK, dV [kv_dim each] per token, instead of the whole layer's saved tensors. Dropout: each tile's RNG state is
 recorded in the forward and replayed, so the re-run draws the forward's masks (the masks differ from an untiled
-layer's: a tiled layer is its own, exactly differentiated, function). Ulysses SP shards: parallel/ulysses_tiles.py (the same
-tiles, keys from the other ranks). Not tiled (whole re-run instead): attention other than sdpa / eager (flash
+layer's: a tiled layer is its own, exactly differentiated, function). Ulysses SP shards: parallel/ulysses_tiles.py
+(the same tiles, keys from the other ranks). Not tiled (whole re-run instead): attention other than sdpa / eager (flash
 varlen reads packed sequences from position ids; grpo_accel.parallel.packing's segments), calls this hook does not
 understand (sliding windows, soft-capping, sinks, caches, BlockMasks, 2-D masks), ZeRO-3 partitions (each tile
 would gather them again), rows of <= the tile. Several processes (DDP, ZeRO-1/2): tiled, each parameter's grad
@@ -43,8 +43,8 @@ from grpo_accel.tiling.attention import _attend
 # attention-interface kwargs a tiled call may ignore; any other kwarg with a value makes the layer untileable
 _IGNORED_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values"}
 _MUST_BE_NONE = {"sliding_window", "softcap", "s_aux", "sinks"}
-# implementations whose result SDPA with the same mask reproduces; grpo_accel.parallel.packing's per-sequence SDPA (packed
-# rows: `accel_segments` bounds, no mask) is reproduced segment by segment
+# implementations whose result SDPA with the same mask reproduces; grpo_accel.parallel.packing's per-sequence SDPA
+# (packed rows: `accel_segments` bounds, no mask) is reproduced segment by segment
 _PACKED_ATTN, _SEGMENTS_KWARG = "grpo_accel_sdpa", "accel_segments"
 _SAME_AS_SDPA = ("sdpa", "eager", None, _PACKED_ATTN)
 
@@ -189,7 +189,8 @@ def forward(run, x: torch.Tensor, tiles: list[slice], record_rng: bool, shard=No
 
 def forward_tile(state, run, x: torch.Tensor, sl: slice, y: torch.Tensor | None) -> torch.Tensor:
     """The layer on tile `sl` of x written into y (allocated like x on the first tile), through `state`'s hook
-    (this module's or parallel/ulysses_tiles.py's); Untileable when the layer did not call attention once and return one tensor."""
+    (this module's or parallel/ulysses_tiles.py's); Untileable when the layer did not call attention once and return
+    one tensor."""
     state.sl, state.calls = sl, 0
     out = _call(run, x[:, sl], sl)
     if state.calls != 1 or not isinstance(out, torch.Tensor) or out.shape != x[:, sl].shape:

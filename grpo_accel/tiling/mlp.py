@@ -6,10 +6,10 @@ under no_grad and saves x; the backward re-runs each tile with grad and back-pro
 so [tile, I] tensors exist for one tile at a time. The MLP is token-local, so this is the same function; dropout
 (LoRA's) draws per tile, and each tile's RNG state is recorded and replayed so backward sees the forward's masks.
 
-Where: on Ulysses SP shards (grpo_accel.parallel.sequence_parallel), for the calls that do not run in whole-layer sequence
-tiles (parallel/ulysses_tiles.py): the no-grad log-prob passes over a whole shard, and re-runs that cannot be tiled (live dropout).
-A layer then holds its attention part for the whole shard and its MLP part for one tile (Snowflake ALST's TiledMLP).
-Inside a layer tile the MLP's input is no longer than a tile: it runs whole.
+Where: on Ulysses SP shards (grpo_accel.parallel.sequence_parallel), for the calls that do not run in whole-layer
+sequence tiles (parallel/ulysses_tiles.py): the no-grad log-prob passes over a whole shard, and re-runs that cannot be
+tiled (live dropout). A layer then holds its attention part for the whole shard and its MLP part for one tile
+(Snowflake ALST's TiledMLP). Inside a layer tile the MLP's input is no longer than a tile: it runs whole.
 Cost: one more MLP forward (inside a checkpointed layer's re-run: three in all instead of two, ~+22% of an 8B
 layer's FLOPs in that re-run). The tiles' parameter grads are summed by autograd.grad and returned once as the
 Function's outputs, so DDP / ZeRO-1/2 hooks fire once. ZeRO-3 partitions: not tiled (the re-run would bypass the

@@ -73,8 +73,8 @@ class GRPOAccelConfig(GRPOConfig):
         default=1,
         metadata={"help": "Ulysses sequence parallelism: each group of this many processes is one data-parallel "
                           "rank; they share its rows, split each along its length (attention through DeepSpeed's "
-                          "all-to-all, grpo_accel/parallel/sequence_parallel.py), so per-GPU activations fall by this factor. "
-                          "per_device_train_batch_size then counts rows per group. 1 = off. Needs several "
+                          "all-to-all, grpo_accel/parallel/sequence_parallel.py), so per-GPU activations fall by "
+                          "this factor. per_device_train_batch_size then counts rows per group. 1 = off. Needs several "
                           "processes, SDPA attention and logprob_impl other than 'trl'."},
     )
     max_nonfinite_steps: int = field(
@@ -108,9 +108,9 @@ class GRPOAccelConfig(GRPOConfig):
 
     def _share_batches_over_sp_groups(self) -> None:
         """Under sequence parallelism each group of sequence_parallel_size processes is one data-parallel rank
-        (grpo_accel/parallel/sequence_parallel.py): TRL's generation batch counts world/sp ranks, and each group's batch must
-        split over its processes for generation and hold whole groups of num_generations (TRL normalises rewards
-        over rows gathered from every process, where each group's rows appear sp times)."""
+        (grpo_accel/parallel/sequence_parallel.py): TRL's generation batch counts world/sp ranks, and each group's
+        batch must split over its processes for generation and hold whole groups of num_generations (TRL normalises
+        rewards over rows gathered from every process, where each group's rows appear sp times)."""
         sp, world = self.sequence_parallel_size, launched_processes()
         if sp <= 1 or world == 1:  # one process: SP is off (sequence_parallel.enable says so)
             return

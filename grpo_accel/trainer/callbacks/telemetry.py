@@ -11,7 +11,7 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from grpo_accel.core.phase_memory import PhaseMemory, rss_bytes
-from grpo_accel.planning.memory import GIB
+from grpo_accel.core.units import GIB
 
 
 class PhaseTelemetry:
