@@ -7,6 +7,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 RUN ?= demo
+# make test's pytest-xdist workers: most of its time is launch/train.py subprocesses importing the stack (one core
+# each), so two workers on 2 cores take it from 12 min to 8 min 48 s (docs/testing.md).
+TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -35,7 +38,8 @@ test: setup
 	# the import contract in pyproject.toml ([tool.importlinter]): a wrong import fails here, naming the rule
 	$(VENV)/bin/lint-imports
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
-	$(PY) -m pytest -q -m "not gpu and not vllm and not distributed and not long" --timeout 900
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not gpu and not vllm and not distributed and not long" \
+		--timeout 900
 
 # Several processes per test (each launch ~20 s of imports), and the long single-process runs (marker `long`: the
 # 200-step soak, the planner's measured step, the benchmark script): their own tier, run by .ci/run after `make test`.
