@@ -87,6 +87,37 @@ def test_guarded_names_the_failing_function():
     assert guarded(format_reward).__name__ == "format_reward"
 
 
+def test_guarded_async_stays_async_and_is_checked():
+    """TRL runs `async def` rewards on its event loop (it tests `is_async_callable`): the guard must not hide that."""
+    import asyncio
+
+    from trl.trainer.utils import get_callable_name, is_async_callable
+
+    async def judge(prompts, completions, **kw):
+        return [0.5] * len(completions)
+
+    async def short_judge(prompts, completions, **kw):
+        return [0.5]
+
+    wrapped = guarded(judge)
+    assert is_async_callable(wrapped) and get_callable_name(wrapped) == "judge"
+    assert asyncio.run(wrapped(prompts=["p", "q"], completions=["c", "d"])) == [0.5, 0.5]
+    with pytest.raises(RewardFunctionError, match="short_judge.*returned 1 rewards for 2"):
+        asyncio.run(guarded(short_judge)(prompts=["p", "q"], completions=["c", "d"]))
+
+
+def test_guarded_without_strict_lets_through_what_trl_does():
+    """reward_checks="trl": None and NaN mean "does not apply" (TRL nan-sums them away), even for a whole batch."""
+    def blank(prompts, completions, **kw):
+        return [None, math.nan]
+
+    lenient = guarded(blank, sole=True, strict=False)
+    for _ in range(5):
+        assert lenient(prompts=["p", "q"], completions=["c", "d"])[0] is None
+    with pytest.raises(RewardFunctionError, match="blank"):
+        guarded(blank, sole=True)(prompts=["p", "q"], completions=["c", "d"])
+
+
 def test_resolve_rewards():
     assert resolve_rewards("correctness,format") == [correctness_reward, format_reward]
     assert resolve_rewards("grpo_accel.data.rewards:format_reward") == [format_reward]

@@ -245,7 +245,8 @@ def resolve_run_spec(argv: list[str], cmdline=None, gpu_props="current", for_pla
         why = f"preset: {preset.name} in --config {config_path}"
     model = explicit.get("model", preset.training_overrides()["model"])
     run_name = explicit.get("run_name") or default_run_name(model, explicit.get("dataset", "arithmetic"))
-    defaults = {**preset.training_overrides(), "preset": preset.name, "run_name": run_name,
+    # launch/train.py stops on a blank or non-finite reward; the trainer's own default is TRL's behaviour
+    defaults = {**preset.training_overrides(), "preset": preset.name, "run_name": run_name, "reward_checks": "strict",
                 "output_dir": os.path.join("runs", run_name), **from_yaml}
     if launched_processes() > 1 and not _cuda_available():
         defaults.update(cpu_processes_defaults(explicit))

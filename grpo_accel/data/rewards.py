@@ -131,32 +131,30 @@ class RewardFunctionError(UserError, RuntimeError):
 ALL_NONE_BATCHES = 3
 
 
-def guarded(func, sole: bool = False):
-    """Wrap a reward function so its failures are loud and named, never a silent 0.
+def guarded(func, sole: bool = False, strict: bool = True):
+    """Wrap a reward function so its failures are loud and named, never a silent 0; an `async def` one stays async
+    (TRL runs those on its event loop, concurrently).
 
-    Raises RewardFunctionError naming the function when it raises, returns the wrong number of
-    rewards, or returns NaN/inf. None entries are allowed (TRL treats them as "not applicable"), but None for
-    every completion of a batch (`sole`: the run's only reward; else ALL_NONE_BATCHES batches in a row) would
-    train on a blank column and raises.
+    Always: RewardFunctionError naming the function when it raises or returns the wrong number of rewards (TRL
+    raises a bare error, or a ValueError for the count). `strict` (GRPOAccelConfig(reward_checks="strict"), the
+    launch/train.py default) adds what TRL lets through: NaN / inf rewards, and None for every completion of a batch
+    (`sole`: the run's only reward; else ALL_NONE_BATCHES batches in a row), which would train on a blank column.
+    Without it None and NaN are "does not apply", as in TRL (which warns when a row gets no reward at all).
     """
-    name = getattr(func, "__name__", type(func).__name__)
+    from trl.trainer.utils import get_callable_name, is_async_callable  # TRL's own reading of a reward callable
+
+    name = get_callable_name(func)  # the name TRL logs it under (rewards/<name>/mean): kept by the wrapper
     all_none = [0]
 
-    @functools.wraps(func)
-    def wrapper(prompts, completions, **kwargs):
-        try:
-            rewards = func(prompts=prompts, completions=completions, **kwargs)
-        except Exception as exc:
-            raise RewardFunctionError(
-                f"reward function {name!r} raised {type(exc).__name__}: {exc}. "
-                f"Fix the function (it gets prompts, completions and the dataset's columns as keyword arguments)."
-            ) from exc
+    def check(rewards, completions):
         if rewards is None or len(rewards) != len(completions):
             got = "None" if rewards is None else len(rewards)
             raise RewardFunctionError(
                 f"reward function {name!r} returned {got} rewards for {len(completions)} completions. "
                 f"Fix: return one float (or None) per completion."
             )
+        if not strict:
+            return rewards
         all_none[0] = all_none[0] + 1 if all(r is None for r in rewards) else 0
         if all_none[0] >= (1 if sole else ALL_NONE_BATCHES):
             raise RewardFunctionError(
@@ -170,4 +168,31 @@ def guarded(func, sole: bool = False):
             )
         return rewards
 
+    def failed(exc):
+        return RewardFunctionError(
+            f"reward function {name!r} raised {type(exc).__name__}: {exc}. "
+            f"Fix the function (it gets prompts, completions and the dataset's columns as keyword arguments).")
+
+    if is_async_callable(func):
+        @functools.wraps(func)
+        async def async_wrapper(prompts, completions, **kwargs):
+            try:
+                rewards = await func(prompts=prompts, completions=completions, **kwargs)
+            except Exception as exc:
+                raise failed(exc) from exc
+            return check(rewards, completions)
+
+        async_wrapper.__name__ = name
+        return async_wrapper
+
+    @functools.wraps(func)
+    def wrapper(prompts, completions, **kwargs):
+        try:
+            rewards = func(prompts=prompts, completions=completions, **kwargs)
+        except Exception as exc:
+            raise failed(exc) from exc
+        return check(rewards, completions)
+
+    wrapper.__name__ = name
     return wrapper
+

@@ -99,8 +99,10 @@ def use_vllm_or_fallback(use_vllm: bool, log=print) -> bool:
 
 
 # TRL options that its own colocate engine honours and the shared engine does not (yet): refused, never dropped.
+# vllm_enable_sleep_mode: the engine sleeps by itself where its weights are its own (full fine-tuning on CUDA); shared
+# weights are the trainer's and never released.
 UNSUPPORTED_OPTIONS = {"vllm_structured_outputs_regex": None, "vllm_tensor_parallel_size": 1,
-                       "vllm_model_impl": "vllm"}
+                       "vllm_model_impl": "vllm", "vllm_enable_sleep_mode": False}
 
 
 def unsupported_options(args) -> str | None:

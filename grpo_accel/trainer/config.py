@@ -77,11 +77,28 @@ class GRPOAccelConfig(GRPOConfig):
                           "this factor. per_device_train_batch_size then counts rows per group. 1 = off. Needs several "
                           "processes, SDPA attention and logprob_impl other than 'trl'."},
     )
+    reward_checks: str = field(
+        default="trl",
+        metadata={"help": "'trl': reward functions behave as in TRL (None or NaN = does not apply to that completion; "
+                          "a completion no reward applies to only warns). 'strict' (launch/train.py's default): "
+                          "also stop with RewardFunctionError on inf / NaN rewards and on a reward that returns None "
+                          "for every completion of a batch. Either way a reward that raises or returns the wrong "
+                          "number of rewards is named in the error."},
+    )
     max_nonfinite_steps: int = field(
         default=3,
         metadata={"help": "Steps with non-finite gradients are skipped; this many in a row stop the run, keeping "
                           "the last good checkpoint."},
     )
+
+    @classmethod
+    def from_trl(cls, args: GRPOConfig) -> GRPOAccelConfig:
+        """This config with every field of a TRL GRPOConfig as it is set there; ours at their defaults."""
+        import dataclasses
+
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+        values["generation_batch_size"] = None  # derived from steps_per_generation by TRL's __post_init__ (again)
+        return cls(**values)
 
     def __post_init__(self):
         self._check_numbers()  # before TRL's own checks, which name its internals rather than the flag
@@ -92,6 +109,8 @@ class GRPOAccelConfig(GRPOConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name} {value} must be a positive integer (or unset: automatic).")
+        if self.reward_checks not in ("trl", "strict"):
+            raise ConfigError(f"--reward_checks {self.reward_checks}: use trl or strict.")
         normalized = str(self.offload_activations).lower()
         if normalized not in ("true", "false", "auto"):
             raise ConfigError(f"--offload_activations {self.offload_activations}: use true, false or auto.")

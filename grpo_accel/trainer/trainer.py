@@ -18,6 +18,7 @@ train() ends, however it ends (`close()`, `patches.py`): a second model in the s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import weakref
@@ -66,14 +67,22 @@ class GRPOAccelTrainer(GRPOTrainer):
     gradient-checkpointing function, Ulysses SP around the policy forward, a colocated vLLM engine that shares the
     training model's weights as `vllm_generation`. Everything it adds is undone by `close()` (end of `train()`)."""
 
-    def __init__(self, model, reward_funcs, args: GRPOAccelConfig | None = None, vllm_engine=None, **kwargs):
-        """As GRPOTrainer; `vllm_engine`: an engine already started with `vllm_setup.start_colocated_engine`
-        whose training model is `model` (else one is started here when args ask for colocated vLLM)."""
-        if not isinstance(reward_funcs, (list, tuple)):
-            reward_funcs = [reward_funcs]
-        # Reward models (nn.Module) and hub ids (str) are TRL's business; plain functions get the guard.
-        reward_funcs = [f if isinstance(f, (str, torch.nn.Module)) else guarded(f, sole=len(reward_funcs) == 1)
-                        for f in reward_funcs]
+    def __init__(self, model, reward_funcs=None, args: GRPOAccelConfig | None = None, vllm_engine=None, **kwargs):
+        """As GRPOTrainer (every argument of TRL's, in its order); `vllm_engine`: an engine already started with
+        `vllm_setup.start_colocated_engine` whose training model is `model` (else one is started here when args ask
+        for colocated vLLM). A TRL GRPOConfig is taken as it is: our fields get their defaults."""
+        if args is None:  # as TRL names its default config, ours
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = GRPOAccelConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
+        elif not isinstance(args, GRPOAccelConfig):
+            args = GRPOAccelConfig.from_trl(args)
+        if reward_funcs is not None:  # None: rewards owned by the environments (TRL's environment_factory)
+            if not isinstance(reward_funcs, (list, tuple)):
+                reward_funcs = [reward_funcs]
+            # Reward models (nn.Module) and hub ids (str) are TRL's business; plain functions get the guard.
+            strict = getattr(args, "reward_checks", "trl") == "strict"
+            reward_funcs = [f if isinstance(f, (str, torch.nn.Module))
+                            else guarded(f, sole=len(reward_funcs) == 1, strict=strict) for f in reward_funcs]
         if vllm_engine is None and args is not None and args.use_vllm and args.vllm_mode == "colocate":
             vllm_engine, model = self._start_engine(model, args, kwargs)
         if vllm_engine is not None:
@@ -130,6 +139,8 @@ class GRPOAccelTrainer(GRPOTrainer):
     def train(self, *args, **kwargs):
         """TRL's train() with the savers on; however it ends (on_train_end never runs when a step raises), the SIGTERM
         handler and the savers' patches are undone: a second model in this process runs stock code."""
+        if not hasattr(self, "patches"):  # made without our __init__: TRL's train()
+            return super().train(*args, **kwargs)
         if not self.savers_installed:
             self._install_savers()
         try:
@@ -206,8 +217,14 @@ class GRPOAccelTrainer(GRPOTrainer):
         host = host_budget_per_process(0.9) if torch.device(device).type == "cuda" else None
         return OffloadConfig(host_budget_bytes=host, **sizing)
 
+    # An instance may come without our __init__ (TRL's own tests build trainers with __new__ and set what they need):
+    # every override then runs TRL's code, nothing of ours assumed to exist.
+    def _phase(self, name: str):
+        telemetry = getattr(self, "telemetry", None)
+        return telemetry.phase(name) if telemetry is not None else contextlib.nullcontext()
+
     def _generate(self, prompts):
-        with self.telemetry.phase("generation"):
+        with self._phase("generation"):
             # under SP: once per SP group, split over its ranks
             if getattr(self, "sequence_parallel", None) is not None and self.model.training:
                 return self.sequence_parallel.generate_once(super()._generate, prompts)
@@ -224,7 +241,7 @@ class GRPOAccelTrainer(GRPOTrainer):
                                   self.sequence_parallel.sp)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training:
+        if self.model.training and getattr(self, "telemetry", None) is not None:
             logs.update(self.telemetry.pop_metrics())
             if self.nonfinite_guard is not None:
                 logs.update(self.nonfinite_guard.metrics())
@@ -237,7 +254,7 @@ class GRPOAccelTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
-        with self.telemetry.phase("policy_forward" if torch.is_grad_enabled() else "logps_no_grad"):
+        with self._phase("policy_forward" if torch.is_grad_enabled() else "logps_no_grad"):
             return self._logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                              compute_entropy, compute_aux_loss, **multimodal)
 

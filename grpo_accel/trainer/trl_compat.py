@@ -1,0 +1,136 @@
+"""Every GRPOConfig field of the pinned TRL, and what our savers do with it: the drop-in promise as data.
+
+Statuses:
+  compared      tests/test_trl_compat.py runs the named cases through TRL's GRPOTrainer and ours (savers on) and
+                finds the same metrics and the same parameter update;
+  vllm tier     the colocated shared-weight engine's path, run in `make test-vllm` (tests/vllm_engine/);
+  refused       construction stops with one `error:` line naming the field and the saver;
+  not affected  the field acts where no saver of ours does (generation backends, logging, model loading);
+  pending       not yet run with our savers on: the reason says what it needs.
+
+`python -m grpo_accel.trainer.trl_compat` prints the table docs/trl-compatibility.md holds (a test compares them).
+"""
+
+from __future__ import annotations
+
+TRL_VERSION = "1.16"
+STATUSES = ("compared", "vllm tier", "refused", "not affected", "pending")
+
+_GEN = "generation: TRL's own code (our savers act on the log-prob and training passes)"
+_LOG = "logging of completions: TRL's own code"
+_SERVER = ("vllm_mode='server': TRL's client generates and the savers run on the training side as in every case; "
+           "needs a running `trl vllm-serve` (a GPU machine)")
+_COLOCATE_REFUSED = ("with vllm_mode='colocate' the shared-weight engine refuses a value other than the default, "
+                     "naming the field (vllm_colocate.UNSUPPORTED_OPTIONS); vllm_mode='server' takes it")
+_IS = ("on by default: every colocated run of the vLLM tier corrects with the shared engine's own sampling "
+       "log-probs (SharedVLLMGeneration.generate returns them to TRL); not compared with TRL's engine")
+_TOOLS = "tools / environments: multi-turn rollouts through our packed and tiled passes are not yet compared"
+
+# field -> (status, cases or why). For "compared" the text starts with the case ids of tests/test_trl_compat.py.
+FIELDS: dict[str, tuple[str, str]] = {
+    "model_init_kwargs": ("compared", "kl_full_reference; TRL loads the model (and its reference) by path with them"),
+    "trust_remote_code": ("not affected", "model loading: TRL's own code"),
+    "router_aux_loss_coef": ("not affected", "MoE router loss: a pass that computes it goes through TRL's own "
+                                             "log-prob code (our override steps aside for compute_aux_loss)"),
+    "disable_dropout": ("compared", "sampling"),
+    "cast_lm_head_to_fp32": ("compared", "cast_head_fp32; fp32 model (a bf16 model's case is a GPU row)"),
+    "num_generations": ("compared", "default; 2 per prompt in every case"),
+    "num_generations_eval": ("compared", "evaluation"),
+    "max_completion_length": ("compared", "default; 8 tokens in every case, longer rows than one 16-token tile"),
+    "ds3_gather_for_generation": ("not affected", _GEN),
+    "shuffle_dataset": ("compared", "sampling"),
+    "pad_to_multiple_of": ("compared", "sampling; packed rows carry no padding, TRL's padded rows do"),
+    "generation_batch_size": ("compared", "sampling"),
+    "steps_per_generation": ("compared", "iterations"),
+    "temperature": ("compared", "sampling; the fused head divides the logits by it as TRL does"),
+    "top_p": ("compared", "sampling"),
+    "top_k": ("compared", "sampling"),
+    "min_p": ("compared", "sampling"),
+    "generation_kwargs": ("compared", "sampling"),
+    "chat_template_kwargs": ("compared", "chat_template_kwargs"),
+    "repetition_penalty": ("compared", "sampling"),
+    "cache_implementation": ("not affected", _GEN),
+    "use_vllm": ("vllm tier", "vllm_mode='colocate': our shared-weight engine in place of TRL's "
+                              "(tests/vllm_engine/test_vllm_trl.py: one real GRPO step through TRL's loop)"),
+    "vllm_mode": ("vllm tier", "'colocate': our engine; 'server': " + _SERVER),
+    "vllm_model_impl": ("refused", _COLOCATE_REFUSED),
+    "vllm_enable_sleep_mode": ("refused", _COLOCATE_REFUSED + "; the engine sleeps by itself where its weights are "
+                                          "its own (full fine-tuning on CUDA)"),
+    "vllm_structured_outputs_regex": ("refused", _COLOCATE_REFUSED),
+    "vllm_server_base_url": ("pending", _SERVER),
+    "vllm_server_host": ("pending", _SERVER),
+    "vllm_server_port": ("pending", _SERVER),
+    "vllm_server_timeout": ("pending", _SERVER),
+    "vllm_group_port": ("pending", _SERVER),
+    "vllm_gpu_memory_utilization": ("vllm tier", "colocate: taken as given when set, else sized by the planner "
+                                                 "(tests/test_vllm_setup.py)"),
+    "vllm_max_model_length": ("vllm tier", "colocate: taken as given when set (tests/test_vllm_setup.py)"),
+    "vllm_tensor_parallel_size": ("refused", _COLOCATE_REFUSED),
+    "beta": ("compared", "kl_lora kl_full_reference sync_reference"),
+    "num_iterations": ("compared", "iterations"),
+    "epsilon": ("compared", "default; TRL's 0.2 in every case"),
+    "delta": ("compared", "iterations"),
+    "epsilon_high": ("compared", "iterations"),
+    "sapo_temperature_neg": ("compared", "loss_sapo"),
+    "sapo_temperature_pos": ("compared", "loss_sapo"),
+    "vespo_k_pos": ("compared", "loss_vespo"),
+    "vespo_lambda_pos": ("compared", "loss_vespo"),
+    "vespo_k_neg": ("compared", "loss_vespo"),
+    "vespo_lambda_neg": ("compared", "loss_vespo"),
+    "importance_sampling_level": ("compared", "sequence_level_is default"),
+    "reward_weights": ("compared", "two_rewards_weighted"),
+    "multi_objective_aggregation": ("compared", "normalize_then_sum two_rewards_weighted"),
+    "scale_rewards": ("compared", "scale_batch scale_none default"),
+    "loss_type": ("compared", "loss_grpo loss_dr_grpo loss_dapo loss_bnpo loss_cispo loss_sapo loss_luspo loss_vespo"),
+    "mask_truncated_completions": ("compared", "mask_truncated"),
+    "sync_ref_model": ("compared", "sync_reference"),
+    "ref_model_mixup_alpha": ("compared", "sync_reference"),
+    "ref_model_sync_steps": ("compared", "sync_reference"),
+    "top_entropy_quantile": ("compared", "top_entropy_quantile"),
+    "entropy_coef": ("compared", "entropy_bonus"),
+    "use_adaptive_entropy": ("compared", "entropy_bonus"),
+    "entropy_coef_min": ("compared", "entropy_bonus; TRL's default bounds"),
+    "entropy_coef_max": ("compared", "entropy_bonus; TRL's default bounds"),
+    "entropy_coef_delta": ("compared", "entropy_bonus; TRL's default step"),
+    "entropy_target": ("compared", "entropy_bonus; TRL's default target"),
+    "max_tool_calling_iterations": ("pending", _TOOLS),
+    "vllm_importance_sampling_correction": ("vllm tier", _IS),
+    "vllm_importance_sampling_mode": ("vllm tier", _IS),
+    "vllm_importance_sampling_clip_max": ("vllm tier", _IS),
+    "vllm_importance_sampling_clip_min": ("vllm tier", _IS),
+    "vllm_importance_sampling_cap": ("vllm tier", _IS),
+    "off_policy_mask_threshold": ("compared", "iterations"),
+    "use_bias_correction_kl": ("compared", "kl_full_reference kl_lora"),
+    "log_completions": ("not affected", _LOG),
+    "log_multimodal": ("not affected", _LOG),
+    "num_completions_to_print": ("not affected", _LOG),
+    "log_unique_prompts": ("not affected", _LOG),
+    "log_completions_hub_repo": ("not affected", _LOG),
+    "use_transformers_continuous_batching": ("not affected", _GEN),
+    "transformers_continuous_batching_config": ("not affected", _GEN),
+    "use_transformers_paged": ("not affected", _GEN),
+}
+
+# Trainer arguments beyond the config, in the same vocabulary.
+TRAINER_ARGUMENTS: dict[str, tuple[str, str]] = {
+    "reward_funcs (several, weighted)": ("compared", "two_rewards_weighted normalize_then_sum"),
+    "reward_funcs (async def)": ("compared", "async_reward"),
+    "reward_funcs (None for some rows)": ("compared", "reward_none_rows"),
+    "reward_funcs (a reward model) + reward_processing_classes": ("compared", "reward_model"),
+    "reward_funcs=None (environment rewards)": ("pending", _TOOLS),
+    "train_dataset (conversational / plain text)": ("compared", "default plain_text_prompts"),
+    "eval_dataset": ("compared", "evaluation"),
+    "peft_config": ("compared", "kl_lora"),
+    "tools / environment_factory / rollout_func": ("pending", _TOOLS),
+}
+
+
+def markdown_table() -> str:
+    rows = [f"| `{name}` | {status} | {why} |" for name, (status, why) in FIELDS.items()]
+    rows += [f"| {name} | {status} | {why} |" for name, (status, why) in TRAINER_ARGUMENTS.items()]
+    return "\n".join([f"| GRPOConfig field (TRL {TRL_VERSION}) | status | cases, or why |", "| --- | --- | --- |",
+                      *rows])
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,257 @@
+"""The drop-in promise, checked option by option: the same GRPO steps through TRL's GRPOTrainer and through ours (same
+seed, same tiny model, fp32) give the same logged metrics and the same parameter update, for every option set of
+grpo_accel/trainer/trl_compat.py's matrix, with our savers on: the fused head, padding-free packing, activation
+offload (its real copy path, forced on CPU) and sequence tiles of 16 tokens (every row is longer).
+
+The optimizer is plain SGD, so each parameter's update is the learning rate times its gradient: equal updates are
+equal gradients (Adam would normalise a gradient error away). Metrics: every key TRL logs, ours included, equal
+to 1e-5 relative (times and throughput aside). Updates: ||ours - TRL's|| <= 1e-5 ||TRL's|| over all parameters.
+A TRL upgrade that adds a GRPOConfig field fails `test_every_grpo_config_field_is_named`.
+
+    OMP_NUM_THREADS=1 pytest tests/test_trl_compat.py -q
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from rewards_for_tests import length_reward
+from trl import GRPOConfig, GRPOTrainer
+
+from grpo_accel import GRPOAccelConfig, GRPOAccelTrainer
+from grpo_accel.data.datasets import arithmetic_dataset
+from grpo_accel.data.models import build_tiny_model, load_tokenizer
+from grpo_accel.trainer import trl_compat
+
+# Ours only: every saver that runs on one CPU process, on (sequence parallelism needs several: docs/pairs.md).
+SAVERS_ON = dict(logprob_impl="chunked", padding_free=True, offload_activations="true", offload_recompute_tokens=16)
+NOT_COMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "eval_runtime",
+                "eval_samples_per_second", "eval_steps_per_second", "total_flos"}
+
+
+def digit_share(prompts, completions, **kwargs):
+    """A second reward: the share of digits in the completion (differs from length_reward per completion)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+async def async_length(prompts, completions, **kwargs):
+    return length_reward(prompts, completions)
+
+
+def every_other_none(prompts, completions, **kwargs):
+    """Applies to every other completion only (None: does not apply), beside a reward that applies to all."""
+    return [None if i % 2 else r for i, r in enumerate(length_reward(prompts, completions))]
+
+
+def tiny_reward_model(tokenizer):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from grpo_accel.planning.architectures import TINY_CONFIGS
+
+    spec = dict(TINY_CONFIGS["tiny-llama"])
+    config = AutoConfig.for_model(spec.pop("model_type"), vocab_size=len(tokenizer), num_labels=1,
+                                  pad_token_id=tokenizer.pad_token_id, **spec)
+    torch.manual_seed(7)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+REWARDS = {"length": [length_reward], "two": [length_reward, digit_share], "async": [async_length, digit_share],
+           "none_rows": [every_other_none, digit_share]}
+
+# id -> how the case differs from the base run (GRPOConfig `args`, `steps`, `rewards`, `peft`, `model` given by
+# path, a plain-text `dataset`, an `eval` dataset, `eos_often`: completions that end before the length cap).
+# grpo_accel/trainer/trl_compat.py's FIELDS names these ids.
+CASES = {
+    "default": {},
+    **{f"loss_{t}": {"args": {"loss_type": t}} for t in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo",
+                                                          "luspo", "vespo")},
+    "sequence_level_is": {"args": {"loss_type": "grpo", "importance_sampling_level": "sequence"}},
+    "iterations": {"steps": 2, "args": {"num_iterations": 2, "steps_per_generation": 2, "delta": 1.5,
+                                        "epsilon_high": 0.28, "off_policy_mask_threshold": 0.5}},
+    "kl_lora": {"peft": True, "args": {"beta": 0.04}},
+    "kl_full_reference": {"model": "path", "args": {"beta": 0.04, "use_bias_correction_kl": False,
+                                                    "model_init_kwargs": {"dtype": "float32"}}},
+    "sync_reference": {"model": "path", "steps": 2, "args": {"beta": 0.04, "sync_ref_model": True,
+                                                             "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5}},
+    "scale_batch": {"args": {"scale_rewards": "batch"}},
+    "scale_none": {"args": {"scale_rewards": "none"}},
+    "two_rewards_weighted": {"rewards": "two", "args": {"reward_weights": [1.0, 0.5]}},
+    "normalize_then_sum": {"rewards": "two", "args": {"multi_objective_aggregation": "normalize_then_sum"}},
+    "async_reward": {"rewards": "async"},
+    "reward_none_rows": {"rewards": "none_rows"},
+    "reward_model": {"rewards": "model"},
+    "plain_text_prompts": {"dataset": "plain"},
+    "chat_template_kwargs": {"args": {"chat_template_kwargs": {"enable_thinking": False}}},
+    "mask_truncated": {"eos_often": True, "args": {"mask_truncated_completions": True}},
+    "top_entropy_quantile": {"args": {"top_entropy_quantile": 0.5}},
+    "entropy_bonus": {"steps": 2, "args": {"entropy_coef": 0.01, "use_adaptive_entropy": True}},
+    "evaluation": {"eval": True, "args": {"eval_strategy": "steps", "eval_steps": 1, "num_generations_eval": 2,
+                                          "per_device_eval_batch_size": 4}},
+    "sampling": {"args": {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1,
+                          "min_p": 0.05, "generation_kwargs": {"min_new_tokens": 1}, "pad_to_multiple_of": 8,
+                          "generation_batch_size": 8, "shuffle_dataset": False, "disable_dropout": True}},
+    "cast_head_fp32": {"args": {"cast_lm_head_to_fp32": True}},
+}
+
+
+def plain_text(dataset):
+    """The same prompts as plain strings (a standard, not conversational, dataset)."""
+    return dataset.map(lambda row: {"prompt": row["prompt"][-1]["content"]})
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """tiny-llama saved once: cases that need TRL to load the model (and its reference copy) by path."""
+    tokenizer = load_tokenizer("tiny-llama")
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model("tiny-llama", tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def run(trainer_cls, config_cls, case, out, tiny_dir):
+    tokenizer = load_tokenizer("tiny-llama")
+    model = tiny_dir if case.get("model") == "path" else build_tiny_model("tiny-llama", tokenizer)
+    if case.get("eos_often"):  # a large end-of-sequence row (it is the zeroed pad row): some completions end early
+        with torch.no_grad():
+            row = model.get_output_embeddings().weight[tokenizer.eos_token_id]
+            row.copy_(10 * torch.randn(row.shape, generator=torch.Generator().manual_seed(3)))
+    train = arithmetic_dataset("train", 8)
+    extra = {}
+    if case.get("dataset") == "plain":
+        train = plain_text(train)
+    if case.get("eval"):
+        extra["eval_dataset"] = arithmetic_dataset("test", 4)
+    rewards = case.get("rewards", "length")
+    if rewards != "model":
+        rewards = REWARDS[rewards]
+    else:
+        rewards, extra["reward_processing_classes"] = [tiny_reward_model(tokenizer)], [tokenizer]
+    if case.get("peft"):
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    args = dict(output_dir=out, per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
+                report_to="none", seed=0, bf16=False, use_cpu=True, logging_steps=1, save_strategy="no",
+                max_steps=case.get("steps", 1), optim="sgd", learning_rate=0.1, gradient_checkpointing=True,
+                **case.get("args", {}))
+    if config_cls is GRPOAccelConfig:
+        args.update(SAVERS_ON)
+    trainer = trainer_cls(model=model, reward_funcs=rewards, args=config_cls(**args), train_dataset=train,
+                          processing_class=tokenizer, **extra)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if n in before}
+    return trainer, trainer.state.log_history, update
+
+
+def close(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7)
+    return a == b
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_same_steps_as_trl(name, tmp_path, tiny_dir, monkeypatch):
+    monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")  # offload's real copy path on CPU
+    case = CASES[name]
+    _, trl_log, trl_update = run(GRPOTrainer, GRPOConfig, case, str(tmp_path / "trl"), tiny_dir)
+    ours, our_log, our_update = run(GRPOAccelTrainer, GRPOAccelConfig, case, str(tmp_path / "ours"), tiny_dir)
+    assert ours.offload_enabled and ours.padding_free and ours.logprob_impl == "chunked"
+    assert len(our_log) == len(trl_log)
+    for trl_row, our_row in zip(trl_log, our_log):
+        for key, value in trl_row.items():
+            if key not in NOT_COMPARED:
+                assert key in our_row and close(value, our_row[key]), (key, value, our_row.get(key))
+    assert trl_update.keys() == our_update.keys() and trl_update
+    diff = sum(float((our_update[n] - trl_update[n]).double().pow(2).sum()) for n in trl_update) ** 0.5
+    norm = sum(float(trl_update[n].double().pow(2).sum()) for n in trl_update) ** 0.5
+    assert norm > 0, "no parameter moved: the case shows nothing"
+    assert diff <= 1e-5 * norm, (diff, norm)
+
+
+def test_every_grpo_config_field_is_named():
+    """Each field GRPOConfig adds to TrainingArguments is compared by a case, refused with one line, or not affected
+    by our savers (with why). A field a TRL upgrade adds fails here until it is placed."""
+    from transformers import TrainingArguments
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    own = {f.name for f in dataclasses.fields(GRPOConfig)} - base
+    assert own - trl_compat.FIELDS.keys() == set(), "GRPOConfig fields the matrix does not name"
+    assert trl_compat.FIELDS.keys() - own == set(), "names in the matrix that GRPOConfig no longer has"
+    for field, (status, why) in trl_compat.FIELDS.items():
+        assert status in trl_compat.STATUSES and why, field
+        if status == "compared":
+            cases = [c for c in why.split(";")[0].replace(",", " ").split() if c in CASES]
+            assert cases, f"{field}: 'compared' must name a case of CASES first"
+
+
+def test_docs_table_is_the_matrix():
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "trl-compatibility.md"
+    assert trl_compat.markdown_table() in page.read_text(), "regenerate: python -m grpo_accel.trainer.trl_compat"
+
+
+def test_readme_script_runs(tmp_path, tiny_dir, monkeypatch):
+    """README's "From your TRL script" block as written, with only what needs the hub swapped for local stand-ins
+    (TRL's quick-start model and dataset) and one short step."""
+    import re
+    from pathlib import Path
+
+    import datasets
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## From your TRL script"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "from grpo_accel import GRPOAccelConfig, GRPOAccelTrainer" in code
+    local = datasets.Dataset.from_list([{"prompt": f"Write about {w}."} for w in "abcdefgh"])
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: local)
+    code = re.sub(r'model="[^"]+"', f"model={tiny_dir!r}", code)
+    code = re.sub(r'GRPOAccelConfig\(output_dir="[^"]+"', f'GRPOAccelConfig(output_dir={str(tmp_path)!r}, max_steps=1, '
+                  'max_completion_length=8, per_device_train_batch_size=4, num_generations=4, report_to="none", '
+                  'use_cpu=True', code)
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["trainer"].state.global_step == 1
+
+
+def test_a_trainer_made_without_init_runs_trls_code(monkeypatch):
+    """TRL's own tests build trainers with __new__ and set only what a method needs: our overrides then run TRL's."""
+    monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, prompts: ("generated", prompts))
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", lambda self, *a, **k: "trl logps")
+    monkeypatch.setattr(GRPOTrainer, "train", lambda self, *a, **k: "trl train")
+    trainer = object.__new__(GRPOAccelTrainer)
+    assert trainer._generate(["p"]) == ("generated", ["p"])
+    assert trainer._get_per_token_logps_and_entropies(None, None, None, 1) == "trl logps"
+    assert trainer.train() == "trl train"
+
+
+@pytest.mark.parametrize("funcs", [None, []], ids=["none", "empty"])
+def test_reward_funcs_left_out_behaves_as_trl(tmp_path, funcs):
+    """Without environments TRL decides what no reward function means; ours says the same."""
+    tokenizer = load_tokenizer("tiny-llama")
+    outcomes = []
+    for trainer_cls, config_cls in ((GRPOTrainer, GRPOConfig), (GRPOAccelTrainer, GRPOAccelConfig)):
+        args = config_cls(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                          report_to="none", bf16=False, use_cpu=True)
+        try:
+            trainer_cls(model=build_tiny_model("tiny-llama", tokenizer), reward_funcs=funcs, args=args,
+                        processing_class=tokenizer, train_dataset=arithmetic_dataset("train", 4))
+            outcomes.append("built")
+        except Exception as exc:  # noqa: BLE001 - the comparison is the point
+            outcomes.append((type(exc).__name__, str(exc)))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_a_trl_config_is_taken_as_it_is(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, epsilon=0.3,
+                      loss_type="grpo", report_to="none", bf16=False, use_cpu=True)
+    tokenizer = load_tokenizer("tiny-llama")
+    trainer = GRPOAccelTrainer(model=build_tiny_model("tiny-llama", tokenizer), reward_funcs=length_reward, args=args,
+                               processing_class=tokenizer, train_dataset=arithmetic_dataset("train", 4))
+    assert isinstance(trainer.args, GRPOAccelConfig)
+    for f in dataclasses.fields(GRPOConfig):
+        assert getattr(trainer.args, f.name) == getattr(args, f.name), f.name
