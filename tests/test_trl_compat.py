@@ -57,11 +57,29 @@ def tiny_reward_model(tokenizer):
     return AutoModelForSequenceClassification.from_config(config)
 
 
+def scripted_rollout(prompts, trainer):
+    """A rollout_func (TRL's multi-turn hook) that plays a fixed transcript per prompt: 4-9 "model" tokens with an
+    environment's 3-token reply inside, marked by env_mask = 0 (context for the next tokens, never loss)."""
+    import random
+
+    tokenizer = trainer.processing_class
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    completion_ids, env_mask = [], []
+    for i, p in enumerate(prompts):
+        rng = random.Random(f"{i}:{p}")
+        n = rng.randint(4, 9)
+        completion_ids.append([rng.randrange(100, 40000) for _ in range(n)])
+        env_mask.append([0 if 1 <= j <= 3 else 1 for j in range(n)])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+            "logprobs": [[0.0] * len(c) for c in completion_ids], "env_mask": env_mask}
+
+
 REWARDS = {"length": [length_reward], "two": [length_reward, digit_share], "async": [async_length, digit_share],
            "none_rows": [every_other_none, digit_share]}
 
 # id -> how the case differs from the base run (GRPOConfig `args`, `steps`, `rewards`, `peft`, `model` given by
-# path, a plain-text `dataset`, an `eval` dataset, `eos_often`: completions that end before the length cap).
+# path, a plain-text `dataset`, an `eval` dataset, `eos_often`: completions that end before the length cap,
+# `rollout`: scripted_rollout as TRL's rollout_func).
 # grpo_accel/trainer/trl_compat.py's FIELDS names these ids.
 CASES = {
     "default": {},
@@ -93,6 +111,7 @@ CASES = {
                           "min_p": 0.05, "generation_kwargs": {"min_new_tokens": 1}, "pad_to_multiple_of": 8,
                           "generation_batch_size": 8, "shuffle_dataset": False, "disable_dropout": True}},
     "cast_head_fp32": {"args": {"cast_lm_head_to_fp32": True}},
+    "rollout_env_mask": {"dataset": "plain", "rollout": True},
 }
 
 
@@ -122,6 +141,8 @@ def run(trainer_cls, config_cls, case, out, tiny_dir):
     extra = {}
     if case.get("dataset") == "plain":
         train = plain_text(train)
+    if case.get("rollout"):
+        extra["rollout_func"] = scripted_rollout
     if case.get("eval"):
         extra["eval_dataset"] = arithmetic_dataset("test", 4)
     rewards = case.get("rewards", "length")

@@ -24,7 +24,9 @@ _COLOCATE_REFUSED = ("with vllm_mode='colocate' the shared-weight engine refuses
                      "naming the field (vllm_colocate.UNSUPPORTED_OPTIONS); vllm_mode='server' takes it")
 _IS = ("on by default: every colocated run of the vLLM tier corrects with the shared engine's own sampling "
        "log-probs (SharedVLLMGeneration.generate returns them to TRL); not compared with TRL's engine")
-_TOOLS = "tools / environments: multi-turn rollouts through our packed and tiled passes are not yet compared"
+_TOOLS = ("tools / environments: TRL needs a chat template that renders tool calls (it refuses the embedded "
+          "SmolLM2's), not yet run here; the multi-turn loss mask they produce is compared through rollout_func's "
+          "env_mask (rollout_env_mask)")
 
 # field -> (status, cases or why). For "compared" the text starts with the case ids of tests/test_trl_compat.py.
 FIELDS: dict[str, tuple[str, str]] = {
@@ -121,7 +123,8 @@ TRAINER_ARGUMENTS: dict[str, tuple[str, str]] = {
     "train_dataset (conversational / plain text)": ("compared", "default plain_text_prompts"),
     "eval_dataset": ("compared", "evaluation"),
     "peft_config": ("compared", "kl_lora"),
-    "tools / environment_factory / rollout_func": ("pending", _TOOLS),
+    "rollout_func (with env_mask: environment tokens are context, not loss)": ("compared", "rollout_env_mask"),
+    "tools / environment_factory": ("pending", _TOOLS),
 }
 
 
