@@ -75,7 +75,17 @@ def scripted_rollout(prompts, trainer):
 
 
 REWARDS = {"length": [length_reward], "two": [length_reward, digit_share], "async": [async_length, digit_share],
-           "none_rows": [every_other_none, digit_share]}
+           "none_rows": [every_other_none, digit_share], "trl_library": "trl_library"}
+
+
+def trl_library_rewards():
+    """TRL's own documented rewards for conversational math: the <think> format, a soft overlong punishment and an
+    n-gram repetition penalty (trl.rewards); with length_reward beside them, as a random tiny model's samples earn
+    the same from each of those three (no advantage, nothing to compare)."""
+    from trl.rewards import get_repetition_penalty_reward, get_soft_overlong_punishment, think_format_reward
+
+    return [think_format_reward, get_soft_overlong_punishment(max_completion_len=8, soft_punish_cache=4),
+            get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0), length_reward]
 
 # id -> how the case differs from the base run (GRPOConfig `args`, `steps`, `rewards`, `peft`, `model` given by
 # path, a plain-text `dataset`, an `eval` dataset, `eos_often`: completions that end before the length cap,
@@ -112,6 +122,7 @@ CASES = {
                           "generation_batch_size": 8, "shuffle_dataset": False, "disable_dropout": True}},
     "cast_head_fp32": {"args": {"cast_lm_head_to_fp32": True}},
     "rollout_env_mask": {"dataset": "plain", "rollout": True},
+    "trl_library_rewards": {"rewards": "trl_library", "args": {"reward_weights": [1.0, 0.5, 0.5, 1.0]}},
 }
 
 
@@ -146,7 +157,9 @@ def run(trainer_cls, config_cls, case, out, tiny_dir):
     if case.get("eval"):
         extra["eval_dataset"] = arithmetic_dataset("test", 4)
     rewards = case.get("rewards", "length")
-    if rewards != "model":
+    if rewards == "trl_library":
+        rewards = trl_library_rewards()
+    elif rewards != "model":
         rewards = REWARDS[rewards]
     else:
         rewards, extra["reward_processing_classes"] = [tiny_reward_model(tokenizer)], [tokenizer]

@@ -116,6 +116,8 @@ FIELDS: dict[str, tuple[str, str]] = {
 # Trainer arguments beyond the config, in the same vocabulary.
 TRAINER_ARGUMENTS: dict[str, tuple[str, str]] = {
     "reward_funcs (several, weighted)": ("compared", "two_rewards_weighted normalize_then_sum"),
+    "reward_funcs (trl.rewards: think format, soft overlong punishment, repetition penalty)": (
+        "compared", "trl_library_rewards"),
     "reward_funcs (async def)": ("compared", "async_reward"),
     "reward_funcs (None for some rows)": ("compared", "reward_none_rows"),
     "reward_funcs (a reward model) + reward_processing_classes": ("compared", "reward_model"),
