@@ -18,6 +18,10 @@ def _lcm(a: int, b: int) -> int:
 
 @dataclass
 class GRPOAccelConfig(GRPOConfig):
+    """TRL's GRPOConfig (every field, TRL's defaults) plus the savers' fields below, validated on creation: a value
+    that cannot run stops here with one `error:` line naming the field and the fix. `from_trl(config)` takes a TRL
+    GRPOConfig as it is set. What each TRL field does with the savers on: docs/trl-compatibility.md."""
+
     logprob_impl: str = field(
         default="auto",
         metadata={"help": "Log-prob head: 'trl' (TRL's own chunked head), 'chunked' (ours, torch), 'triton' "
