@@ -74,8 +74,8 @@ def scripted_rollout(prompts, trainer):
             "logprobs": [[0.0] * len(c) for c in completion_ids], "env_mask": env_mask}
 
 
-REWARDS = {"length": [length_reward], "two": [length_reward, digit_share], "async": [async_length, digit_share],
-           "none_rows": [every_other_none, digit_share], "trl_library": "trl_library"}
+REWARDS = {"length": [length_reward], "two": [length_reward, digit_share],
+           "kinds": [async_length, every_other_none, digit_share]}
 
 
 def trl_library_rewards():
@@ -92,37 +92,33 @@ def trl_library_rewards():
 # `rollout`: scripted_rollout as TRL's rollout_func).
 # grpo_accel/trainer/trl_compat.py's FIELDS names these ids.
 CASES = {
-    "default": {},
-    **{f"loss_{t}": {"args": {"loss_type": t}} for t in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo",
-                                                          "luspo", "vespo")},
-    "sequence_level_is": {"args": {"loss_type": "grpo", "importance_sampling_level": "sequence"}},
-    "iterations": {"steps": 2, "args": {"num_iterations": 2, "steps_per_generation": 2, "delta": 1.5,
-                                        "epsilon_high": 0.28, "off_policy_mask_threshold": 0.5}},
+    "default": {},  # TRL's defaults: loss_type "dapo", scale_rewards "group", token-level importance sampling
+    **{f"loss_{t}": {"args": {"loss_type": t}} for t in ("grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo",
+                                                          "vespo")},
+    "sequence_is_batch_scale": {"args": {"loss_type": "grpo", "importance_sampling_level": "sequence",
+                                         "scale_rewards": "batch"}},
+    "truncation_entropy_quantile": {"eos_often": True, "args": {"mask_truncated_completions": True,
+                                                                "top_entropy_quantile": 0.5, "scale_rewards": "none"}},
+    "iterations_entropy": {"steps": 2, "args": {"num_iterations": 2, "steps_per_generation": 2, "delta": 1.5,
+                                                "epsilon_high": 0.28, "off_policy_mask_threshold": 0.5,
+                                                "entropy_coef": 0.01, "use_adaptive_entropy": True}},
     "kl_lora": {"peft": True, "args": {"beta": 0.04}},
     "kl_full_reference": {"model": "path", "args": {"beta": 0.04, "use_bias_correction_kl": False,
                                                     "model_init_kwargs": {"dtype": "float32"}}},
     "sync_reference": {"model": "path", "steps": 2, "args": {"beta": 0.04, "sync_ref_model": True,
                                                              "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5}},
-    "scale_batch": {"args": {"scale_rewards": "batch"}},
-    "scale_none": {"args": {"scale_rewards": "none"}},
-    "two_rewards_weighted": {"rewards": "two", "args": {"reward_weights": [1.0, 0.5]}},
+    "reward_kinds": {"rewards": "kinds"},  # an async reward, one that is None for every other completion, a sync one
     "normalize_then_sum": {"rewards": "two", "args": {"multi_objective_aggregation": "normalize_then_sum"}},
-    "async_reward": {"rewards": "async"},
-    "reward_none_rows": {"rewards": "none_rows"},
-    "reward_model": {"rewards": "model"},
-    "plain_text_prompts": {"dataset": "plain"},
-    "chat_template_kwargs": {"args": {"chat_template_kwargs": {"enable_thinking": False}}},
-    "mask_truncated": {"eos_often": True, "args": {"mask_truncated_completions": True}},
-    "top_entropy_quantile": {"args": {"top_entropy_quantile": 0.5}},
-    "entropy_bonus": {"steps": 2, "args": {"entropy_coef": 0.01, "use_adaptive_entropy": True}},
+    "trl_library_rewards": {"rewards": "trl_library", "args": {"reward_weights": [1.0, 0.5, 0.5, 1.0]}},
+    "reward_model_plain_text": {"rewards": "model", "dataset": "plain"},
+    "chat_kwargs_fp32_head": {"args": {"chat_template_kwargs": {"enable_thinking": False},
+                                       "cast_lm_head_to_fp32": True}},
     "evaluation": {"eval": True, "args": {"eval_strategy": "steps", "eval_steps": 1, "num_generations_eval": 2,
                                           "per_device_eval_batch_size": 4}},
     "sampling": {"args": {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1,
                           "min_p": 0.05, "generation_kwargs": {"min_new_tokens": 1}, "pad_to_multiple_of": 8,
                           "generation_batch_size": 8, "shuffle_dataset": False, "disable_dropout": True}},
-    "cast_head_fp32": {"args": {"cast_lm_head_to_fp32": True}},
     "rollout_env_mask": {"dataset": "plain", "rollout": True},
-    "trl_library_rewards": {"rewards": "trl_library", "args": {"reward_weights": [1.0, 0.5, 0.5, 1.0]}},
 }
 
 
@@ -215,11 +211,14 @@ def test_every_grpo_config_field_is_named():
     own = {f.name for f in dataclasses.fields(GRPOConfig)} - base
     assert own - trl_compat.FIELDS.keys() == set(), "GRPOConfig fields the matrix does not name"
     assert trl_compat.FIELDS.keys() - own == set(), "names in the matrix that GRPOConfig no longer has"
-    for field, (status, why) in trl_compat.FIELDS.items():
+    for field, (status, why) in {**trl_compat.FIELDS, **trl_compat.TRAINER_ARGUMENTS}.items():
         assert status in trl_compat.STATUSES and why, field
-        if status == "compared":
-            cases = [c for c in why.split(";")[0].replace(",", " ").split() if c in CASES]
-            assert cases, f"{field}: 'compared' must name a case of CASES first"
+        if status == "compared":  # the text before ';' is the case ids, each one a case of CASES
+            cases = why.split(";")[0].split()
+            assert cases and set(cases) <= CASES.keys(), (field, set(cases) - CASES.keys())
+    named = {c for status, why in [*trl_compat.FIELDS.values(), *trl_compat.TRAINER_ARGUMENTS.values()]
+             if status == "compared" for c in why.split(";")[0].split()}
+    assert CASES.keys() <= named, f"cases no field names: {CASES.keys() - named}"
 
 
 def test_docs_table_is_the_matrix():

@@ -247,6 +247,7 @@ def resolve_run_spec(argv: list[str], cmdline=None, gpu_props="current", for_pla
     run_name = explicit.get("run_name") or default_run_name(model, explicit.get("dataset", "arithmetic"))
     # launch/train.py stops on a blank or non-finite reward; the trainer's own default is TRL's behaviour
     defaults = {**preset.training_overrides(), "preset": preset.name, "run_name": run_name, "reward_checks": "strict",
+                "max_nonfinite_steps": 3,
                 "output_dir": os.path.join("runs", run_name), **from_yaml}
     if launched_processes() > 1 and not _cuda_available():
         defaults.update(cpu_processes_defaults(explicit))

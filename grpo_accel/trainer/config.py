@@ -90,9 +90,9 @@ class GRPOAccelConfig(GRPOConfig):
                           "number of rewards is named in the error."},
     )
     max_nonfinite_steps: int = field(
-        default=3,
+        default=0,
         metadata={"help": "Steps with non-finite gradients are skipped; this many in a row stop the run, keeping "
-                          "the last good checkpoint."},
+                          "the last good checkpoint. 0 = TRL's behaviour, no guard (launch/train.py's default: 3)."},
     )
 
     @classmethod
@@ -191,7 +191,7 @@ class GRPOAccelConfig(GRPOConfig):
         """Each numeric flag that cannot work, named as the user typed it, with the fix."""
         for name, low in (("max_completion_length", 1), ("per_device_train_batch_size", 1),
                           ("gradient_accumulation_steps", 1), ("num_generations", 2), ("logging_steps", 1),
-                          ("save_steps", 1), ("max_nonfinite_steps", 1), ("sequence_parallel_size", 1),
+                          ("save_steps", 1), ("max_nonfinite_steps", 0), ("sequence_parallel_size", 1),
                           ("offload_recompute_tokens", 1), ("offload_device_budget_gib", 0)):
             value = getattr(self, name)
             if value is not None and value < low:

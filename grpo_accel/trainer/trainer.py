@@ -103,10 +103,13 @@ class GRPOAccelTrainer(GRPOTrainer):
         # TRL re-enables checkpointing around each generate(); transformers then adds an embedding hook each time.
         dedupe_input_require_grads(self.model)
         # Under DeepSpeed the engine owns the optimizer step and skips non-finite ones itself: count its skips.
-        max_bad = getattr(self.args, "max_nonfinite_steps", 3)
-        self.nonfinite_guard = (DeepSpeedSkipGuard(max_bad, self.accelerator) if self.is_deepspeed_enabled
-                                else NonFiniteGuard(max_bad, self.accelerator))
-        self.add_callback(self.nonfinite_guard)
+        # 0 (the default): TRL's behaviour, no guard; launch/train.py asks for 3
+        max_bad = getattr(self.args, "max_nonfinite_steps", 0)
+        self.nonfinite_guard = None
+        if max_bad > 0:
+            self.nonfinite_guard = (DeepSpeedSkipGuard(max_bad, self.accelerator) if self.is_deepspeed_enabled
+                                    else NonFiniteGuard(max_bad, self.accelerator))
+            self.add_callback(self.nonfinite_guard)
         self.patches = Patches()
         weakref.finalize(self, self.patches.undo)  # a trainer dropped without train() (a notebook cell) undoes too
         self._install_savers()
