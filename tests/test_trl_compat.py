@@ -279,6 +279,18 @@ def test_reward_funcs_left_out_behaves_as_trl(tmp_path, funcs):
     assert outcomes[0] == outcomes[1]
 
 
+def test_trls_positional_arguments_keep_their_meaning(tmp_path):
+    """GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class) by position."""
+    tokenizer = load_tokenizer("tiny-llama")
+    args = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                           report_to="none", bf16=False, use_cpu=True)
+    train, held_out = arithmetic_dataset("train", 4), arithmetic_dataset("test", 2)
+    trainer = GRPOAccelTrainer(build_tiny_model("tiny-llama", tokenizer), length_reward, args, train, held_out,
+                               tokenizer)
+    assert trainer.train_dataset is train and trainer.eval_dataset is held_out
+    assert trainer.processing_class is tokenizer and trainer.vllm_engine is None
+
+
 def test_a_trl_config_is_taken_as_it_is(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, epsilon=0.3,
                       loss_type="grpo", report_to="none", bf16=False, use_cpu=True)

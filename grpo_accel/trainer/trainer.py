@@ -67,10 +67,17 @@ class GRPOAccelTrainer(GRPOTrainer):
     gradient-checkpointing function, Ulysses SP around the policy forward, a colocated vLLM engine that shares the
     training model's weights as `vllm_generation`. Everything it adds is undone by `close()` (end of `train()`)."""
 
-    def __init__(self, model, reward_funcs=None, args: GRPOAccelConfig | None = None, vllm_engine=None, **kwargs):
-        """As GRPOTrainer (every argument of TRL's, in its order); `vllm_engine`: an engine already started with
-        `vllm_setup.start_colocated_engine` whose training model is `model` (else one is started here when args ask
-        for colocated vLLM). A TRL GRPOConfig is taken as it is: our fields get their defaults."""
+    def __init__(self, model, reward_funcs=None, args: GRPOAccelConfig | None = None, *trl_args, vllm_engine=None,
+                 **kwargs):
+        """As GRPOTrainer: every argument of TRL's, by name or in its order; `vllm_engine` (by name only): an engine
+        already started with `vllm_setup.start_colocated_engine` whose training model is `model` (else one is
+        started here when args ask for colocated vLLM). A TRL GRPOConfig is taken as it is: our fields get their
+        defaults."""
+        if trl_args:  # train_dataset, eval_dataset, processing_class, ... given by position, as TRL allows
+            import inspect
+
+            names = list(inspect.signature(GRPOTrainer.__init__).parameters)[4:]
+            kwargs.update(zip(names, trl_args, strict=False))
         if args is None:  # as TRL names its default config, ours
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = GRPOAccelConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
