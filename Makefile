@@ -38,7 +38,7 @@ test: setup
 	# the import contract in pyproject.toml ([tool.importlinter]): a wrong import fails here, naming the rule
 	$(VENV)/bin/lint-imports
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not gpu and not vllm and not distributed and not long" \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not gpu and not vllm and not distributed and not long" \
 		--timeout 900
 
 # Several processes per test (each launch ~20 s of imports), and the long single-process runs (marker `long`: the
