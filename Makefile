@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 RUN ?= demo
 # make test's pytest-xdist workers: most of its time is launch/train.py subprocesses importing the stack (one core
-# each), so two workers on 2 cores take it from 12 min to 8 min 48 s (docs/testing.md).
+# each), so two workers on 2 cores take it from 12 min to 8 min 48 s; 10 min 56 s with the TRL matrix (docs/testing.md).
 TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 export HF_HUB_OFFLINE ?= 1
