@@ -12,6 +12,7 @@ A TRL upgrade that adds a GRPOConfig field fails `test_every_grpo_config_field_i
 """
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -74,6 +75,60 @@ def scripted_rollout(prompts, trainer):
             "logprobs": [[0.0] * len(c) for c in completion_ids], "env_mask": env_mask}
 
 
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+class Calculator:
+    """An environment (TRL's environment_factory): `multiply` is its tool, and it owns the reward (tool calls made)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def reset(self, **kwargs):
+        self.calls = 0
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a * b
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+def scripted_tool_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """GRPOTrainer._generate_single_turn for the tool cases: a random tiny model never writes a well-formed tool call,
+    so each turn is scripted from its prompt (the same in both trainers): a `multiply` call in Qwen3's format while
+    the transcript has fewer than two tool responses (60%), else 2-5 random tokens; each turn ends with <|im_end|>.
+    TRL's own loop parses the calls, runs the tools and appends their responses (tool_mask 0: context, not loss)."""
+    import random
+
+    tokenizer = self.processing_class
+    turns = []
+    for i, ids in enumerate(prompt_ids):
+        rng = random.Random(sum(ids) * 31 + len(ids) * 7 + i)
+        if tokenizer.decode(ids).count("<tool_response>") < 2 and rng.random() < 0.6:
+            arguments = {"a": rng.randint(2, 9), "b": rng.randint(2, 9)}
+            call = "<tool_call>\n" + json.dumps({"name": "multiply", "arguments": arguments}) + "\n</tool_call>"
+            turn = tokenizer(call, add_special_tokens=False)["input_ids"]
+        else:
+            turn = [rng.randrange(100, 30000) for _ in range(rng.randint(2, 5))]
+        turns.append(turn + [tokenizer.eos_token_id])
+    return turns, None
+
+
 REWARDS = {"length": [length_reward], "two": [length_reward, digit_share],
            "kinds": [async_length, every_other_none, digit_share]}
 
@@ -89,7 +144,7 @@ def trl_library_rewards():
 
 # id -> how the case differs from the base run (GRPOConfig `args`, `steps`, `rewards`, `peft`, `model` given by
 # path, a plain-text `dataset`, an `eval` dataset, `eos_often`: completions that end before the length cap,
-# `rollout`: scripted_rollout as TRL's rollout_func).
+# `rollout`: scripted_rollout as TRL's rollout_func, `tools`: multiply as a tool or Calculator as the environment).
 # grpo_accel/trainer/trl_compat.py's FIELDS names these ids.
 CASES = {
     "default": {},  # TRL's defaults: loss_type "dapo", scale_rewards "group", token-level importance sampling
@@ -119,6 +174,9 @@ CASES = {
                           "min_p": 0.05, "generation_kwargs": {"min_new_tokens": 1}, "pad_to_multiple_of": 8,
                           "generation_batch_size": 8, "shuffle_dataset": False, "disable_dropout": True}},
     "rollout_env_mask": {"dataset": "plain", "rollout": True},
+    # Qwen3's chat template (TRL ships it) on the tiny model's tokenizer; generation scripted (scripted_tool_turn)
+    "tools": {"tools": "functions", "args": {"max_completion_length": 64, "max_tool_calling_iterations": 1}},
+    "environment_rewards": {"tools": "environment", "rewards": None, "args": {"max_completion_length": 64}},
 }
 
 
@@ -152,8 +210,18 @@ def run(trainer_cls, config_cls, case, out, tiny_dir):
         extra["rollout_func"] = scripted_rollout
     if case.get("eval"):
         extra["eval_dataset"] = arithmetic_dataset("test", 4)
+    if case.get("tools"):
+        from trl.chat_template_utils import qwen3_chat_template
+
+        tokenizer.chat_template = qwen3_chat_template  # SmolLM2's template cannot render tool calls (TRL refuses it)
+        if case["tools"] == "functions":
+            extra["tools"] = [multiply]
+        else:
+            extra["environment_factory"] = Calculator
     rewards = case.get("rewards", "length")
-    if rewards == "trl_library":
+    if rewards is None:  # the environment owns the reward
+        pass
+    elif rewards == "trl_library":
         rewards = trl_library_rewards()
     elif rewards != "model":
         rewards = REWARDS[rewards]
@@ -165,8 +233,8 @@ def run(trainer_cls, config_cls, case, out, tiny_dir):
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
     args = dict(output_dir=out, per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
                 report_to="none", seed=0, bf16=False, use_cpu=True, logging_steps=1, save_strategy="no",
-                max_steps=case.get("steps", 1), optim="sgd", learning_rate=0.1, gradient_checkpointing=True,
-                **case.get("args", {}))
+                max_steps=case.get("steps", 1), optim="sgd", learning_rate=0.1, gradient_checkpointing=True)
+    args.update(case.get("args", {}))
     if config_cls is GRPOAccelConfig:
         args.update(SAVERS_ON)
     trainer = trainer_cls(model=model, reward_funcs=rewards, args=config_cls(**args), train_dataset=train,
@@ -187,9 +255,13 @@ def close(a, b) -> bool:
 def test_same_steps_as_trl(name, tmp_path, tiny_dir, monkeypatch):
     monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")  # offload's real copy path on CPU
     case = CASES[name]
+    if case.get("tools"):
+        monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", scripted_tool_turn)
     _, trl_log, trl_update = run(GRPOTrainer, GRPOConfig, case, str(tmp_path / "trl"), tiny_dir)
     ours, our_log, our_update = run(GRPOAccelTrainer, GRPOAccelConfig, case, str(tmp_path / "ours"), tiny_dir)
     assert ours.offload_enabled and ours.padding_free and ours.logprob_impl == "chunked"
+    if case.get("tools"):  # the tool loop ran: calls were made, their responses sit inside completions
+        assert trl_log[0]["tools/call_frequency"] > 0
     assert len(our_log) == len(trl_log)
     for trl_row, our_row in zip(trl_log, our_log):
         for key, value in trl_row.items():

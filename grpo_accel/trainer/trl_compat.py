@@ -24,10 +24,6 @@ _COLOCATE_REFUSED = ("with vllm_mode='colocate' the shared-weight engine refuses
                      "naming the field (vllm_colocate.UNSUPPORTED_OPTIONS); vllm_mode='server' takes it")
 _IS = ("on by default: every colocated run of the vLLM tier corrects with the shared engine's own sampling "
        "log-probs (SharedVLLMGeneration.generate returns them to TRL); not compared with TRL's engine")
-_TOOLS = ("tools / environments: TRL needs a chat template that renders tool calls (it refuses the embedded "
-          "SmolLM2's), not yet run here; the multi-turn loss mask they produce is compared through rollout_func's "
-          "env_mask (rollout_env_mask)")
-
 # field -> (status, cases or why). For "compared" the text starts with the case ids of tests/test_trl_compat.py.
 FIELDS: dict[str, tuple[str, str]] = {
     "model_init_kwargs": ("compared", "kl_full_reference; TRL loads the model (and its reference) by path with them"),
@@ -96,7 +92,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "entropy_coef_max": ("compared", "iterations_entropy; TRL's default bounds"),
     "entropy_coef_delta": ("compared", "iterations_entropy; TRL's default step"),
     "entropy_target": ("compared", "iterations_entropy; TRL's default target"),
-    "max_tool_calling_iterations": ("pending", _TOOLS),
+    "max_tool_calling_iterations": ("compared", "tools; calls parsed from Qwen3's format, TRL's own tool loop"),
     "vllm_importance_sampling_correction": ("vllm tier", _IS),
     "vllm_importance_sampling_mode": ("vllm tier", _IS),
     "vllm_importance_sampling_clip_max": ("vllm tier", _IS),
@@ -122,12 +118,14 @@ TRAINER_ARGUMENTS: dict[str, tuple[str, str]] = {
     "reward_funcs (async def)": ("compared", "reward_kinds"),
     "reward_funcs (None for some rows)": ("compared", "reward_kinds"),
     "reward_funcs (a reward model) + reward_processing_classes": ("compared", "reward_model_plain_text"),
-    "reward_funcs=None (environment rewards)": ("pending", _TOOLS),
+    "reward_funcs=None (environment rewards)": ("compared", "environment_rewards; the environment's get_reward"),
     "train_dataset (conversational / plain text)": ("compared", "default reward_model_plain_text"),
     "eval_dataset": ("compared", "evaluation"),
     "peft_config": ("compared", "kl_lora"),
     "rollout_func (with env_mask: environment tokens are context, not loss)": ("compared", "rollout_env_mask"),
-    "tools / environment_factory": ("pending", _TOOLS),
+    "tools / environment_factory (tool responses inside completions: context, not loss)": (
+        "compared", "tools environment_rewards; Qwen3's chat template, generation scripted (a random tiny model "
+                    "never writes a tool call)"),
 }
 
 
