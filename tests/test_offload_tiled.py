@@ -225,10 +225,11 @@ def test_packed_row_is_tiled_sequence_by_sequence(monkeypatch):
     SDPA): the tiles (8 tokens) cross the boundary, each query still attends within its own sequence only; same
     gradients."""
     from grpo_accel.parallel.packing import SEGMENTS_KWARG, enable_packed_attention, packed_forward_context
+    from grpo_accel.tiling.attention import segments_of
 
     calls = spy(monkeypatch)
     ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(9))
-    bounds = (0, 12, T)
+    bounds = segments_of([12, T - 12])
     pos = torch.cat([torch.arange(12), torch.arange(T - 12)])[None]
 
     def packed_step(cfg, bounds=bounds):
@@ -246,7 +247,7 @@ def test_packed_row_is_tiled_sequence_by_sequence(monkeypatch):
     assert_close_rel(ref, packed_step(forced(8)))
     assert len(calls) == 2 and [len(c) for c in calls] == [4, 4]
     # control: the row as one sequence (tiled too) has other gradients, so the segments were honoured
-    one = packed_step(forced(8), (0, T))
+    one = packed_step(forced(8), segments_of([T]))
     assert any(((one[n] - ref[n]).norm() / ref[n].norm()) > 1e-3 for n in ref)
 
 

@@ -19,6 +19,7 @@ from rewards_for_tests import length_reward
 from grpo_accel.data.datasets import arithmetic_dataset
 from grpo_accel.data.models import load_model
 from grpo_accel.parallel.packing import pack_rows, plan_micro_batches, split_to_count, unpack
+from grpo_accel.tiling.attention import segments_of
 from grpo_accel.trainer.config import GRPOAccelConfig
 from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
@@ -197,7 +198,7 @@ def test_cross_sequence_attention_would_be_caught(tmp_path):
         good = model(input_ids=p.input_ids, position_ids=p.position_ids, accel_labels=p.labels,
                      accel_segments=p.segments).log_probs
         leaky = model(input_ids=p.input_ids, position_ids=p.position_ids, accel_labels=p.labels,
-                      accel_segments=(0, p.input_ids.size(1))).log_probs
+                      accel_segments=segments_of([p.input_ids.size(1)])).log_probs
     valid = inputs["completion_mask"].bool()
     a, b = unpack([(p, good)], ROWS, K)[valid], unpack([(p, leaky)], ROWS, K)[valid]
     assert (a - b).abs().max() > 1e-2

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from grpo_accel.core.patches import Patches, register, set_attr
+from grpo_accel.tiling.attention import PACKED_ATTN as ATTN_NAME
+from grpo_accel.tiling.attention import SEGMENTS_KWARG, Segment, _attend, segments_of
 
-SEGMENTS_KWARG = "accel_segments"  # forward kwarg carried to every attention call: packed sequence bounds
-ATTN_NAME = "grpo_accel_sdpa"
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")
 # RoPE variants whose result depends only on relative positions within one call (dynamic / longrope pick
 # their scaling from the longest position seen, which packing changes).
@@ -39,19 +39,18 @@ _ROPE_TYPES_OK = (None, "default", "linear", "llama3", "yarn")
 _PACKED = contextvars.ContextVar("grpo_accel_packed", default=False)
 
 
-def segment_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """As transformers' sdpa_attention_forward; with `accel_segments=(0, n0, n0+n1, ...)` the one packed row
-    is attended one sequence at a time (causal within each), else it is stock SDPA (generation, padded)."""
+def segment_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """As transformers' sdpa_attention_forward; with `accel_segments=(Segment, ...)` the one packed row is attended
+    one segment at a time (causal within each, a shared prompt's prefix seen whole: tiling/attention.py), else it is
+    stock SDPA (generation, padded)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    bounds = kwargs.pop(SEGMENTS_KWARG, None)
-    if bounds is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    kwargs.pop("is_causal", None)
-    outs = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
-                                   is_causal=True, **kwargs)[0]
-            for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
-    return torch.cat(outs, dim=1), None  # [1, N, heads, head_dim], as sdpa_attention_forward returns
+    segments = kwargs.pop(SEGMENTS_KWARG, None)
+    if segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = _attend(query, key, value, None, 0, dropout, scaling, segments)
+    return out.transpose(1, 2), None  # [1, N, heads, head_dim], as sdpa_attention_forward returns
 
 
 def _segment_sdpa_mask(*args, **kwargs):
@@ -162,7 +161,7 @@ class PackedRows:
     input_ids: torch.Tensor     # [1, N] real tokens of `rows`, concatenated
     position_ids: torch.Tensor  # [1, N] 0..n-1 per sequence
     labels: torch.Tensor        # [1, N] token ids where scored, -100 elsewhere (prompt, sequence starts)
-    segments: tuple[int, ...]   # (0, n0, n0+n1, ..., N)
+    segments: tuple[Segment, ...]  # the sequences in the row (tiling/attention.py)
     src: torch.Tensor           # [S] index into the head's [N - 1] outputs (position p-1 scores token p)
     dst: torch.Tensor           # [S] index into the flat [B * logits_to_keep] output
 
@@ -188,17 +187,16 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     r_idx, c_idx = real.nonzero(as_tuple=True)  # row-major: the packed order
     ids = input_ids[row_ids][real]
     lengths = real.sum(1)
-    starts = lengths.cumsum(0) - lengths
     first_col = torch.where(real, torch.arange(T, device=device), T).amin(1)
     pos = c_idx - first_col[r_idx]
     scored = (c_idx >= T - k) & (pos > 0)  # the padded head never scores a row's first token either
     labels = torch.where(scored, ids, torch.full_like(ids, -100))
     src = scored.nonzero().squeeze(1) - 1
     dst = row_ids[r_idx[scored]] * k + (c_idx[scored] - (T - k))
-    segments = (0, *(starts + lengths).tolist())
+    segments = segments_of(lengths.tolist())
     if ids.numel() == 1:  # the head scores positions 0..N-2: give a lone token a partner (own segment, unscored)
         ids, pos, labels = ids.repeat(2), torch.cat([pos, pos]), torch.cat([labels, labels.new_full((1,), -100)])
-        segments = (0, 1, 2)
+        segments = segments_of([1, 1])
     return PackedRows(ids[None], pos[None], labels[None], segments, src, dst)
 
 

@@ -1,24 +1,59 @@
 """Attention of one query tile against the keys and values up to its end (causal, lower-right aligned), for
-tiling/layer.py: memory-linear in the tile and the keys, never a T x T score matrix."""
+tiling/layer.py: memory-linear in the tile and the keys, never a T x T score matrix; and the packed row's layout
+(`Segment`), which the packed attention (grpo_accel.parallel.packing) and the tiled path both read.
+
+A packed row holds several sequences. Each `Segment` attends causally within itself and, when it has a prefix, to
+the whole of that earlier span first: the shared-prompt layout (grpo_accel.parallel.shared_prompt) puts a group's
+prompt in the row once and each completion after it as a segment whose prefix is the prompt. A query at offset j of
+the segment then sees the prefix's keys and its own keys 0..j: the keys [prefix ; own] with a lower-right causal
+mask, exactly what it sees in its own unshared row. Cost: the prefix's keys and values are copied beside each
+segment's (one [prefix + segment] K, V per segment, transient, per layer); the scores are (segment x (prefix +
+segment)) per segment, never the whole row's square.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+PACKED_ATTN = "grpo_accel_sdpa"  # the packed attention's name in transformers' attention interface
+SEGMENTS_KWARG = "accel_segments"  # forward kwarg carried to every attention call: the packed row's segments
+
+
+class Segment(NamedTuple):
+    """Tokens start:end of a packed row, causal within; keys prefix_start:prefix_end (before start) seen whole."""
+    start: int
+    end: int
+    prefix_start: int = 0
+    prefix_end: int = 0
+
+
+def segments_of(lengths) -> tuple[Segment, ...]:
+    """Back-to-back sequences of these lengths, no prefixes (padding-free packing)."""
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return tuple(Segment(a, b) for a, b in zip(bounds[:-1], bounds[1:]))
+
 
 def _attend(q, k, v, mask, start: int, dropout: float, scale, segments=None):
     """softmax(q k^T * scale + causal / `mask` rows start:start+Tq) v for a query tile at `start`; memory-linear:
     no mask is built on CUDA (lower-right causal bias), a [Tq, e] bool mask on CPU (its flash kernel takes one).
-    `segments` (0, n0, n0+n1, ..., N): packed sequences, each query attends causally within its own only."""
+    `segments` (Segment, ...): a packed row (module docstring); each query attends within its own segment only."""
     if segments is not None:
         end, outs = start + q.shape[2], []
-        for lo, hi in zip(segments[:-1], segments[1:]):
-            a, b = max(lo, start), min(hi, end)  # this sequence's queries in the tile, keys lo:b
-            if a < b:
-                outs.append(_attend(q[:, :, a - start:b - start], k[:, :, lo:b], v[:, :, lo:b], None, a - lo,
-                                    dropout, scale))
+        for seg in segments:
+            a, b = max(seg.start, start), min(seg.end, end)  # this segment's queries in the tile, keys start:b
+            if a >= b:
+                continue
+            ks, vs, offset = k[:, :, seg.start:b], v[:, :, seg.start:b], a - seg.start
+            if seg.prefix_end > seg.prefix_start:  # [prefix ; own]: its gradient flows back to the one prefix
+                pk, pv = k[:, :, seg.prefix_start:seg.prefix_end], v[:, :, seg.prefix_start:seg.prefix_end]
+                ks, vs, offset = torch.cat([pk, ks], 2), torch.cat([pv, vs], 2), offset + pk.shape[2]
+            outs.append(_attend(q[:, :, a - start:b - start], ks, vs, None, offset, dropout, scale))
         return torch.cat(outs, dim=2)
     device = q.device.type
     if torch.is_autocast_enabled(device):

@@ -38,15 +38,14 @@ import functools
 import torch
 
 from grpo_accel.core import rng as rng_state
-from grpo_accel.tiling.attention import _attend
+from grpo_accel.tiling.attention import PACKED_ATTN, SEGMENTS_KWARG, _attend
 
 # attention-interface kwargs a tiled call may ignore; any other kwarg with a value makes the layer untileable
 _IGNORED_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values"}
 _MUST_BE_NONE = {"sliding_window", "softcap", "s_aux", "sinks"}
-# implementations whose result SDPA with the same mask reproduces; grpo_accel.parallel.packing's per-sequence SDPA
-# (packed rows: `accel_segments` bounds, no mask) is reproduced segment by segment
-_PACKED_ATTN, _SEGMENTS_KWARG = "grpo_accel_sdpa", "accel_segments"
-_SAME_AS_SDPA = ("sdpa", "eager", None, _PACKED_ATTN)
+# implementations whose result SDPA with the same mask reproduces; grpo_accel.parallel.packing's packed attention
+# (`accel_segments`, no mask) is reproduced segment by segment
+_SAME_AS_SDPA = ("sdpa", "eager", None, PACKED_ATTN)
 
 
 class Untileable(Exception):
@@ -92,7 +91,7 @@ class _Tiling:
 
     def hook(self, impl, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         self.calls += 1
-        segments = kwargs.pop(_SEGMENTS_KWARG, None) if impl == _PACKED_ATTN else None
+        segments = kwargs.pop(SEGMENTS_KWARG, None) if impl == PACKED_ATTN else None
         bad = unsupported_attention(impl, module, kwargs)
         if bad or self.calls > 1 or query.shape[2] != self.sl.stop - self.sl.start or key.shape[2] != query.shape[2]:
             raise Untileable(f"attention call with {bad or 'an unexpected shape'}")

@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.processes import launched_processes
+from grpo_accel.parallel.shared_prompt import SHARE_PROMPT_MODES
 from grpo_accel.planning.memory import LOGPROB_IMPLS
 
 
@@ -38,6 +39,14 @@ class GRPOAccelConfig(GRPOConfig):
                           "per-sequence position ids, unpacked to TRL's layout (same numbers, no padding compute). "
                           "Works with either head (logprob_impl). Falls back to padded rows with one log line "
                           "where the model cannot (eager attention, sliding windows, length-dependent or no RoPE)."},
+    )
+    share_prompt: str = field(
+        default="auto",
+        metadata={"help": "Log-prob passes compute each prompt once per group: the group's rows become one packed "
+                          "stretch [prompt][c1]...[cG], each completion attending to the whole prompt and to itself "
+                          "only (exact; grpo_accel/parallel/shared_prompt.py). 'auto': for groups where that "
+                          "removes >= 25% of the tokens (long prompts); 'true': every group of >= 2 rows; 'false': "
+                          "never. Needs padding_free with sdpa attention; not under sequence parallelism."},
     )
     logprob_token_budget: int | None = field(
         default=None,
@@ -119,6 +128,17 @@ class GRPOAccelConfig(GRPOConfig):
         if normalized not in ("true", "false", "auto"):
             raise ConfigError(f"--offload_activations {self.offload_activations}: use true, false or auto.")
         self.offload_activations = normalized
+        share = str(self.share_prompt).lower()
+        if share not in SHARE_PROMPT_MODES:
+            raise ConfigError(f"--share_prompt {self.share_prompt}: use {', '.join(SHARE_PROMPT_MODES)}.")
+        self.share_prompt = share
+        if share == "true" and not self.padding_free:
+            raise ConfigError("--share_prompt true needs padding_free (the shared layout is a packed row). Fix: "
+                              "--padding_free true, or --share_prompt auto.")
+        if share == "true" and self.sequence_parallel_size > 1:
+            raise ConfigError(f"--share_prompt true with --sequence_parallel_size {self.sequence_parallel_size}: "
+                              f"Ulysses shards each row along its length and a prompt shared by the group's rows "
+                              f"would sit on one shard. Fix: --share_prompt auto (off under SP) or false.")
         if self.bf16 is None and not self.fp16:
             # TRL defaults to bf16 mixed precision, which HF refuses without a bf16 GPU unless use_cpu is set:
             # default to it only where it can run, so the same config works on a laptop and an H100.

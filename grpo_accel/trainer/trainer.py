@@ -28,6 +28,7 @@ from trl import GRPOTrainer
 
 from grpo_accel._compat.hook_leak import dedupe_input_require_grads
 from grpo_accel.core.console import log
+from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.patches import Patches
 from grpo_accel.core.processes import several_processes
@@ -50,6 +51,13 @@ from grpo_accel.parallel.packing import (
     plan_micro_batches,
     split_to_count,
     unpack,
+)
+from grpo_accel.parallel.shared_prompt import (
+    AUTO_MIN_SAVED,
+    pack_units,
+    prompt_units,
+    split_units_to_count,
+    worth_sharing,
 )
 from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGuard
 from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
@@ -135,6 +143,8 @@ class GRPOAccelTrainer(GRPOTrainer):
             self.patches.add(self.sequence_parallel.remove)
         # SP shards carry their own positions through Ulysses' SDPA: no packed rows under it
         self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
+        self.share_prompt = self._install_share_prompt()
+        self._token_counts = [0, 0]  # tokens the packed passes ran, and would have run unshared (since the last log)
         if self.sequence_parallel is not None and self.args.padding_free:  # mini-batch caps: refused in config.py
             log("sequence parallelism: each pass runs the group's rows in one forward, unpadded and split along "
                 "their length; padding_free does not apply")
@@ -212,6 +222,36 @@ class GRPOAccelTrainer(GRPOTrainer):
         log("padding_free: log-prob passes run on packed rows of real tokens (no padding).")
         return True
 
+    def _install_share_prompt(self) -> str:
+        """The shared-prompt mode the log-prob passes run ("false" where the layout cannot run: "auto" says nothing,
+        "true" stops with one line), and one line saying it is on and where it pays."""
+        mode = getattr(self.args, "share_prompt", "false")
+        if mode == "false":
+            return mode
+        models = [causal_lm_of(m) for m in (self.model, self.ref_model) if m is not None]
+        why_not = None
+        if self.sequence_parallel is not None:
+            why_not = "sequence parallelism shards each row along its length"
+        elif not self.padding_free:
+            why_not = "padding_free is off here (the shared layout is a packed row)"
+        elif any(m.config._attn_implementation != ATTN_NAME for m in models):
+            why_not = ("the model's attention is not sdpa (flash_attention_2/3 read each sequence from position ids, "
+                       "which a shared prompt does not restart)")
+        if why_not:
+            if mode == "true":
+                raise ConfigError(f"--share_prompt true cannot run: {why_not}. Fix: --share_prompt auto or false.")
+            return "false"
+        G, C = self.num_generations, self.args.max_completion_length
+        if mode == "auto":
+            P = next((p for p in range(2, 64 * C) if worth_sharing(p, [C] * G, "auto")), None)
+            where = (f"groups whose sharing removes >= {AUTO_MIN_SAVED:.0%} of their tokens (at {C}-token "
+                     f"completions: prompts of >= {P} tokens)")
+        else:
+            where = "every group"
+        log(f"share_prompt={mode}: the log-prob passes run each prompt once for its {G} completions, in {where}; "
+            f"a group's G x (P + C) tokens become P - 1 + G x (C + 1) (share_prompt/token_ratio per step).")
+        return mode
+
     def _offload_config(self) -> OffloadConfig | None:
         """None when offload is off; else how to offload (the layer inputs and the head's hidden states)."""
         setting = getattr(self.args, "offload_activations", "false")
@@ -255,6 +295,10 @@ class GRPOAccelTrainer(GRPOTrainer):
             logs.update(self.telemetry.pop_metrics())
             if self.nonfinite_guard is not None:
                 logs.update(self.nonfinite_guard.metrics())
+            ran, unshared = getattr(self, "_token_counts", (0, 0))
+            if getattr(self, "share_prompt", "false") != "false" and unshared:
+                logs["share_prompt/token_ratio"] = ran / unshared  # 1.0: nothing shared
+                self._token_counts = [0, 0]
         super().log(logs, start_time)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -309,22 +353,36 @@ class GRPOAccelTrainer(GRPOTrainer):
         recompute_tokens = self.offload_config.recompute_tokens if self.offload_enabled else None
         budget = (getattr(self.args, "logprob_token_budget", None)
                   or default_token_budget(rows_per_forward, input_ids.size(1), recompute_tokens))
-        groups = plan_micro_batches(lengths, budget) if ok else []
+        # `model` may be a DeepSpeed engine / DDP wrapper here (whose .config is not the model's)
+        segment_kwarg = causal_lm_of(model).config._attn_implementation == ATTN_NAME
+        units = None  # the shared-prompt layout's forwards (shared_prompt.py), when a group of this batch pays
+        if ok and segment_kwarg and getattr(self, "share_prompt", "false") != "false":
+            units, prompt_lens = prompt_units(input_ids, attention_mask, logits_to_keep, self.share_prompt)
+            if not any(u.share for u in units):
+                units = None
+        if units is not None:
+            costs = [u.tokens(prompt_lens[u.rows[0]], lengths) for u in units]
+            self._token_counts[0] += sum(costs)
+            groups = [[units[i] for i in g] for g in plan_micro_batches(costs, budget)]
+        else:
+            groups = plan_micro_batches(lengths, budget) if ok else []
+            self._token_counts[0] += sum(lengths)
+        self._token_counts[1] += sum(lengths)
         if several_processes():  # same forwards on every rank: see split_to_count
             plan = torch.tensor([len(groups), int(not ok)], device=self.accelerator.device)
             torch.distributed.all_reduce(plan, op=torch.distributed.ReduceOp.MAX)
             ok = ok and not plan[1]
-            groups = split_to_count(groups, int(plan[0])) if ok else []
+            split = split_units_to_count if units is not None else split_to_count
+            groups = split(groups, int(plan[0])) if ok else []
         if not ok:
             if not getattr(self, "_padding_free_warned", False):
                 log("padding_free: a batch has a row whose attention mask has holes or no tokens; it runs padded.")
                 self._padding_free_warned = True
             return None
-        # `model` may be a DeepSpeed engine / DDP wrapper here (whose .config is not the model's)
-        segment_kwarg = causal_lm_of(model).config._attn_implementation == ATTN_NAME
         outs = []
-        for rows in groups:
-            p = pack_rows(input_ids, attention_mask, logits_to_keep, rows)
+        for group in groups:
+            p = (pack_units(input_ids, attention_mask, logits_to_keep, group) if units is not None
+                 else pack_rows(input_ids, attention_mask, logits_to_keep, group))
             extra = {SEGMENTS_KWARG: p.segments} if segment_kwarg else {}
             extra.update(dict(labels=p.labels, fused_lm_head=True) if trl_head
                          else dict(accel_labels=p.labels, accel_entropy=compute_entropy))

@@ -1,0 +1,248 @@
+"""Each prompt once per group (grpo_accel/parallel/shared_prompt.py) gives the unshared packed path's numbers.
+
+Fresh random batches (fp32, tiny-llama): groups of G rows share a prompt (left-padded, unequal across groups),
+completions are ragged (one of 1 token, one cut at the length cap). Through the trainer's log-prob hook, with
+share_prompt true and false: per-token log-probs, entropies and every trainable gradient (LoRA and full fine-tuning)
+equal <= 1e-5 relative, for G in {2, 8}, and with offload (its real copy path) and 16-token sequence tiles on a
+prompt longer than a tile. TRL's own loss on a generated batch, the same. The layout can fail: a completion that
+does not see its prompt changes its log-probs.
+
+    OMP_NUM_THREADS=1 pytest tests/test_shared_prompt.py -q
+"""
+
+import csv
+import os
+
+import pytest
+import torch
+from launch_utils import ROOT, TINY_ARGS, run_train
+from peft import LoraConfig
+from rewards_for_tests import length_reward
+
+from grpo_accel.core.errors import ConfigError
+from grpo_accel.data.datasets import arithmetic_dataset
+from grpo_accel.data.models import load_model
+from grpo_accel.parallel.packing import unpack
+from grpo_accel.parallel.shared_prompt import Unit, pack_units, prompt_units, split_units_to_count
+from grpo_accel.tiling.attention import SEGMENTS_KWARG, Segment
+from grpo_accel.trainer.config import GRPOAccelConfig
+from grpo_accel.trainer.trainer import GRPOAccelTrainer
+
+K = 12  # completion columns (max_completion_length)
+
+
+def make_trainer(tmp_path, peft=True, share="true", attn=None, **overrides):
+    torch.manual_seed(0)
+    model, tokenizer = load_model("tiny-llama")
+    if attn:
+        model.set_attn_implementation(attn)
+    args = GRPOAccelConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                           max_completion_length=K, report_to="none", seed=0, logging_steps=1, max_steps=1,
+                           logprob_impl="chunked", share_prompt=share, **overrides)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]) if peft else None
+    return GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
+                            train_dataset=arithmetic_dataset("train", 8), peft_config=lora)
+
+
+def random_batch(G: int, groups: int, prompt_lens, seed: int, vocab: int = 40000):
+    """TRL's layout ([B, P_max + K], prompts left-padded, completions right-padded), rows of a group adjacent except
+    that the second group's rows are interleaved with the third's (a shuffled generation batch)."""
+    g = torch.Generator().manual_seed(seed)
+    P = max(prompt_lens)
+    rows = []
+    for p in prompt_lens[:groups]:
+        prompt = torch.randint(100, vocab, (p,), generator=g)
+        lens = torch.randint(1, K + 1, (G,), generator=g).tolist()
+        lens[0], lens[-1] = 1, K  # a one-token completion, one cut at the cap
+        for n in lens:
+            ids = torch.zeros(P + K, dtype=torch.long)
+            mask = torch.zeros(P + K, dtype=torch.long)
+            ids[P - p:P], mask[P - p:P] = prompt, 1
+            ids[P:P + n], mask[P:P + n] = torch.randint(100, vocab, (n,), generator=g), 1
+            rows.append((ids, mask))
+    if groups >= 3:  # interleave groups 2 and 3
+        a, b = rows[G:2 * G], rows[2 * G:3 * G]
+        rows[G:3 * G] = [r for pair in zip(a, b, strict=True) for r in pair]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
+def hook_run(trainer, ids, mask, share):
+    """Log-probs and entropies with grad through the trainer's hook, a loss mixing both, its gradients."""
+    trainer.share_prompt = share
+    trainer.model.zero_grad(set_to_none=True)
+    lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, K, compute_entropy=True)
+    weights = torch.randn(lp.shape, generator=torch.Generator().manual_seed(5))
+    valid = mask[:, -K:].bool()
+    ((lp * weights)[valid].sum() + 0.1 * ent[valid].sum()).backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return lp.detach(), ent.detach(), grads
+
+
+def assert_same(shared, unshared, valid):
+    (lp, ent, grads), (lp0, ent0, grads0) = shared, unshared
+    torch.testing.assert_close(lp[valid], lp0[valid], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent[valid], ent0[valid], rtol=1e-5, atol=1e-6)
+    assert (lp[~valid] == 0).all()
+    assert grads.keys() == grads0.keys() and grads
+    for name, g in grads.items():
+        rel = ((g - grads0[name]).norm() / grads0[name].norm().clamp(min=1e-30)).item()
+        assert rel <= 1e-5, f"{name}: relative gradient error {rel:.2e}"
+
+
+def spy_forwards(trainer, monkeypatch):
+    """The packed rows' lengths the model receives."""
+    calls = []
+    real = type(trainer.model).__call__
+
+    def spy(self, *a, **kw):
+        if SEGMENTS_KWARG in kw:
+            calls.append(kw["input_ids"].size(1))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(type(trainer.model), "__call__", spy)
+    return calls
+
+
+@pytest.mark.parametrize("G,peft", [(2, True), (8, True), (8, False)], ids=["G2-lora", "G8-lora", "G8-full"])
+def test_shared_equals_unshared(tmp_path, monkeypatch, G, peft):
+    trainer = make_trainer(tmp_path, peft=peft)
+    assert trainer.share_prompt == "true"
+    ids, mask = random_batch(G, 3, [9, 23, 5], seed=G)
+    unshared = hook_run(trainer, ids, mask, "false")
+    calls = spy_forwards(trainer, monkeypatch)
+    shared = hook_run(trainer, ids, mask, "true")
+    lens = mask[:, -K:].sum(1).tolist()
+    # every group shared: P - 1 + sum(C + 1) tokens each, in the one forward (the default budget holds them all)
+    expected = sum(p - 1 + sum(c + 1 for c in lens[i * G:(i + 1) * G]) for i, p in enumerate([9, 23, 5]))
+    assert calls == [expected], (calls, expected)
+    assert_same(shared, unshared, mask[:, -K:].bool())
+
+
+def test_offload_and_tiles_with_a_prompt_longer_than_a_tile(tmp_path, monkeypatch):
+    """Offload's real copy path, 16-token sequence tiles in the backward re-run, 40-token prompts, several
+    forwards (a 120-token budget: one group each)."""
+    monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")
+    trainer = make_trainer(tmp_path, offload_activations="true", offload_recompute_tokens=16,
+                           logprob_token_budget=120, gradient_checkpointing=True)
+    assert trainer.offload_enabled
+    trainer.model.train()
+    ids, mask = random_batch(4, 3, [40, 33, 47], seed=3)
+    unshared = hook_run(trainer, ids, mask, "false")
+    calls = spy_forwards(trainer, monkeypatch)
+    shared = hook_run(trainer, ids, mask, "true")
+    assert len(calls) == 3 and all(n > 16 for n in calls), calls
+    assert_same(shared, unshared, mask[:, -K:].bool())
+
+
+def test_trls_loss_on_a_generated_batch(tmp_path):
+    """TRL's compute_loss (its loss, KL to the reference included) on a batch TRL generated: 2 prompts x 4."""
+    trainer = make_trainer(tmp_path, beta=0.04)
+    torch.manual_seed(1)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    results = {}
+    for share in ("false", "true"):
+        trainer.share_prompt = share
+        trainer._token_counts = [0, 0]
+        torch.manual_seed(1)
+        inputs = trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(8)])
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        results[share] = (inputs["ref_per_token_logps"], loss.detach(),
+                          {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+    (ref, loss, grads), (ref0, loss0, grads0) = results["true"], results["false"]
+    valid = inputs["completion_mask"].bool()
+    torch.testing.assert_close(ref[valid], ref0[valid], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-7)
+    assert any(g.norm() > 0 for g in grads.values())
+    for name, g in grads.items():
+        assert ((g - grads0[name]).norm() / grads0[name].norm().clamp(min=1e-30)).item() <= 1e-5, name
+    ran, unshared = trainer._token_counts
+    assert ran < 0.8 * unshared  # the shared runs did share (2 prompts x 4 rows)
+
+
+def test_a_completion_that_misses_its_prompt_is_caught(tmp_path):
+    """The comparison above can fail: drop the prefix from the segments (each completion sees only the prompt's last
+    token and itself) and the log-probs move."""
+    trainer = make_trainer(tmp_path)
+    ids, mask = random_batch(4, 1, [20], seed=4)
+    units, _ = prompt_units(ids, mask, K, "true")
+    p = pack_units(ids, mask, K, units)
+    model = trainer.model
+    blind = tuple(Segment(s.start, s.end) for s in p.segments)
+    with torch.no_grad():
+        outs = [model(input_ids=p.input_ids, position_ids=p.position_ids, accel_labels=p.labels,
+                      **{SEGMENTS_KWARG: segs}).log_probs for segs in (p.segments, blind)]
+    valid = mask[:, -K:].bool()
+    good, bad = (unpack([(p, o)], ids.size(0), K)[valid] for o in outs)
+    assert (good - bad).abs().max() > 1e-2
+
+
+def test_auto_shares_long_prompts_only():
+    """auto: a group shares when that removes >= 25% of its tokens; a short prompt beside long completions stays
+    on today's path; one row or a one-token prompt never shares."""
+    long_ids, long_mask = random_batch(4, 2, [30, 30], seed=6)
+    units, _ = prompt_units(long_ids, long_mask, K, "auto")
+    assert [len(u.rows) for u in units] == [4, 4] and all(u.share for u in units)
+    short_ids, short_mask = random_batch(4, 2, [2, 2], seed=6)
+    units, _ = prompt_units(short_ids, short_mask, K, "auto")
+    assert len(units) == 8 and not any(u.share for u in units)
+    assert not any(u.share for u in prompt_units(short_ids, short_mask, K, "false")[0])
+    one, one_mask = random_batch(4, 1, [1], seed=6)
+    assert not any(u.share for u in prompt_units(one, one_mask, K, "true")[0])
+
+
+def test_split_units_gives_every_rank_the_same_forwards():
+    forwards = [[Unit([0, 1, 2, 3], True)], [Unit([4], False), Unit([5], False)]]
+    split = split_units_to_count(forwards, 4)
+    assert len(split) == 4 and sorted(r for f in split for u in f for r in u.rows) == list(range(6))
+    assert all(u.share for f in split for u in f if 0 in u.rows or 3 in u.rows)
+    with pytest.raises(ValueError):
+        split_units_to_count([[Unit([0], False)]], 2)
+
+
+def test_share_prompt_settings_are_checked(tmp_path):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to="none")
+    with pytest.raises(ConfigError, match="share_prompt maybe"):
+        GRPOAccelConfig(share_prompt="maybe", **base)
+    with pytest.raises(ConfigError, match="needs padding_free"):
+        GRPOAccelConfig(share_prompt="true", padding_free=False, **base)
+    with pytest.raises(ConfigError, match="sequence_parallel_size 2"):
+        GRPOAccelConfig(share_prompt="true", sequence_parallel_size=2, **base)
+    assert GRPOAccelConfig(share_prompt=True, **base).share_prompt == "true"
+
+
+@pytest.mark.parametrize("share", ["true", "auto"])
+def test_a_model_without_our_attention_cannot_share(tmp_path, share):
+    """eager attention has no packed path (flash_attention_2 reads sequences from position ids, which a shared
+    prompt does not restart): "true" stops with one line, "auto" steps aside."""
+    if share == "true":
+        with pytest.raises(ConfigError, match="share_prompt true cannot run: padding_free is off"):
+            make_trainer(tmp_path, share=share, attn="eager")
+    else:
+        assert make_trainer(tmp_path, share=share, attn="eager").share_prompt == "false"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero_two_processes_shared_matches_unshared(tmp_path):
+    """DeepSpeed ZeRO-2 over gloo, 2 processes: each rank shares its own groups, forwards made equal across ranks;
+    2 steps log the same loss, gradient norm and reward as unshared."""
+    accelerate = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
+    config = os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml")
+    runs = {}
+    for flag in ("true", "false"):
+        out = tmp_path / flag
+        result = run_train([*TINY_ARGS, "--output_dir", str(out), "--eval_size", "0", "--seed", "3",
+                            "--share_prompt", flag, "--logprob_token_budget", "110", "--gradient_checkpointing",
+                            "true", "--rewards", "rewards_for_tests:length_reward"],
+                           launcher=[accelerate, "launch", "--config_file", config], timeout=400)
+        assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+        assert ("share_prompt=true" in result.stdout) == (flag == "true")
+        runs[flag] = list(csv.DictReader(open(out / "metrics.csv")))
+    assert len(runs["true"]) == len(runs["false"]) == 2
+    assert all(float(r["share_prompt/token_ratio"]) < 1 for r in runs["true"])
+    for shared, unshared in zip(runs["true"], runs["false"], strict=True):
+        for key in ("loss", "grad_norm", "reward"):
+            assert float(shared[key]) == pytest.approx(float(unshared[key]), rel=1e-4, abs=1e-7), key
