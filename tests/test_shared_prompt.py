@@ -246,3 +246,23 @@ def test_zero_two_processes_shared_matches_unshared(tmp_path):
     for shared, unshared in zip(runs["true"], runs["false"], strict=True):
         for key in ("loss", "grad_norm", "reward"):
             assert float(shared[key]) == pytest.approx(float(unshared[key]), rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.parametrize("mode,shares", [("true", True), ("auto", True), ("false", False)])
+def test_planner_counts_the_layouts_tokens(mode, shares):
+    """The planner's checkpointed activations scale with the tokens the trainer's layout really packs (2 prompts of
+    30 tokens x 4 full-length completions), and "auto" agrees with the trainer's per-batch rule."""
+    from grpo_accel.planning.architectures import model_shape
+    from grpo_accel.planning.memory import plan_memory
+
+    ids, mask = random_batch(4, 2, [30, 30], seed=7)
+    mask[:, -K:] = 1
+    units, _ = prompt_units(ids, mask, K, mode)
+    assert any(u.share for u in units) == shares
+    packed = pack_units(ids, mask, K, units).input_ids.size(1)
+    plan = dict(num_generations=4, per_device_train_batch_size=8, max_prompt_length=30, max_completion_length=K,
+                dtype="fp32", lora_r=4, device="cpu")
+    shape = model_shape("tiny-llama")
+    ours = plan_memory(shape, share_prompt=mode, **plan).device["activations_checkpointed"]
+    unshared = plan_memory(shape, share_prompt="false", **plan).device["activations_checkpointed"]
+    assert ours / unshared == pytest.approx(packed / (8 * (30 + K)))

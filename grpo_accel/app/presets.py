@@ -108,6 +108,7 @@ class Preset:
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
             recompute_tokens=f.get("offload_recompute_tokens") or 16384,
             sequence_parallel_size=int(f.get("sequence_parallel_size") or 1),
+            share_prompt=str(f.get("share_prompt", "auto")).lower() if f.get("padding_free", True) else "false",
             offload_device_budget_bytes=int((f.get("offload_device_budget_gib") or 0) * GIB),
             device="cuda" if cuda else "cpu")
 

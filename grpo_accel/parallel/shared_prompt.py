@@ -22,8 +22,8 @@ per sequence too), and a copy of the prefix's keys and values per segment and la
 Not exact under live dropout: the prefix draws one dropout mask where the unshared rows draw G (GRPO runs usually
 disable dropout; TRL's `disable_dropout`).
 
-`share_prompt="auto"` shares a group when sharing removes at least `AUTO_MIN_SAVED` of its tokens: a short prompt
-beside long completions stays on the packed path, where one call per sequence and no copies cost least.
+`share_prompt="auto"` shares a group when sharing removes at least a quarter of its tokens (the planner's rule,
+grpo_accel.planning.memory.share_prompt_pays): a short prompt beside long completions stays on the packed path.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from grpo_accel.parallel.packing import PackedRows
+from grpo_accel.planning.memory import share_prompt_pays, shared_group_tokens
 from grpo_accel.tiling.attention import Segment
 
 SHARE_PROMPT_MODES = ("auto", "true", "false")
-AUTO_MIN_SAVED = 0.25  # "auto": share a group when it removes >= this share of the group's tokens
 
 
 @dataclass
@@ -49,21 +49,7 @@ class Unit:
         """Tokens this unit puts in a packed row (`lengths`: each row's real tokens, prompt included)."""
         if not self.share:
             return sum(lengths[r] for r in self.rows)
-        return prompt_len - 1 + sum(lengths[r] - prompt_len + 1 for r in self.rows)
-
-
-def shared_tokens(prompt_len: int, completion_lens: list[int]) -> int:
-    """Tokens of one group in the shared layout (the planner's and the start-up line's count)."""
-    return prompt_len - 1 + sum(c + 1 for c in completion_lens)
-
-
-def worth_sharing(prompt_len: int, completion_lens: list[int], mode: str) -> bool:
-    """Whether a group of rows with this prompt shares it: never for one row or a one-token prompt (nothing saved);
-    "true": otherwise always; "auto": when it removes >= AUTO_MIN_SAVED of the group's tokens."""
-    if mode == "false" or len(completion_lens) < 2 or prompt_len < 2:
-        return False
-    unshared = sum(prompt_len + c for c in completion_lens)
-    return mode == "true" or unshared - shared_tokens(prompt_len, completion_lens) >= AUTO_MIN_SAVED * unshared
+        return shared_group_tokens(prompt_len, [lengths[r] - prompt_len for r in self.rows])
 
 
 def prompt_units(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -80,7 +66,7 @@ def prompt_units(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
         groups.setdefault(key, []).append(r)
     units = []
     for rows in groups.values():
-        if worth_sharing(prompt_lens[rows[0]], [completion_lens[r] for r in rows], mode):
+        if share_prompt_pays(prompt_lens[rows[0]], [completion_lens[r] for r in rows], mode):
             units.append(Unit(rows, share=True))
         else:
             units.extend(Unit([r], share=False) for r in rows)

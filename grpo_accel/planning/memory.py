@@ -140,13 +140,34 @@ def _sp_rerun_bytes(shape: ModelShape, a: int, B: int, T: int, sp: int, per_toke
     return tokens * per_token + T * (2 * shape.hidden + shape.q_dim) * a + sp * T * 2 * kv * (2 * a + 4)
 
 
+SHARE_PROMPT_MIN_SAVED = 0.25  # share_prompt="auto": share a group when it removes >= this share of its tokens
+
+
+def shared_group_tokens(prompt_len: int, completion_lens: list[int]) -> int:
+    """Tokens of one group in the shared-prompt layout (grpo_accel.parallel.shared_prompt): the prompt but its last
+    token once, then each completion after a copy of that last token."""
+    return prompt_len - 1 + sum(c + 1 for c in completion_lens)
+
+
+def share_prompt_pays(prompt_len: int, completion_lens: list[int], mode: str) -> bool:
+    """Whether a group of rows with this prompt shares it: never for one row or a one-token prompt (nothing saved);
+    "true": otherwise always; "auto": when it removes >= SHARE_PROMPT_MIN_SAVED of the group's tokens (a short
+    prompt beside long completions stays on the packed path, where one attention call per row and no key copies
+    cost least). The trainer decides per batch with this rule, the planner per run with the longest lengths."""
+    if mode == "false" or len(completion_lens) < 2 or prompt_len < 2:
+        return False
+    unshared = sum(prompt_len + c for c in completion_lens)
+    saved = unshared - shared_group_tokens(prompt_len, completion_lens)
+    return mode == "true" or saved >= SHARE_PROMPT_MIN_SAVED * unshared
+
+
 def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
                 max_completion_length=1024, per_device_train_batch_size=8, gradient_checkpointing=True,
                 offload_activations=False, logprob_impl="auto", logprob_chunk_size=None, use_vllm=False,
                 vllm_share_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
-                sequence_parallel_size=1) -> MemoryPlan:
+                sequence_parallel_size=1, share_prompt="false") -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring)."""
     inputs = {k: v for k, v in locals().items() if k != "shape"}
     shape = model_shape(shape)
@@ -165,6 +186,10 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     # sequences) does not shrink
     sp = max(int(sequence_parallel_size or 1), 1)
     T_gpu, rows = -(-T // sp), B
+    # share_prompt: a micro-batch's rows of one prompt (min(B, G) of them) are one packed row, the prompt in it once
+    group = min(B, num_generations)
+    if sp == 1 and share_prompt_pays(max_prompt_length, [max_completion_length] * group, share_prompt):
+        rows, T_gpu = -(-B // group), shared_group_tokens(max_prompt_length, [max_completion_length] * group)
     n_tok, n_c = rows * T_gpu, -(-B * max_completion_length // sp)  # tokens through the layers / scored by the head
     world = max(num_processes, 1) if deepspeed_stage else 1
     dev, host = {}, {}

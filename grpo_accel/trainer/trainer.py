@@ -52,13 +52,8 @@ from grpo_accel.parallel.packing import (
     split_to_count,
     unpack,
 )
-from grpo_accel.parallel.shared_prompt import (
-    AUTO_MIN_SAVED,
-    pack_units,
-    prompt_units,
-    split_units_to_count,
-    worth_sharing,
-)
+from grpo_accel.parallel.shared_prompt import pack_units, prompt_units, split_units_to_count
+from grpo_accel.planning.memory import SHARE_PROMPT_MIN_SAVED, share_prompt_pays
 from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGuard
 from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
 from grpo_accel.trainer.callbacks.preemption import Preemption
@@ -243,8 +238,8 @@ class GRPOAccelTrainer(GRPOTrainer):
             return "false"
         G, C = self.num_generations, self.args.max_completion_length
         if mode == "auto":
-            P = next((p for p in range(2, 64 * C) if worth_sharing(p, [C] * G, "auto")), None)
-            where = (f"groups whose sharing removes >= {AUTO_MIN_SAVED:.0%} of their tokens (at {C}-token "
+            P = next((p for p in range(2, 64 * C) if share_prompt_pays(p, [C] * G, "auto")), None)
+            where = (f"groups whose sharing removes >= {SHARE_PROMPT_MIN_SAVED:.0%} of their tokens (at {C}-token "
                      f"completions: prompts of >= {P} tokens)")
         else:
             where = "every group"
