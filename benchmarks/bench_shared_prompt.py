@@ -2,10 +2,10 @@
 
     # CPU, the issue's point (SmolLM2-135M shape cut to 4 layers, fp32, LoRA r16; ~6 min on 2 cores)
     OMP_NUM_THREADS=2 python benchmarks/bench_shared_prompt.py --prompt-lengths 2048 --completion-lengths 256 \
-        --generations 8 --layers 4
+        --generations-grid 8 --layers 4
     # GPU (issue 28's goal): Qwen3-8B-shaped LoRA, bf16, P=8K, C=1K, G=16 (and the full grid without the flags)
     python benchmarks/bench_shared_prompt.py --arch qwen3-8b --prompt-lengths 8192 --completion-lengths 1024 \
-        --generations 16 --offload true
+        --generations-grid 16 --offload true
 
 Batch: 2 groups of G rows (2 prompts of P tokens, random ids), completion lengths uniform over 50-100% of C with
 one at exactly C (a completion cut at the cap), TRL's layout (left-padded prompts, right-padded completions).

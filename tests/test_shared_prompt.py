@@ -38,7 +38,7 @@ def make_trainer(tmp_path, peft=True, share="true", attn=None, **overrides):
         model.set_attn_implementation(attn)
     args = GRPOAccelConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
                            max_completion_length=K, report_to="none", seed=0, logging_steps=1, max_steps=1,
-                           logprob_impl="chunked", share_prompt=share, **overrides)
+                           share_prompt=share, **{"logprob_impl": "chunked", **overrides})
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]) if peft else None
     return GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
                             train_dataset=arithmetic_dataset("train", 8), peft_config=lora)
@@ -103,9 +103,12 @@ def spy_forwards(trainer, monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("G,peft", [(2, True), (8, True), (8, False)], ids=["G2-lora", "G8-lora", "G8-full"])
-def test_shared_equals_unshared(tmp_path, monkeypatch, G, peft):
-    trainer = make_trainer(tmp_path, peft=peft)
+@pytest.mark.parametrize("G,peft,impl", [(2, True, "chunked"), (8, True, "chunked"), (8, False, "chunked"),
+                                         (4, True, "trl")], ids=["G2-lora", "G8-lora", "G8-full", "G4-trls-head"])
+def test_shared_equals_unshared(tmp_path, monkeypatch, G, peft, impl):
+    """impl="trl": TRL's own fused head on the shared row (the same label shift)."""
+    trainer = make_trainer(tmp_path, peft=peft, logprob_impl=impl)
+    assert trainer.logprob_impl == impl
     assert trainer.share_prompt == "true"
     ids, mask = random_batch(G, 3, [9, 23, 5], seed=G)
     unshared = hook_run(trainer, ids, mask, "false")

@@ -1,7 +1,8 @@
 """The drop-in promise, checked option by option: the same GRPO steps through TRL's GRPOTrainer and through ours (same
 seed, same tiny model, fp32) give the same logged metrics and the same parameter update, for every option set of
 grpo_accel/trainer/trl_compat.py's matrix, with our savers on: the fused head, padding-free packing, activation
-offload (its real copy path, forced on CPU) and sequence tiles of 16 tokens (every row is longer).
+offload (its real copy path, forced on CPU), sequence tiles of 16 tokens (every row is longer) and each prompt once
+per group (share_prompt's default).
 
 The optimizer is plain SGD, so each parameter's update is the learning rate times its gradient: equal updates are
 equal gradients (Adam would normalise a gradient error away). Metrics: every key TRL logs, ours included, equal
@@ -260,6 +261,8 @@ def test_same_steps_as_trl(name, tmp_path, tiny_dir, monkeypatch):
     _, trl_log, trl_update = run(GRPOTrainer, GRPOConfig, case, str(tmp_path / "trl"), tiny_dir)
     ours, our_log, our_update = run(GRPOAccelTrainer, GRPOAccelConfig, case, str(tmp_path / "ours"), tiny_dir)
     assert ours.offload_enabled and ours.padding_free and ours.logprob_impl == "chunked"
+    # share_prompt's default ("auto"): each prompt ran once per group in these passes
+    assert our_log[0]["share_prompt/token_ratio"] < 0.8, our_log[0].get("share_prompt/token_ratio")
     if case.get("tools"):  # the tool loop ran: calls were made, their responses sit inside completions
         assert trl_log[0]["tools/call_frequency"] > 0
     assert len(our_log) == len(trl_log)

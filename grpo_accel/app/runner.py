@@ -185,7 +185,24 @@ def startup(spec, tokenizer, train_ds) -> int:
             log(f"host memory {host_bytes / GIB:.0f} GiB: {budget / GIB:.1f} GiB of layer inputs stay on the GPU")
     if gpu_bytes is not None:
         log(f"memory plan: {spec.plan().peak_gib:.1f} GiB predicted peak per GPU of {gpu_bytes / 2**30:.0f} GiB")
+    log_share_prompt(spec.config, longest)
     return longest
+
+
+def log_share_prompt(config, longest_prompt: int) -> None:
+    """What share_prompt does at this dataset's longest prompt and the longest completion (one line)."""
+    from grpo_accel.planning.memory import share_prompt_pays, shared_group_tokens
+
+    mode, G, C = config.share_prompt, config.num_generations, config.max_completion_length
+    if mode == "false" or not config.padding_free or config.sequence_parallel_size > 1:
+        return
+    shared, unshared = shared_group_tokens(longest_prompt, [C] * G), G * (longest_prompt + C)
+    if share_prompt_pays(longest_prompt, [C] * G, mode):
+        log(f"share_prompt={mode}: at {longest_prompt}-token prompts and {C}-token completions a group of {G} runs "
+            f"{shared} tokens through the log-prob passes instead of {unshared} ({unshared / shared:.1f}x fewer)")
+    else:
+        log(f"share_prompt={mode}: {longest_prompt}-token prompts beside {C}-token completions: sharing would remove "
+            f"{1 - shared / unshared:.0%} of a group's tokens; auto shares a group (per batch) only from 25%")
 
 
 def run(spec) -> int:
