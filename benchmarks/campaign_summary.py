@@ -163,6 +163,21 @@ def judge_packing(v: RowView):
     return text, "met" if speed and mem and speed >= 1.5 and mem <= 0.7 else "missed"
 
 
+def judge_shared_prompt(v: RowView):
+    """Ratios only: issue 29 sets no goal for this row (issue 28's goal belongs to its own docs)."""
+    sh, pk, tp = v.m("shared"), v.m("packed"), v.m("trl_padded")
+    if not sh:
+        return "", ""
+    if sh.get("oom") or sh.get("timeout"):
+        return "shared: " + ("out of memory" if sh.get("oom") else "timed out"), NO_GOAL if v.cpu else "no goal set"
+    time_metric = "step_cpu_ms" if v.cpu else "step_time_ms"
+    parts = [f"vs {name}: {_fmt(_ratio(x.get(time_metric), sh.get(time_metric)))}x faster, "
+             f"{_fmt(_ratio(sh.get('peak_step_mem_mib'), x.get('peak_step_mem_mib')))}x peak" if x and not
+             (x.get("oom") or x.get("timeout")) else f"{name} out of memory or timed out"
+             for name, x in (("packed", pk), ("trl_padded", tp)) if x]
+    return "shared " + "; ".join(parts), NO_GOAL if v.cpu else "no goal set"
+
+
 def judge_any(v: RowView):
     """A row whose goal is not set in issue 29 (the shared-prompt row): its first metrics, no verdict."""
     rows = [r for r in read_rows(v.results / v.row.csv) if (r["git_sha"], r["device"]) == (v.sha, v.device)]

@@ -116,9 +116,14 @@ ROWS = [
         dict(arch="llama-3.1-8b", num_generations=8, prompt_length=256, completion_length=8192),
         dict(_TINY, num_generations=4, completion_length=8),
         "{arch},lora-r16,G={num_generations},P<={prompt_length},T<={completion_length},uniform,"),
-    Row("shared_prompt", "the shared-prompt layout's GPU row (benchmarks/bench_shared_prompt.py)",
-        "none stated in issue 29", 420, "bench_shared_prompt.py", "shared_prompt.csv", "", summary.judge_any,
-        note="the script is another change's; the row passes --out only: set its sizes here when it lands."),
+    Row("shared_prompt", "the prompt once per group vs G times, Qwen3-8B LoRA bf16, P=8K, C=1K, G=16: shared vs "
+        "packed vs TRL's padded rows", "none stated in issue 29 (reported, no verdict)", 480,
+        "bench_shared_prompt.py", "shared_prompt.csv", "grpo_policy_step", summary.judge_shared_prompt,
+        ("--impls", "shared", "packed", "trl_padded", "--reps", "1"),
+        dict(arch="qwen3-8b", prompt_lengths=8192, completion_lengths=1024, generations_grid=16, offload="true"),
+        dict(arch="tiny-llama", prompt_lengths=16, completion_lengths=8, generations_grid=2),
+        "{arch},lora-r16,2x{generations_grid} rows,P={prompt_lengths},C<={completion_lengths},",
+        note="the script's own GPU command (issue 28); until it is on this branch the row says so and is skipped."),
 ]
 
 
