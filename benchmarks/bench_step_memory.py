@@ -391,6 +391,20 @@ def run_steps(args):
     return rows
 
 
+def plan_for(arch: str, quant: str, G: int, P: int, impl: str, T: int = 1024):
+    """The planner's model of one variant's CUDA step (bf16, LoRA r=16): --find-max-t's first probe, and the
+    prediction gpu_campaign.py's summary holds against each measured GPU row."""
+    from grpo_accel.planning.memory import plan_memory
+
+    kind, logprob_impl, offload, mb1 = VARIANTS[impl]
+    return plan_memory(arch, dtype="bf16", quantization=quant, lora_r=16, num_generations=G, max_prompt_length=P,
+                       max_completion_length=T, per_device_train_batch_size=1 if mb1 else G,
+                       # transformers' offload keeps what ours keeps, without our pieces (row groups, tiles)
+                       offload_activations=offload == "true" or kind == "trl_tuned",
+                       recompute_tokens=None if kind != "ours" else 16384,
+                       logprob_impl={"naive": "naive", "ours": logprob_impl}.get(kind, "trl"), device="cuda")
+
+
 def planned_max_t(args, impl) -> int:
     """The planner's longest completion for `impl` on this GPU and host (grpo_accel.planning.memory), 0 on CPU: the
     first probe of --find-max-t, and the figure the planner goal compares with the measured one."""
@@ -399,16 +413,9 @@ def planned_max_t(args, impl) -> int:
     import torch
 
     from grpo_accel.offload.residency import host_available_bytes
-    from grpo_accel.planning.memory import find_max_completion_length, plan_memory
+    from grpo_accel.planning.memory import find_max_completion_length
 
-    kind, logprob_impl, offload, mb1 = VARIANTS[impl]
-    G = args.num_generations
-    plan = plan_memory(args.arch, dtype="bf16", quantization=args.quant, lora_r=16, num_generations=G,
-                       max_prompt_length=args.prompt_length, per_device_train_batch_size=1 if mb1 else G,
-                       # transformers' offload keeps what ours keeps, without our pieces (row groups, tiles)
-                       offload_activations=offload == "true" or kind == "trl_tuned",
-                       recompute_tokens=None if kind != "ours" else 16384,
-                       logprob_impl={"naive": "naive", "ours": logprob_impl}.get(kind, "trl"), device="cuda")
+    plan = plan_for(args.arch, args.quant, args.num_generations, args.prompt_length, impl)
     t, _ = find_max_completion_length(plan, torch.cuda.get_device_properties(0).total_memory,
                                       host_available_bytes(), step=args.t_step)
     return t

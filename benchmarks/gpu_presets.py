@@ -207,8 +207,9 @@ def main(argv=None) -> int:
                              unit=units.get(metric, "GiB" if metric.endswith("_gib") else "tokens"), device=dev,
                              versions=versions, git_sha=sha, date=date))
     csv_path = Path(args.csv)
-    merge_csv(rows, csv_path, key=("op", "impl", "device", "metric"))
-    plot(rows, csv_path.with_suffix(".png"))
+    all_rows = merge_csv(rows, csv_path, key=("op", "impl", "device", "metric"))
+    # every preset measured on this device, not only this call's: gpu_campaign.py runs one preset per call
+    plot([r for r in all_rows if r["device"] == dev and r["op"] == "preset_2_steps"], csv_path.with_suffix(".png"))
     print(f"[gpu_presets] wrote {csv_path} and {csv_path.with_suffix('.png')}")
     return 0 if all(r["value"] for r in rows if r["metric"] == "completed") else 1
 

@@ -113,3 +113,54 @@ def test_every_suggested_fix_is_a_train_flag():
         verdict = plan_memory("llama-3.1-8b", max_completion_length=32768, **kw).verdict(8 * 2**30)
         named = re.findall(r"(--[a-z_]+)", verdict.message)
         assert named and set(named) <= flags, named
+
+
+def test_plan_for_another_machine_warns_what_this_one_lacks(capsys, monkeypatch):
+    """8xh100_sp8_512k's training machine needs vLLM's client (server mode); the laptop that plans it does not: a
+    missing client is a warning and the plan exits 0. A plan that cannot run anywhere still exits 1."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, as without vLLM installed
+    assert main(["plan", "--preset", "8xh100_sp8_512k"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: predicted peak" in out
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "this machine lacks vLLM" in warnings[0], out
+    assert "the run's machine needs it" in warnings[0] and not any(line.startswith("error:") for line in
+                                                                     out.splitlines())
+
+    assert main(["plan", "--preset", "8xh100_zero3", "--use_vllm", "true"]) == 1  # the plan itself is invalid
+    out = capsys.readouterr().out
+    assert any(line.startswith("error: colocated vLLM under DeepSpeed ZeRO-3") for line in out.splitlines()), out
+
+
+def test_plan_warns_for_each_missing_client_package(capsys, monkeypatch):
+    """bitsandbytes (4-bit), DeepSpeed (ZeRO / SP), flash-attn (a flash attention kernel): each one missing here is one
+    warning line; none of them changes the exit code."""
+    for module in ("bitsandbytes", "deepspeed", "flash_attn"):
+        monkeypatch.setitem(sys.modules, module, None)
+    assert main(["plan", "--preset", "8xh100_sp8_512k", "--use_vllm", "false"]) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2 and "lacks bitsandbytes" in warnings[0] and "lacks DeepSpeed" in warnings[1], out
+    assert main(["plan", "--preset", "h100_110k", "--model_init_kwargs", '{"attn_implementation": '
+                 '"flash_attention_2", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, '
+                 '"original_max_position_embeddings": 32768, "rope_theta": 1000000}}']) == 0
+    out = capsys.readouterr().out
+    assert "warning: this machine lacks flash-attn" in out and "lacks DeepSpeed" not in out, out
+
+
+def test_plan_on_a_smaller_gpu_plans_for_the_presets_and_warns(capsys, monkeypatch):
+    """Planning h100_110k on an L4 plans for the preset's GPU and says this one is not it (it used to plan for the
+    L4 and exit 1); an H100 here is planned for as before, with no warning."""
+    from grpo_accel.app.presets import GPUProps
+
+    monkeypatch.setattr("grpo_accel.app.presets.current_gpu_props", lambda: GPUProps("NVIDIA L4", 22 * 2**30, 8, 9, 1))
+    assert main(["plan", "--preset", "h100_110k"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory: 75.0 GiB (h100_110k's minimum)" in out
+    assert "warning: this machine's GPU is not the run's (preset h100_110k needs ≥ 75 GiB" in out, out
+    monkeypatch.setattr("grpo_accel.app.presets.current_gpu_props",
+                        lambda: GPUProps("NVIDIA H100 80GB HBM3", int(79.1 * 2**30), 9, 0, 1))
+    monkeypatch.setattr("grpo_accel.app.startup_checks.host_memory_bytes", lambda: 120 * 2**30)
+    assert main(["plan", "--preset", "h100_110k"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory: 79.1 GiB (NVIDIA H100 80GB HBM3)" in out and "warning:" not in out, out

@@ -2,6 +2,7 @@
 
     grpo-accel presets                                        # the preset table with predicted peaks
     grpo-accel plan --preset h100_110k                        # breakdown, checks, verdict; exit 1 when it cannot run
+    (what this machine lacks for the run's machine - vLLM's client, DeepSpeed, its GPU - is a warning, not exit 1)
     grpo-accel plan --preset l4_24gb_qlora --max_completion_length 32768 --gpu-mem-gib 22
     grpo-accel plan --preset a100_80gb_bf16 --model ./my_model_dir   # any config.json / named architecture
     (plan takes launch/train.py's flags, so it plans exactly what train.py with the same flags would run)
@@ -53,13 +54,22 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args, train_flags: list[str]) -> int:
-    from grpo_accel.app.presets import current_gpu_props
+    from grpo_accel.app.presets import PresetError, check_preset_fits_gpu, current_gpu_props
     from grpo_accel.app.run_spec import resolve_run_spec
-    from grpo_accel.app.startup_checks import model_config, run_checks
+    from grpo_accel.app.startup_checks import machine_checks, model_config, plan_checks
 
     spec = resolve_run_spec(train_flags, for_plan=True)
     preset, gpu = spec.preset, current_gpu_props()
     plan = spec.plan()
+    # What concerns the run's machine, not the plan (this GPU, client packages) warns: one plans for another machine.
+    warnings = machine_checks(spec)
+    if gpu is not None and preset.is_gpu and args.gpu_mem_gib is None:
+        try:
+            check_preset_fits_gpu(preset, gpu)
+        except PresetError as exc:  # this GPU is not the run's: plan for the preset's, whose host is unknown
+            warnings.insert(0, f"this machine's GPU is not the run's ({exc}); planned for {preset.name}'s minimum, "
+                               f"the run's machine needs it (--gpu-mem-gib N plans for another size)")
+            gpu = None
     if args.gpu_mem_gib is not None:
         gpu_bytes, where = int(args.gpu_mem_gib * GIB), "--gpu-mem-gib"
     elif gpu is not None and preset.is_gpu:
@@ -74,8 +84,8 @@ def cmd_plan(args, train_flags: list[str]) -> int:
           f"tokens, G={inp['num_generations']}")
     print(plan.format())
     planned_gpu = preset.is_gpu or args.gpu_mem_gib is not None
-    failures = run_checks(spec, model_config(spec, prefer_named=True), preset.max_prompt_length,
-                          gpu_bytes if planned_gpu else None, host_bytes(args, gpu) if planned_gpu else None)
+    failures = plan_checks(spec, model_config(spec, prefer_named=True), preset.max_prompt_length,
+                           gpu_bytes if planned_gpu else None, host_bytes(args, gpu) if planned_gpu else None)
     if not planned_gpu:
         print("CPU preset: the peak is host RAM beyond the Python interpreter; no GPU verdict.")
     else:
@@ -87,8 +97,10 @@ def cmd_plan(args, train_flags: list[str]) -> int:
             print(f"vLLM gpu_memory_utilization {frac:.3f}: KV cache for {kv_cache_sequences(plan, gpu_bytes)} "
                   f"full-length sequences at once (of {inp['num_generations']} per prompt)")
     for failure in failures:
-        if not failure.startswith("memory:"):
-            print(f"check failed: {failure}")
+        if not failure.startswith("memory:"):  # the verdict above already said it
+            print(f"error: {failure}")
+    for warning in warnings:
+        print(f"warning: {warning}")
     if args.find_max_t and planned_gpu:
         print_max_completion(spec, plan, gpu_bytes, host_bytes(args, gpu))
         return 0

@@ -128,13 +128,6 @@ def check_attention_mask(spec, config, prompt_tokens: int) -> str | None:
 def check_engine(spec) -> str | None:
     """Colocated vLLM against the distributed setup."""
     c, p = spec.config, spec.preset
-    if c.use_vllm and c.vllm_mode == "server":
-        from grpo_accel.generation.vllm_colocate import vllm_unavailable_reason
-
-        why = vllm_unavailable_reason()  # TRL's server client is part of vLLM: the training machine needs it too
-        return None if why is None else (
-            f"--vllm_mode server: TRL's client for the vLLM server needs vLLM on this machine too ({why}). Fix: "
-            f"pip install -e '.[vllm]' here, or --use_vllm false (generate() on these GPUs: whole-sequence KV).")
     if not c.use_vllm or c.vllm_mode != "colocate":
         return None
     from grpo_accel.generation.vllm_colocate import unsupported_options
@@ -182,11 +175,48 @@ def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None) -> 
     return f"memory: this run {verdict}"
 
 
-def run_checks(spec, config, prompt_tokens: int, gpu_bytes: int | None, host_bytes: int | None = None) -> list[str]:
-    """Every check's failure message (empty: the run can start)."""
+def plan_checks(spec, config, prompt_tokens: int, gpu_bytes: int | None, host_bytes: int | None = None) -> list[str]:
+    """The checks of the plan itself (context, mask, engine vs setup, SP vs heads, memory): a failure here fails
+    on any machine."""
     found = [check_context(spec, config, prompt_tokens), check_attention_mask(spec, config, prompt_tokens),
              check_engine(spec), check_sequence_parallel(spec, config), check_memory(spec, gpu_bytes, host_bytes)]
     return [f for f in found if f]
+
+
+def machine_checks(spec) -> list[str]:
+    """What this machine lacks that the run's machine needs (client packages). The training machine fails on them
+    (`run_checks`); a planning machine only warns (`grpo-accel plan`): planning a run for another machine must
+    not need that machine's installs. find_spec, not import: DeepSpeed alone takes seconds to import."""
+    import importlib.util
+
+    c, p = spec.config, spec.preset
+    attn = (c.model_init_kwargs or {}).get("attn_implementation")
+    needs = [  # (used by this run, module, name a user knows, what for, fix)
+        (spec.script.quantization == "4bit", "bitsandbytes", "bitsandbytes", "4-bit (QLoRA) weights",
+         "pip install -e '.[qlora]'"),
+        (p.deepspeed_stage > 0 or c.sequence_parallel_size > 1, "deepspeed", "DeepSpeed",
+         f"{p.name}'s ZeRO / sequence parallelism", "pip install -e '.[deepspeed]'"),
+        (attn == "flash_attention_2", "flash_attn", "flash-attn", "attn_implementation flash_attention_2",
+         "pip install flash-attn"),
+        (attn == "flash_attention_3", "flash_attn_interface", "flash-attn 3", "attn_implementation flash_attention_3",
+         "install flash-attn 3 (hopper build)"),
+    ]
+    found = [f"this machine lacks {name} ({why}); the run's machine needs it. Fix there: {fix}"
+             for used, module, name, why, fix in needs if used and importlib.util.find_spec(module) is None]
+    if c.use_vllm and c.vllm_mode == "server":
+        from grpo_accel.generation.vllm_colocate import vllm_unavailable_reason
+
+        why = vllm_unavailable_reason()  # TRL's server client is part of vLLM: the training machine needs it too
+        if why is not None:
+            found.append(f"this machine lacks vLLM ({why}): TRL's client for --vllm_mode server is part of it; the "
+                         f"run's machine needs it. Fix there: pip install -e '.[vllm]', or --use_vllm false "
+                         f"(generate() on these GPUs: whole-sequence KV).")
+    return found
+
+
+def run_checks(spec, config, prompt_tokens: int, gpu_bytes: int | None, host_bytes: int | None = None) -> list[str]:
+    """Every check's failure message on the training machine, the plan's and this machine's (empty: it can start)."""
+    return plan_checks(spec, config, prompt_tokens, gpu_bytes, host_bytes) + machine_checks(spec)
 
 
 def host_memory_bytes() -> int | None:
