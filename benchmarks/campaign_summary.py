@@ -164,27 +164,25 @@ def judge_packing(v: RowView):
 
 
 def judge_shared_prompt(v: RowView):
-    """Ratios only: issue 29 sets no goal for this row (issue 28's goal belongs to its own docs)."""
+    """Issue 28's goal: the shared policy step >= 3x faster than the packed one and its peak <= 1/3 of packed's."""
     sh, pk, tp = v.m("shared"), v.m("packed"), v.m("trl_padded")
     if not sh:
         return "", ""
     if sh.get("oom") or sh.get("timeout"):
-        return "shared: " + ("out of memory" if sh.get("oom") else "timed out"), NO_GOAL if v.cpu else "no goal set"
+        return "shared: " + ("out of memory" if sh.get("oom") else "timed out"), NO_GOAL if v.cpu else "missed"
     time_metric = "step_cpu_ms" if v.cpu else "step_time_ms"
     parts = [f"vs {name}: {_fmt(_ratio(x.get(time_metric), sh.get(time_metric)))}x faster, "
              f"{_fmt(_ratio(sh.get('peak_step_mem_mib'), x.get('peak_step_mem_mib')))}x peak" if x and not
              (x.get("oom") or x.get("timeout")) else f"{name} out of memory or timed out"
              for name, x in (("packed", pk), ("trl_padded", tp)) if x]
-    return "shared " + "; ".join(parts), NO_GOAL if v.cpu else "no goal set"
-
-
-def judge_any(v: RowView):
-    """A row whose goal is not set in issue 29 (the shared-prompt row): its first metrics, no verdict."""
-    rows = [r for r in read_rows(v.results / v.row.csv) if (r["git_sha"], r["device"]) == (v.sha, v.device)]
-    if not rows:
-        return "", ""
-    shown = "; ".join(f"{r['impl']} {r['metric']}={r['value']}" for r in rows[:6])
-    return shown, NO_GOAL if v.cpu else "no goal set yet"
+    text = "shared " + "; ".join(parts)
+    if v.cpu:
+        return text, NO_GOAL
+    if not pk or pk.get("oom") or pk.get("timeout"):
+        return text, "met" if pk else ""  # packed out of memory where shared ran: more than the goal
+    speed = _ratio(pk.get(time_metric), sh.get(time_metric))
+    mem = _ratio(sh.get("peak_step_mem_mib"), pk.get("peak_step_mem_mib"))
+    return text, "met" if speed and mem and speed >= 3 and mem <= 1 / 3 else "missed"
 
 
 # ------------------------------------------------------------------------------------------ the state of each row

@@ -45,8 +45,9 @@ class GRPOAccelConfig(GRPOConfig):
         metadata={"help": "Log-prob passes compute each prompt once per group: the group's rows become one packed "
                           "stretch [prompt][c1]...[cG], each completion attending to the whole prompt and to itself "
                           "only (exact; grpo_accel/parallel/shared_prompt.py). 'auto': for groups where that "
-                          "removes >= 25% of the tokens (long prompts); 'true': every group of >= 2 rows; 'false': "
-                          "never. Needs padding_free with sdpa attention; not under sequence parallelism."},
+                          "removes a quarter or more of its tokens (long prompts); 'true': every group of >= 2 "
+                          "rows; 'false': never. Needs padding_free with sdpa attention; not under sequence "
+                          "parallelism."},
     )
     logprob_token_budget: int | None = field(
         default=None,
