@@ -275,7 +275,9 @@ def test_launch_padding_free_true_and_false_log_the_same_loss(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_two_processes_packed_matches_padded(tmp_path, stage):
     """DeepSpeed ZeRO-2 / ZeRO-3 over gloo, 2 processes: the hook sees the engine (not the model), and with a budget
-    of about two rows each rank plans its own forwards, made equal across ranks (ZeRO-3 gathers per forward)."""
+    of about two rows each rank plans its own forwards, made equal across ranks (ZeRO-3 gathers per forward). The
+    packed runs share each prompt (share_prompt's default, "auto", at these lengths): the shared layout's forwards
+    under ZeRO, several per step before one backward, against padded rows."""
     accelerate = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
     config = os.path.join(ROOT, "accelerate_configs", f"cpu_zero{stage}.yaml")
     runs = {}
@@ -288,6 +290,7 @@ def test_zero_two_processes_packed_matches_padded(tmp_path, stage):
         assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
         runs[flag] = list(csv.DictReader(open(out / "metrics.csv")))
     assert len(runs["true"]) == len(runs["false"]) == 2
+    assert all(float(r["share_prompt/token_ratio"]) < 1 for r in runs["true"])
     for packed, padded in zip(runs["true"], runs["false"], strict=True):
         for key in ("loss", "grad_norm", "reward"):
             assert float(packed[key]) == pytest.approx(float(padded[key]), rel=1e-4, abs=1e-7), key
