@@ -243,3 +243,12 @@ def test_planner_counts_the_layouts_tokens(mode, shares):
     ours = plan_memory(shape, share_prompt=mode, **plan).device["activations_checkpointed"]
     unshared = plan_memory(shape, share_prompt="false", **plan).device["activations_checkpointed"]
     assert ours / unshared == pytest.approx(packed / (8 * (30 + K)))
+
+
+@pytest.mark.parametrize("C,G", [(40, 8), (256, 8), (110_000, 8), (1024, 16), (12, 4), (5, 2), (1, 2)])
+def test_the_start_up_lines_shortest_shared_prompt_is_the_rules(C, G):
+    """The closed form the start-up line quotes equals the first prompt length the per-batch rule shares."""
+    from grpo_accel.planning.memory import share_prompt_pays, shortest_shared_prompt
+
+    first = next(p for p in range(2, 10 * C + 10) if share_prompt_pays(p, [C] * G, "auto"))
+    assert shortest_shared_prompt(C, G) == first

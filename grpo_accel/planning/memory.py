@@ -15,6 +15,7 @@ Terms are summed as if they were alive at once (the backward of the first layer 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from grpo_accel.core.dtypes import dtype_bytes
@@ -159,6 +160,18 @@ def share_prompt_pays(prompt_len: int, completion_lens: list[int], mode: str) ->
     unshared = sum(prompt_len + c for c in completion_lens)
     saved = unshared - shared_group_tokens(prompt_len, completion_lens)
     return mode == "true" or saved >= SHARE_PROMPT_MIN_SAVED * unshared
+
+
+def shortest_shared_prompt(completion_len: int, num_generations: int) -> int | None:
+    """The shortest prompt "auto" shares for a group of `num_generations` completions of `completion_len` tokens:
+    sharing removes (G - 1)(P - 1) of G (P + C) tokens, so P >= (f G C + G - 1) / (G - 1 - f G); None below G = 2."""
+    G, C, f = num_generations, completion_len, SHARE_PROMPT_MIN_SAVED
+    if G - 1 - f * G <= 0:
+        return None
+    P = max(2, math.floor((f * G * C + G - 1) / (G - 1 - f * G)) - 1)
+    while not share_prompt_pays(P, [C] * G, "auto"):  # one or two steps past the float estimate
+        P += 1
+    return P
 
 
 def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,

@@ -53,7 +53,7 @@ from grpo_accel.parallel.packing import (
     unpack,
 )
 from grpo_accel.parallel.shared_prompt import pack_units, prompt_units, split_units_to_count
-from grpo_accel.planning.memory import SHARE_PROMPT_MIN_SAVED, share_prompt_pays
+from grpo_accel.planning.memory import SHARE_PROMPT_MIN_SAVED, shortest_shared_prompt
 from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGuard
 from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
 from grpo_accel.trainer.callbacks.preemption import Preemption
@@ -238,7 +238,7 @@ class GRPOAccelTrainer(GRPOTrainer):
             return "false"
         G, C = self.num_generations, self.args.max_completion_length
         if mode == "auto":
-            P = next((p for p in range(2, 64 * C) if share_prompt_pays(p, [C] * G, "auto")), None)
+            P = shortest_shared_prompt(C, G)
             where = (f"groups whose sharing removes >= {SHARE_PROMPT_MIN_SAVED:.0%} of their tokens (at {C}-token "
                      f"completions: prompts of >= {P} tokens)")
         else:
