@@ -160,6 +160,7 @@ def main() -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     out["grad_norms"] = [h.get("grad_norm") for h in logs]
     out["losses"] = [h.get("loss") for h in logs]
+    out["share_token_ratios"] = [h.get("share_prompt/token_ratio", 1.0) for h in logs]
     out.update(counts, offload_enabled=trainer.offload_enabled, padding_free=trainer.padding_free)
     out["sampling_logp_difference_max"] = [h.get("sampling/sampling_logp_difference/max") for h in logs]
     if engine is not None:
