@@ -115,6 +115,26 @@ def worker(a):
     trainer.current_gradient_accumulation_steps = 1
     V = model.config.get_text_config().vocab_size
     inputs, real_tokens, padded_tokens = make_inputs(a.mix, G, a.prompt_length, T, V, a.device)
+    measured = measured_steps(trainer, inputs, mem, base, a.reps, cuda)
+    if measured is None:
+        return
+    out = dict(oom=False, padding_free=trainer.padding_free, checkpointing=checkpointing,
+               time_ms=[s["ms"] for s in measured], cpu_ms=[s["cpu_ms"] for s in measured],
+               peak_mib=max(s["peak"] for s in measured),
+               loss=measured[0]["loss"], grad_norm=measured[0]["grad_norm"], real_tokens=real_tokens,
+               padded_tokens=padded_tokens, base_mib=base / MIB, load_1min=os.getloadavg()[0])
+    if cuda:
+        out["peak_reserved_mib"] = max(s["reserved"] for s in measured)
+    print(RESULT_TAG + json.dumps(out), flush=True)
+
+
+def measured_steps(trainer, inputs, mem, base: int, reps: int, cuda: bool) -> list[dict] | None:
+    """A warm-up and `reps` steps of TRL's loss + backward on `inputs`, each a PhaseMemory phase: the measured steps'
+    wall / CPU time, peak above `base` (MiB), loss, trainable-gradient norm, CUDA reserved peak; None (an "oom"
+    RESULT line printed) when one runs out of memory."""
+    import torch
+
+    model = trainer.model
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(name):
@@ -135,19 +155,11 @@ def worker(a):
                     reserved=torch.cuda.max_memory_reserved() / MIB if cuda else None)
 
     try:
-        steps = [step("warmup")] + [step(f"step{i}") for i in range(a.reps)]
+        steps = [step("warmup")] + [step(f"step{i}") for i in range(reps)]
     except torch.OutOfMemoryError as exc:
         print(RESULT_TAG + json.dumps({"oom": True, "error": str(exc).splitlines()[0][:200]}), flush=True)
-        return
-    measured = steps[1:] or steps
-    out = dict(oom=False, padding_free=trainer.padding_free, checkpointing=checkpointing,
-               time_ms=[s["ms"] for s in measured], cpu_ms=[s["cpu_ms"] for s in measured],
-               peak_mib=max(s["peak"] for s in measured),
-               loss=measured[0]["loss"], grad_norm=measured[0]["grad_norm"], real_tokens=real_tokens,
-               padded_tokens=padded_tokens, base_mib=base / MIB, load_1min=os.getloadavg()[0])
-    if cuda:
-        out["peak_reserved_mib"] = max(s["reserved"] for s in measured)
-    print(RESULT_TAG + json.dumps(out), flush=True)
+        return None
+    return steps[1:] or steps
 
 
 def run_worker(args, impl, mix):

@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
@@ -65,15 +64,13 @@ def make_inputs(G, P, C, V, device):
 
 def build_trainer(a, model, tmp):
     import torch
+    from bench_step_memory import synthetic_tokenizer
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_accel.trainer.config import GRPOAccelConfig
     from grpo_accel.trainer.trainer import GRPOAccelTrainer
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_step_memory import synthetic_tokenizer
 
     cuda = a.device == "cuda"
     G, B = a.generations, GROUPS * a.generations
@@ -96,7 +93,7 @@ def worker(a):
     import torch
 
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_packing import measured_steps
     from bench_step_memory import build_model, enable_checkpointing_like_train
 
     from grpo_accel.core.phase_memory import PhaseMemory
@@ -104,22 +101,7 @@ def worker(a):
     cuda = a.device == "cuda"
     mem = PhaseMemory(a.device)
     with tempfile.TemporaryDirectory() as tmp, mem.phase("load"):
-        from grpo_accel.planning import architectures
-
-        original = architectures.get_architecture
-        if a.layers:  # the architecture's shape with fewer layers (CPU: a step in seconds, not minutes)
-            def cut(name):
-                config = original(name)
-                config.num_hidden_layers = a.layers
-                if getattr(config, "layer_types", None):
-                    config.layer_types = config.layer_types[:a.layers]
-                return config
-
-            architectures.get_architecture = cut
-        try:
-            model = build_model(a.arch, a.device, torch.bfloat16 if cuda else torch.float32, "none", None)
-        finally:
-            architectures.get_architecture = original
+        model = build_model(a.arch, a.device, torch.bfloat16 if cuda else torch.float32, "none", None, a.layers)
         trainer = build_trainer(a, model, tmp)
         checkpointing = enable_checkpointing_like_train(trainer)
     base = mem.records[-1].end_bytes
@@ -128,30 +110,9 @@ def worker(a):
     trainer.current_gradient_accumulation_steps = 1
     V = model.config.get_text_config().vocab_size
     inputs, unshared, shared = make_inputs(a.generations, a.prompt_length, a.completion_length, V, a.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def step(name):
-        model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        with mem.phase(name):
-            t0, c0 = time.perf_counter(), time.process_time()
-            loss = trainer.compute_loss(model, inputs)
-            loss.backward()
-            if cuda:
-                torch.cuda.synchronize()
-            ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
-        rec = mem.records[-1]
-        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params if p.grad is not None]))
-        return dict(ms=ms, cpu_ms=cpu_ms, peak=(rec.peak_bytes - base) / MIB, loss=loss.item(),
-                    grad_norm=grad_norm.item(), reserved=torch.cuda.max_memory_reserved() / MIB if cuda else None)
-
-    try:
-        steps = [step("warmup")] + [step(f"step{i}") for i in range(a.reps)]
-    except torch.OutOfMemoryError as exc:
-        print(RESULT_TAG + json.dumps({"oom": True, "error": str(exc).splitlines()[0][:200]}), flush=True)
+    measured = measured_steps(trainer, inputs, mem, base, a.reps, cuda)
+    if measured is None:
         return
-    measured = steps[1:] or steps
     layer_tokens = {"shared": shared, "packed": unshared,
                     "trl_padded": GROUPS * a.generations * (a.prompt_length + a.completion_length)}[a.impl]
     out = dict(oom=False, checkpointing=checkpointing, time_ms=[s["ms"] for s in measured],

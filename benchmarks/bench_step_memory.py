@@ -104,7 +104,9 @@ def synthetic_tokenizer():
                                    padding_side="left")
 
 
-def build_model(arch, device, dtype, quant, ckpt_cache):
+def build_model(arch, device, dtype, quant, ckpt_cache, layers: int = 0):
+    """Random weights of a named architecture; `layers` > 0 keeps only that many of its layers (a CPU step in
+    seconds with the real width, heads and vocabulary)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -112,6 +114,10 @@ def build_model(arch, device, dtype, quant, ckpt_cache):
 
     config = get_architecture(arch)
     config.use_cache = False
+    if layers:
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
     torch.manual_seed(0)
     if quant != "4bit":
         with torch.device(device):  # random init straight on the device: no 32 GB fp32 detour on the host
