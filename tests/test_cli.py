@@ -29,7 +29,7 @@ def test_presets_table_lists_every_preset_aligned(capsys):
 
 
 def test_plan_fits_exit_zero(capsys):
-    assert main(["plan", "--preset", "h100_110k", "--gpu-mem-gib", "79.1"]) == 0
+    assert main(["plan", "--preset", "h100_110k", "--gpu-mem-gib", "79.1", "--stack", "pinned"]) == 0
     out = capsys.readouterr().out
     assert "recompute_working_set" in out and "host: activations_offloaded" in out
     assert "fits: predicted peak" in out and "vLLM gpu_memory_utilization" in out
@@ -137,11 +137,12 @@ def test_plan_warns_for_each_missing_client_package(capsys, monkeypatch):
     warning line; none of them changes the exit code."""
     for module in ("bitsandbytes", "deepspeed", "flash_attn"):
         monkeypatch.setitem(sys.modules, module, None)
-    assert main(["plan", "--preset", "8xh100_sp8_512k", "--use_vllm", "false"]) == 0
+    # generate() on these GPUs (no vLLM client warning) at a length its whole-batch KV cache fits
+    assert main(["plan", "--preset", "8xh100_sp8_512k", "--use_vllm", "false", "--max_completion_length", "16384"]) == 0
     out = capsys.readouterr().out
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2 and "lacks bitsandbytes" in warnings[0] and "lacks DeepSpeed" in warnings[1], out
-    assert main(["plan", "--preset", "h100_110k", "--model_init_kwargs", '{"attn_implementation": '
+    assert main(["plan", "--preset", "h100_110k", "--stack", "pinned", "--model_init_kwargs", '{"attn_implementation": '
                  '"flash_attention_2", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, '
                  '"original_max_position_embeddings": 32768, "rope_theta": 1000000}}']) == 0
     out = capsys.readouterr().out
@@ -154,13 +155,13 @@ def test_plan_on_a_smaller_gpu_plans_for_the_presets_and_warns(capsys, monkeypat
     from grpo_accel.app.presets import GPUProps
 
     monkeypatch.setattr("grpo_accel.app.presets.current_gpu_props", lambda: GPUProps("NVIDIA L4", 22 * 2**30, 8, 9, 1))
-    assert main(["plan", "--preset", "h100_110k"]) == 0
+    assert main(["plan", "--preset", "h100_110k", "--stack", "pinned"]) == 0
     out = capsys.readouterr().out
     assert "GPU memory: 75.0 GiB (h100_110k's minimum)" in out
     assert "warning: this machine's GPU is not the run's (preset h100_110k needs ≥ 75 GiB" in out, out
     monkeypatch.setattr("grpo_accel.app.presets.current_gpu_props",
                         lambda: GPUProps("NVIDIA H100 80GB HBM3", int(79.1 * 2**30), 9, 0, 1))
     monkeypatch.setattr("grpo_accel.app.startup_checks.host_memory_bytes", lambda: 120 * 2**30)
-    assert main(["plan", "--preset", "h100_110k"]) == 0
+    assert main(["plan", "--preset", "h100_110k", "--stack", "pinned"]) == 0
     out = capsys.readouterr().out
     assert "GPU memory: 79.1 GiB (NVIDIA H100 80GB HBM3)" in out and "warning:" not in out, out

@@ -100,7 +100,9 @@ def test_naive_logits_match_design_figure():
 
 def test_offload_moves_checkpointed_inputs_to_host():
     G, T, L, H = 8, 20480, 32, 4096
-    kw = dict(dtype="bf16", per_device_train_batch_size=G, max_prompt_length=0, max_completion_length=T)
+    # generation off these GPUs (a vLLM server): the difference below is offload's alone
+    kw = dict(dtype="bf16", per_device_train_batch_size=G, max_prompt_length=0, max_completion_length=T,
+              generation="vllm_server")
     on = plan_memory("llama-3.1-8b", offload_activations=True, **kw)
     off = plan_memory("llama-3.1-8b", offload_activations=False, **kw)
     assert off.device["activations_checkpointed"] == (L + 1) * G * T * H * 2  # L inputs + the head's input
@@ -175,7 +177,8 @@ def test_vllm_fraction_leaves_training_its_memory():
     assert kv_cache_sequences(plan, gpu) >= 1
     with pytest.raises(ValueError, match="does not fit"):
         vllm_memory_fraction(plan, int(20 * GIB))
-    shared, own = plan, p.plan(vllm_share_weights=False)
+    shared, own = plan, p.plan({"vllm_share_weights": False})
+    assert own.route == "vllm_copy" and shared.route == "vllm_shared"
     assert own.device["vllm_weights"] == shared.device["weights"] and shared.device["vllm_weights"] == 0
 
 

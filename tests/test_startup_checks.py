@@ -12,7 +12,11 @@ from grpo_accel.core.units import GIB
 
 
 def failures(argv, gpu_gib=None):
+    """The start-up checks of a run on its machine with the vllm extra installed (routes.PINNED_STACK)."""
+    from grpo_accel.planning.routes import PINNED_STACK
+
     spec = resolve_run_spec(argv, for_plan=True)
+    spec.stack = PINNED_STACK
     gpu = gpu_gib if gpu_gib is not None else spec.preset.min_gpu_mem_gib
     return run_checks(spec, model_config(spec, prefer_named=True), spec.preset.max_prompt_length,
                       int(gpu * GIB) if gpu else None)
@@ -35,7 +39,8 @@ def test_every_preset_passes_its_startup_checks(name, monkeypatch):
      r"attention mask: .*attention implementation 'eager' has no packed path"),  # packing would fall back
     (["--preset", "8xh100_zero3", "--use_vllm", "true"], r"colocated vLLM under DeepSpeed ZeRO-3"),
     (["--preset", "a100_40gb_lora", "--vllm_tensor_parallel_size", "2"], r"does not support vllm_tensor_parallel"),
-    (["--preset", "a100_40gb_lora", "--max_completion_length", "120000"], r"memory: this run does not fit"),
+    (["--preset", "a100_40gb_lora", "--max_completion_length", "120000"],
+     r"memory: generation route vllm_shared \(.*\); this run does not fit"),
     (["--preset", "8xh100_sp8_512k", "--sequence_parallel_size", "3"], r"32 attention heads are not divisible by"),
     (["--preset", "8xh100_sp8_512k", "--model_init_kwargs", '{"attn_implementation": "eager", "rope_parameters": '
       '{"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}}'],
@@ -69,8 +74,11 @@ def test_host_memory_is_checked_before_any_load():
     """36 layers x 110K tokens of Qwen3-8B inputs go to host memory (29.5 GiB): a small host pushes them back onto
     the GPU, which an 80 GB GPU absorbs and a 60 GB one does not."""
     assert failures(["--preset", "h100_110k"], gpu_gib=79.1) == []
-    spec = resolve_run_spec(["--preset", "h100_110k"], for_plan=True)
     from grpo_accel.app.startup_checks import check_memory
+    from grpo_accel.planning.routes import PINNED_STACK
+
+    spec = resolve_run_spec(["--preset", "h100_110k"], for_plan=True)
+    spec.stack = PINNED_STACK  # the run's machine, with the vllm extra
 
     assert check_memory(spec, int(79.1 * GIB), int(120 * GIB)) is None
     assert check_memory(spec, int(79.1 * GIB), int(2 * GIB)) is None  # the GPU can keep what the host cannot

@@ -43,7 +43,7 @@ def test_max_model_len_is_longest_prompt_plus_completion(tmp_path, hf_config):
 
 def test_cpu_kv_cache_is_sized_to_the_step(tmp_path, hf_config):
     args = _args(tmp_path, gradient_accumulation_steps=2)
-    cfg, why = vs.engine_config(args, hf_config, dtype=torch.float32, lora_r=16, shared=True, quantized=False,
+    cfg, why = vs.engine_config(args, hf_config, dtype=torch.float32, lora_r=16, route="vllm_shared",
                                 model_len=200)
     shape = model_shape(hf_config)
     per_token = 2 * shape.layers * shape.kv_dim * 4  # K and V, fp32
@@ -64,8 +64,8 @@ def test_engine_seed_follows_trls_rule(tmp_path, hf_config, monkeypatch, rank):
 
     assert "seed=accelerator.process_index // self.tensor_parallel_size" in inspect.getsource(vllm_generation)
     monkeypatch.setenv("RANK", str(rank))
-    cfg, _ = vs.engine_config(_args(tmp_path, seed=42), hf_config, dtype=torch.float32, lora_r=16, shared=True,
-                              quantized=False, model_len=200)
+    cfg, _ = vs.engine_config(_args(tmp_path, seed=42), hf_config, dtype=torch.float32, lora_r=16,
+                              route="vllm_shared", model_len=200)
     assert cfg.seed == rank // 1  # vllm_tensor_parallel_size is 1 (others are refused at start-up)
 
 
@@ -78,7 +78,7 @@ def _fake_gpu(monkeypatch, total_bytes):
 def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
     """On a (faked) 80 GB GPU the engine gets what training leaves: less when training needs more, enough for one
     full-length sequence of KV beside its weights; full fine-tuning sleeps; a fraction the user chose is kept."""
-    from grpo_accel.planning.memory import _kv_bytes_per_token, _weights_bytes
+    from grpo_accel.planning.memory import _weights_bytes, kv_bytes_per_token
 
     args, long_args = _args(tmp_path), _args(tmp_path, max_completion_length=4000)
     chosen = _args(tmp_path, vllm_gpu_memory_utilization=0.5)  # built before the fake GPU
@@ -88,14 +88,14 @@ def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
     fractions = {}
     for name, a, model_len in (("short", args, 512), ("long", long_args, 4472)):
         for lora_r, shared in ((16, True), (0, False)):
-            cfg, why = vs.engine_config(a, hf_config, dtype=torch.bfloat16, lora_r=lora_r, shared=shared,
-                                        quantized=False, model_len=model_len)
-            engine_needs = _weights_bytes(shape, 2, "none") + model_len * _kv_bytes_per_token(shape, 2)
+            cfg, why = vs.engine_config(a, hf_config, dtype=torch.bfloat16, lora_r=lora_r,
+                                        route="vllm_shared" if shared else "vllm_copy", model_len=model_len)
+            engine_needs = _weights_bytes(shape, 2, "none") + model_len * kv_bytes_per_token(shape, 2)
             assert 0.3 != cfg.memory_fraction < 1 and cfg.memory_fraction * gpu > engine_needs
             assert cfg.sleep is (not shared) and "memory planner" in why
             fractions[name, lora_r] = cfg.memory_fraction
     assert fractions["long", 16] < fractions["short", 16]  # longer completions: training keeps more
-    cfg, why = vs.engine_config(chosen, hf_config, dtype=torch.bfloat16, lora_r=16, shared=True, quantized=False,
+    cfg, why = vs.engine_config(chosen, hf_config, dtype=torch.bfloat16, lora_r=16, route="vllm_shared",
                                 model_len=512)
     assert cfg.memory_fraction == 0.5 and "as given" in why
 
@@ -104,7 +104,7 @@ def test_engine_that_does_not_fit_names_the_fix(tmp_path, hf_config, monkeypatch
     args = _args(tmp_path, max_completion_length=8192)
     _fake_gpu(monkeypatch, 2**30)
     with pytest.raises(vs.VLLMSetupError, match="does not fit beside training"):
-        vs.engine_config(args, hf_config, dtype=torch.bfloat16, lora_r=16, shared=True, quantized=False,
+        vs.engine_config(args, hf_config, dtype=torch.bfloat16, lora_r=16, route="vllm_shared",
                          model_len=8192 + 64)
 
 
@@ -114,14 +114,18 @@ def test_models_without_a_checkpoint_name_the_fix():
     assert vs.model_directory("smollm2-135m-instruct") == str(embedded_model_dir())
 
 
-def test_fallback_reasons(tmp_path):
+def test_route_on_this_machine_names_the_fix(tmp_path):
+    """The route the runner and the trainer take here is the planner's rule on this machine's stack: without vLLM
+    (the main venv) generate(), with one line naming what to install; a 4-bit model takes the same decision."""
     four_bit = torch.nn.Linear(2, 2)
     four_bit.is_loaded_in_4bit = True
-    reason = vs.fallback_reason(four_bit, _args(tmp_path))
-    if vs.vc.vllm_unavailable_reason() is not None:  # the main venv: no vLLM at all
-        assert reason == vs.vc.FALLBACK_LINE
-    elif not torch.cuda.is_available():
-        assert "4-bit" in reason and "CUDA" in reason
+    stack = vs.local_stack()
+    action, line = vs.colocated_route(four_bit, _args(tmp_path, use_vllm=True))
+    if not stack.vllm:  # the main venv: no vLLM at all
+        assert action == "fallback" and line.startswith("generation route generate:") and "Fix: pip install" in line
+    else:
+        assert action == "from_model" and line == ("vllm_4bit" if stack.bnb_4bit else "vllm_fp8" if stack.cuda
+                                                   else line)
 
 
 def test_unsupported_options_are_refused_in_one_line():

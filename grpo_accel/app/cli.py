@@ -47,6 +47,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    "minimum)")
     p.add_argument("--host-mem-gib", type=float, help="host memory for offloaded activations (default: this "
                    "machine's when it has the GPU, else unchecked)")
+    p.add_argument("--stack", choices=("here", "pinned"), default="here", help="the generation stack to plan for: "
+                   "this machine's vLLM / vllm-bnb-plugin (here), or the preset's GPU machine with the vllm extra "
+                   "installed (pinned)")
     p.add_argument("--find-max-t", action="store_true", help="print the longest completion (tokens per sequence) "
                    "that fits this GPU and host, and the model's context limit")
     p.epilog = ("Every other flag is launch/train.py's (--preset, --model, --max_completion_length, --quantization, "
@@ -59,8 +62,13 @@ def cmd_plan(args, train_flags: list[str]) -> int:
     from grpo_accel.app.startup_checks import machine_checks, model_config, plan_checks
 
     spec = resolve_run_spec(train_flags, for_plan=True)
+    if args.stack == "pinned":
+        from grpo_accel.planning.routes import PINNED_STACK
+
+        spec.stack = PINNED_STACK
     preset, gpu = spec.preset, current_gpu_props()
     plan = spec.plan()
+    route, route_why = spec.route()
     # What concerns the run's machine, not the plan (this GPU, client packages) warns: one plans for another machine.
     warnings = machine_checks(spec)
     if gpu is not None and preset.is_gpu and args.gpu_mem_gib is None:
@@ -77,11 +85,13 @@ def cmd_plan(args, train_flags: list[str]) -> int:
     else:
         gpu_bytes, where = int(preset.min_gpu_mem_gib * GIB), f"{preset.name}'s minimum"
     inp, shape = plan.inputs, plan.shape
-    print(f"preset {preset.name} ({spec.preset_why}), model {shape.name} ({shape.n_params / 1e9:.2f}B params, "
+    print(f"preset {preset.name} ({spec.preset_why}), generation route {route}, "
+          f"model {shape.name} ({shape.n_params / 1e9:.2f}B params, "
           f"L={shape.layers} H={shape.hidden} V={shape.vocab}), {inp['dtype']}"
           f"{'+nf4' if inp['quantization'] == '4bit' else ''}, LoRA r={inp['lora_r'] or 'full'}, "
           f"{inp['per_device_train_batch_size']} x ({inp['max_prompt_length']} + {inp['max_completion_length']}) "
           f"tokens, G={inp['num_generations']}")
+    print(f"generation route {route}: {route_why}")
     print(plan.format())
     planned_gpu = preset.is_gpu or args.gpu_mem_gib is not None
     failures = plan_checks(spec, model_config(spec, prefer_named=True), preset.max_prompt_length,
@@ -92,6 +102,10 @@ def cmd_plan(args, train_flags: list[str]) -> int:
         verdict = plan.verdict(gpu_bytes)
         print(f"GPU memory: {gpu_bytes / GIB:.1f} GiB ({where})")
         print(verdict)
+        if route == "generate":
+            print(f"generate(): {inp['generation_batch']} sequences x {inp['max_prompt_length']} + "
+                  f"{inp['max_completion_length']} tokens of KV cache at once "
+                  f"({plan.device['generate_kv_cache'] / GIB:.1f} GiB), freed before the training step")
         if verdict.fits and inp["use_vllm"]:
             frac = vllm_memory_fraction(plan, gpu_bytes)
             print(f"vLLM gpu_memory_utilization {frac:.3f}: KV cache for {kv_cache_sequences(plan, gpu_bytes)} "
@@ -99,6 +113,10 @@ def cmd_plan(args, train_flags: list[str]) -> int:
     for failure in failures:
         if not failure.startswith("memory:"):  # the verdict above already said it
             print(f"error: {failure}")
+    pinned, _ = preset.route(spec.fields())
+    if args.stack == "here" and route != pinned:
+        warnings.append(f"this machine generates by route {route}; with the vllm extra installed it would be {pinned} "
+                        f"(`--stack pinned` plans that)")
     for warning in warnings:
         print(f"warning: {warning}")
     if args.find_max_t and planned_gpu:

@@ -21,7 +21,8 @@ from grpo_accel.core import dtypes
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape
-from grpo_accel.planning.memory import MemoryPlan, engine_shares_weights, plan_memory
+from grpo_accel.planning.memory import MemoryPlan, plan_memory
+from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "accelerate_configs"
 
@@ -78,20 +79,28 @@ class Preset:
     def precision(self) -> str:
         return self.dtype + ("+nf4" if self.quantization == "4bit" else "")
 
-    def plan(self, fields: dict | None = None, **overrides) -> MemoryPlan:
+    def plan(self, fields: dict | None = None, stack: Stack = PINNED_STACK, **overrides) -> MemoryPlan:
         """The planner's prediction for one process of this preset run with `fields` (flag names, e.g. a resolved
-        run's) over the preset's own values; `overrides`: plan_memory arguments (shape=, vllm_kv_seqs=, ...)."""
+        run's) over the preset's own values, generating by the route `stack` has for it (default: the preset's GPU
+        machine with the vllm extra); `overrides`: plan_memory arguments (shape=, vllm_kv_seqs=, generation=...)."""
         f = {**self.training_overrides(), **(fields or {})}
         named = self.architecture if f["model"] == self.model else f["model"]
         shape = overrides.pop("shape", None) or model_shape(named)
-        return plan_memory(shape, **{**self.plan_inputs(f), **overrides})
+        return plan_memory(shape, **{**self.plan_inputs(f, stack), **overrides})
 
-    def plan_inputs(self, f: dict) -> dict:
+    def route(self, fields: dict | None = None, stack: Stack = PINNED_STACK) -> tuple[str, str]:
+        """(generation route, why) of this preset run with `fields` on `stack` (planning.routes.choose_route)."""
+        f = {**self.training_overrides(), **(fields or {})}
+        return choose_route(use_vllm=bool(f["use_vllm"]), vllm_mode=f.get("vllm_mode", "colocate"),
+                            quantization=f["quantization"], lora_r=f["lora_r"],
+                            vllm_share_weights=f.get("vllm_share_weights", True), stack=stack)
+
+    def plan_inputs(self, f: dict, stack: Stack = PINNED_STACK) -> dict:
         """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names): the one mapping."""
         cuda = self.is_gpu
         offload = str(f["offload_activations"]).lower()
-        # a vLLM server generates on its own machine: nothing of it on these GPUs
-        colocated = bool(f["use_vllm"]) and f.get("vllm_mode", "colocate") == "colocate"
+        route, _ = self.route(f, stack)
+        processes = int(os.environ.get("WORLD_SIZE", self.num_processes))
         return dict(
             dtype=dtypes.short_name(f["model_dtype"]), quantization=f["quantization"], lora_r=f["lora_r"],
             num_generations=f["num_generations"], max_prompt_length=self.max_prompt_length,
@@ -99,18 +108,28 @@ class Preset:
             per_device_train_batch_size=f["per_device_train_batch_size"],
             gradient_checkpointing=bool(f["gradient_checkpointing"]),
             offload_activations=offload == "true" or (offload == "auto" and cuda and bool(f["gradient_checkpointing"])),
-            logprob_impl=f["logprob_impl"], logprob_chunk_size=f["logprob_chunk_size"], use_vllm=colocated,
-            vllm_share_weights=engine_shares_weights(colocated, f["lora_r"], f["quantization"],
-                                                     f.get("vllm_share_weights", True)),
+            logprob_impl=f["logprob_impl"], logprob_chunk_size=f["logprob_chunk_size"], generation=route,
+            generation_batch=self.generation_batch(f, processes),
             # vLLM needs one full-length sequence of KV cache to start; what is left over goes to more of them
-            vllm_kv_seqs=1, vllm_sleep=bool(colocated and f["lora_r"] == 0 and cuda),
-            deepspeed_stage=self.deepspeed_stage, num_processes=int(os.environ.get("WORLD_SIZE", self.num_processes)),
+            vllm_kv_seqs=1, vllm_sleep=route == "vllm_copy" and f["lora_r"] == 0 and cuda,
+            deepspeed_stage=self.deepspeed_stage, num_processes=processes,
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
             recompute_tokens=f.get("offload_recompute_tokens") or 16384,
             sequence_parallel_size=int(f.get("sequence_parallel_size") or 1),
             share_prompt=str(f.get("share_prompt", "auto")).lower() if f.get("padding_free", True) else "false",
             offload_device_budget_bytes=int((f.get("offload_device_budget_gib") or 0) * GIB),
             device="cuda" if cuda else "cpu")
+
+    def generation_batch(self, f: dict, processes: int) -> int:
+        """Sequences one process generates at once: TRL's per_device_train_batch_size x steps_per_generation
+        (default gradient_accumulation_steps). A recipe that fixes generation_batch_size (global) fixes it at that /
+        processes: TRL derives steps_per_generation from it with the world size of the process that resolves the
+        config, which is 1 on a planning machine."""
+        fixed = self.recipe.get("generation_batch_size")
+        if fixed and f.get("generation_batch_size") == fixed:
+            return -(-fixed // processes)
+        steps = f.get("steps_per_generation") or f.get("gradient_accumulation_steps") or 1
+        return f["per_device_train_batch_size"] * steps
 
     def training_overrides(self) -> dict:
         """Every value this preset sets, in GRPOAccelConfig / ScriptArguments field names: a complete override
@@ -167,7 +186,12 @@ _8B_FULL = dict(min_gpu_mem_gib=75, min_compute_capability=_BF16, num_processes=
                 gradient_accumulation_steps=8, offload_activations=True)
 # Colocated vLLM under ZeRO-3 would gather the whole model on every rank to push it (vllm_setup refuses it):
 # those presets generate with transformers' generate() (or a vLLM server, vllm_mode="server").
-_ZERO3 = dict(deepspeed_stage=3, use_vllm=False)
+# generate() holds the KV cache of every sequence it generates at once (per_device_train_batch_size x
+# steps_per_generation, TRL's default steps_per_generation = gradient_accumulation_steps = 8: 8 x 66K tokens of
+# Qwen3-8B are 72.6 GiB): generating one micro-batch at a time keeps it to one sequence per rank.
+# (generation_batch_size, TRL's global count: 8 over 8 ranks; steps_per_generation 1 would fail TRL's divisibility
+# check wherever the preset is resolved in one process, as `grpo-accel plan` does)
+_ZERO3 = dict(deepspeed_stage=3, use_vllm=False, recipe={**GPU_RECIPE, "generation_batch_size": 8})
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p(name="cpu", description="The demo: SmolLM2-135M-Instruct LoRA in fp32 on CPU, short completions",
@@ -237,7 +261,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p(name="multinode_zero3", description="Template: 2 nodes x 8 GPUs, 8B full fine-tune, ZeRO-3 (set the "
        "address and machine_rank in the YAML)", target_gpu="2 nodes x 8 NVIDIA H100 80GB",
        model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b", max_completion_length=32768,
-       **_ZERO3, **{**_8B_FULL, "num_processes": 16}),
+       **{**_ZERO3, "recipe": {**GPU_RECIPE, "generation_batch_size": 16}}, **{**_8B_FULL, "num_processes": 16}),
 ]}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -190,9 +191,24 @@ class RunSpec:
         return {**dataclasses.asdict(self.script),
                 **{f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}}
 
+    @functools.cached_property
+    def stack(self):
+        """What generates on the run's machine (planning.routes.Stack): this machine's vLLM and vllm-bnb-plugin
+        (`--stack pinned` in `grpo-accel plan`: the preset's machine with the vllm extra), CUDA where the preset
+        is a GPU preset (one plans a GPU run on any machine)."""
+        from grpo_accel.generation.vllm_setup import local_stack
+
+        stack = local_stack()
+        return dataclasses.replace(stack, cuda=True) if self.preset.is_gpu and not stack.cuda else stack
+
+    def route(self) -> tuple[str, str]:
+        """(generation route, why) this run takes on its machine: the route the plan sizes."""
+        return self.preset.route(self.fields(), self.stack)
+
     def plan(self, **overrides):
-        """The planner's prediction for this run (one process): the preset's plan with this run's values."""
-        return self.preset.plan(self.fields(), **overrides)  # an unreadable model shape raises ConfigError
+        """The planner's prediction for this run (one process): the preset's plan with this run's values, sizing
+        the generation route this run takes (`route`)."""
+        return self.preset.plan(self.fields(), self.stack, **overrides)  # an unreadable shape raises ConfigError
 
     def resolved(self) -> dict:
         """What resolved_config.json records: every field, the preset and why it was chosen."""

@@ -140,10 +140,10 @@ def load_training_model(spec, tokenizer, longest_prompt: int):
 
     script, config = spec.script, spec.config
     init_kwargs = {k: v for k, v in (config.model_init_kwargs or {}).items() if k not in ("dtype", "device_map")}
-    route, _ = colocated_route(script.model, config, script.quantization)
-    if route == "from_path":
+    action, route = colocated_route(script.model, config, script.quantization, lora_r=script.lora_r)
+    if action == "from_path":
         engine, model = start_colocated_engine(script.model, config, peft_config=lora_config(script),
-                                               longest_prompt=longest_prompt,
+                                               longest_prompt=longest_prompt, route=route,
                                                dtype=dtypes.torch_dtype(script.model_dtype))
         return model, engine
     # Otherwise (no vLLM, a 4-bit or tiny model) the trainer starts an unshared engine or says why it cannot.
@@ -183,8 +183,10 @@ def startup(spec, tokenizer, train_ds) -> int:
         if budget > spec.config.offload_device_budget_gib * GIB:  # the host cannot hold every layer input
             spec.config.offload_device_budget_gib = budget / GIB
             log(f"host memory {host_bytes / GIB:.0f} GiB: {budget / GIB:.1f} GiB of layer inputs stay on the GPU")
-    if gpu_bytes is not None:
-        log(f"memory plan: {spec.plan().peak_gib:.1f} GiB predicted peak per GPU of {gpu_bytes / 2**30:.0f} GiB")
+    route, why = spec.route()
+    memory = (f"; memory plan: {spec.plan().peak_gib:.1f} GiB predicted peak per GPU of {gpu_bytes / 2**30:.0f} GiB"
+              if gpu_bytes is not None else "")
+    log(f"generation route {route}: {why}{memory}")
     log_share_prompt(spec.config, longest)
     return longest
 

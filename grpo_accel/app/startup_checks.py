@@ -172,7 +172,8 @@ def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None) -> 
                 f"{host_bytes / GIB:.1f} GiB; the rest on the GPU makes the peak {plan.peak_gib:.1f} GiB of "
                 f"{gpu_bytes / GIB:.1f}. Fix: a shorter --max_completion_length (`grpo-accel plan --find-max-t` names "
                 f"the longest that fits), or a host with more memory.")
-    return f"memory: this run {verdict}"
+    route, why = spec.route()
+    return f"memory: generation route {route} ({why}); this run {verdict}"
 
 
 def plan_checks(spec, config, prompt_tokens: int, gpu_bytes: int | None, host_bytes: int | None = None) -> list[str]:

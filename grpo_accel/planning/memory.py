@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from grpo_accel.core.dtypes import dtype_bytes
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import ModelShape, model_shape
+from grpo_accel.planning.routes import COLOCATED, ROUTES
 
 # bitsandbytes NF4 with double quantization: 4 bits per weight, an 8-bit absmax per 64-weight block, and an fp32
 # scale per 256 blocks.
@@ -39,8 +40,10 @@ PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the
 # Device-side terms; "peak" is their sum. Generation-only terms are released during training with vllm_sleep.
 DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "activations_checkpointed",
                 "recompute_working_set", "sp_all_to_all", "logprob_workspace", "vllm_weights", "vllm_kv_cache",
-                "vllm_runtime", "allocator_margin")
-GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime")
+                "vllm_runtime", "generate_kv_cache", "generate_working_set", "allocator_margin")
+# Alive only while generating: a sleeping engine's KV cache and runtime, and everything generate() holds (its cache
+# is freed when the batch is done; the caching allocator then reuses those blocks for the training step).
+GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime", "generate_kv_cache", "generate_working_set")
 TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_working_set", "sp_all_to_all",
                             "logprob_workspace")
 
@@ -106,8 +109,39 @@ def _weights_bytes(shape: ModelShape, dtype_bytes: int, quantization: str) -> fl
     return shape.n_params * dtype_bytes
 
 
-def _kv_bytes_per_token(shape: ModelShape, a: int) -> int:
+def kv_bytes_per_token(shape: ModelShape, a: int) -> int:
     return 2 * shape.layers * shape.kv_dim * a  # K and V, every layer
+
+
+def _fp8_weights_bytes(shape: ModelShape, a: int) -> float:
+    """vLLM's online FP8 (quantization="fp8"): every decoder linear in 1 byte (a per-tensor scale each); embeddings,
+    lm_head and norms stay in the compute dtype."""
+    linear = shape.layers * shape.layer_linear_params
+    return linear + (shape.n_params - linear) * a
+
+
+def legacy_route(use_vllm: bool, lora_r: int, quantization: str, vllm_share_weights: bool = True) -> str:
+    """The route plan_memory assumed before it took `generation`: use_vllm off = generate(); a colocated engine
+    shares with LoRA on unquantized weights, quantizes its own copy for QLoRA, else keeps a copy."""
+    if not use_vllm:
+        return "generate"
+    if quantization == "4bit":
+        return "vllm_4bit"
+    return "vllm_shared" if engine_shares_weights(True, lora_r, quantization, vllm_share_weights) else "vllm_copy"
+
+
+def _generate_terms(shape: ModelShape, a: int, seqs: int, prompt: int, T: int) -> tuple[float, float]:
+    """(KV cache, working set) of transformers' generate() over `seqs` sequences of T tokens, as TRL's non-vLLM path
+    calls it (the whole generation batch in one call, padded to the longest prompt, DynamicCache).
+    Working set: the decode step's growing cache (torch.cat writes one layer's K and V anew beside the old ones),
+    the sampler's fp32 logits, processed scores and probabilities [seqs, V], and the prefill of one layer (K and V
+    repeated to every head for SDPA with a mask, q, the MLP's gate/up and output)."""
+    kv = seqs * T * kv_bytes_per_token(shape, a)
+    one_layer_kv = kv / shape.layers
+    sampler = 3 * seqs * shape.vocab * 4
+    prefill = seqs * prompt * (shape.q_dim + 2 * shape.heads * shape.head_dim + 2 * shape.intermediate
+                               + shape.hidden) * a
+    return kv, one_layer_kv + sampler + prefill
 
 
 def engine_shares_weights(use_vllm: bool, lora_r: int, quantization: str, vllm_share_weights: bool = True) -> bool:
@@ -180,8 +214,20 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
                 vllm_share_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
-                sequence_parallel_size=1, share_prompt="false") -> MemoryPlan:
-    """Predicted per-device bytes of one GRPO training step (see the module docstring)."""
+                sequence_parallel_size=1, share_prompt="false", generation=None,
+                generation_batch=None) -> MemoryPlan:
+    """Predicted per-device bytes of one GRPO training step (see the module docstring).
+
+    generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
+    quantization imply, `legacy_route`); it decides use_vllm and vllm_share_weights. generation_batch: sequences
+    one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former)."""
+    if generation is None:
+        generation = legacy_route(use_vllm, lora_r, quantization, vllm_share_weights)
+    if generation not in ROUTES:
+        raise ValueError(f"generation={generation!r}: use one of {tuple(ROUTES)}")
+    use_vllm, vllm_share_weights = generation in COLOCATED, generation == "vllm_shared"
+    vllm_sleep = vllm_sleep and generation == "vllm_copy"
+    generation_batch = generation_batch or per_device_train_batch_size
     inputs = {k: v for k, v in locals().items() if k != "shape"}
     shape = model_shape(shape)
     if logprob_impl not in PLANNED_LOGPROB_IMPLS:
@@ -255,16 +301,26 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     head_trainable = lora_r <= 0
     dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_size,
                                                   head_trainable)
-    # generation: vLLM's weights (none when it shares the training model's base weights) and a KV cache that must
-    # hold vllm_kv_seqs full-length sequences (vLLM refuses to start below one)
-    vllm_weights_bytes = _weights_bytes(shape, a, quantization)
-    dev["vllm_weights"] = vllm_weights_bytes if use_vllm and not vllm_share_weights else 0
-    dev["vllm_kv_cache"] = vllm_kv_seqs * T * _kv_bytes_per_token(shape, a) if use_vllm else 0
+    # generation, by route: a colocated engine's own weights (none when it shares the trainer's) and a KV cache that
+    # must hold vllm_kv_seqs full-length sequences (vLLM refuses to start below one); generate() holds the whole
+    # generation batch's cache; a vLLM server nothing here
+    dev["vllm_weights"] = {"vllm_4bit": _weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
+                           "vllm_copy": _weights_bytes(shape, a, "none")}.get(generation, 0)
+    dev["vllm_kv_cache"] = vllm_kv_seqs * T * kv_bytes_per_token(shape, a) if use_vllm else 0
     dev["vllm_runtime"] = VLLM_RUNTIME_BYTES if use_vllm else 0
-    live = sum(dev.values()) - (min(sum(dev[k] for k in GENERATION_TERMS),
-                                    sum(dev[k] for k in TRAINING_TRANSIENT_TERMS)) if vllm_sleep else 0)
+    dev["generate_kv_cache"], dev["generate_working_set"] = (
+        _generate_terms(shape, a, generation_batch, max_prompt_length, T) if generation == "generate" else (0, 0))
+    live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
     dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
     return MemoryPlan(shape, inputs, {k: int(dev[k]) for k in DEVICE_TERMS}, {k: int(v) for k, v in host.items()})
+
+
+def _released(dev: dict, generation: str, vllm_sleep: bool) -> float:
+    """Bytes not alive at the training peak: generation's terms when they are freed before training (a sleeping
+    engine, generate()'s cache), up to the training transients they make room for (the peak is the larger phase)."""
+    if not (vllm_sleep or generation == "generate"):
+        return 0
+    return min(sum(dev[k] for k in GENERATION_TERMS), sum(dev[k] for k in TRAINING_TRANSIENT_TERMS))
 
 
 @dataclass(frozen=True)
@@ -288,11 +344,17 @@ class MemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        total = sum(self.device.values())
-        if self.inputs.get("vllm_sleep"):
-            total -= min(sum(self.device[k] for k in GENERATION_TERMS),
-                         sum(self.device[k] for k in TRAINING_TRANSIENT_TERMS))
-        return int(total)
+        inp = self.inputs
+        return int(sum(self.device.values()) - _released(self.device, inp["generation"], inp["vllm_sleep"]))
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What torch.cuda.max_memory_reserved() should report: the peak without the CUDA context (not torch's)."""
+        return self.peak_bytes - (CUDA_CONTEXT_BYTES if self.inputs["device"] == "cuda" else 0)
+
+    @property
+    def route(self) -> str:
+        return self.inputs["generation"]
 
     @property
     def peak_gib(self) -> float:
@@ -376,14 +438,15 @@ def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
         toggles.append(("--gradient_checkpointing true", dict(gradient_checkpointing=True)))
     if inp["logprob_impl"] in ("naive", "trl"):
         toggles.append(("--logprob_impl auto (fused head)", dict(logprob_impl="auto")))
-    if inp["use_vllm"] and not inp["vllm_share_weights"] and inp["lora_r"] > 0:
-        toggles.append(("--vllm_share_weights true", dict(vllm_share_weights=True)))
-    if inp["use_vllm"]:
-        toggles.append(("--use_vllm false (generate with transformers)", dict(use_vllm=False)))
-    if inp["quantization"] == "none" and inp["lora_r"] > 0:
-        toggles.append(("--quantization 4bit (QLoRA)", dict(quantization="4bit")))
-    if inp["lora_r"] <= 0:
-        toggles.append(("--lora_r 16 (LoRA instead of all weights)", dict(lora_r=16)))
+    if inp["generation"] == "vllm_copy" and inp["lora_r"] > 0 and inp["quantization"] == "none":
+        toggles.append(("--vllm_share_weights true", dict(generation="vllm_shared")))
+    colocated = inp["generation"] in COLOCATED
+    if inp["quantization"] == "none" and inp["lora_r"] > 0:  # QLoRA's engine quantizes its own copy
+        toggles.append(("--quantization 4bit (QLoRA)", dict(quantization="4bit", generation="vllm_4bit") if colocated
+                        else dict(quantization="4bit")))
+    if inp["lora_r"] <= 0:  # LoRA's engine shares the base
+        toggles.append(("--lora_r 16 (LoRA instead of all weights)", dict(lora_r=16, generation="vllm_shared")
+                        if inp["generation"] == "vllm_copy" else dict(lora_r=16)))
     fixes = [(text, plan.replan(**chg).peak_bytes) for text, chg in toggles]
     if inp["per_device_train_batch_size"] > 1:
         b = _largest_fitting(plan, "per_device_train_batch_size", inp["per_device_train_batch_size"], gpu)
@@ -420,11 +483,12 @@ def vllm_memory_fraction(plan: MemoryPlan, gpu_bytes: int, cap: float = 0.95) ->
 def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
     """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
     inp = plan.inputs
-    per_seq = (inp["max_prompt_length"] + inp["max_completion_length"]) * _kv_bytes_per_token(
+    per_seq = (inp["max_prompt_length"] + inp["max_completion_length"]) * kv_bytes_per_token(
         plan.shape, dtype_bytes(inp["dtype"]))
     budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
     return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
 
 
-__all__ = ["GIB", "MemoryPlan", "Verdict", "auto_logprob_block", "kv_cache_sequences", "layer_saved_bytes_per_token",
-           "plan_memory", "vllm_memory_fraction", "find_max_completion_length", "fit_host"]
+__all__ = ["GIB", "MemoryPlan", "Verdict", "auto_logprob_block", "kv_bytes_per_token", "kv_cache_sequences",
+           "layer_saved_bytes_per_token", "legacy_route", "plan_memory", "vllm_memory_fraction",
+           "find_max_completion_length", "fit_host"]

@@ -167,12 +167,13 @@ class GRPOAccelTrainer(GRPOTrainer):
     @staticmethod
     def _start_engine(model, args, kwargs):
         """(engine, model) for colocated generation, or (None, model) with one line when it cannot run here."""
-        route, reason = colocated_route(model, args)
-        if route == "fallback":
-            log(reason)
+        peft_config = kwargs.get("peft_config")
+        action, route = colocated_route(model, args, lora_r=int(peft_config.r) if peft_config is not None else 0)
+        if action == "fallback":
+            log(route)  # the line: generate() and the package that would give this run an engine
             args.use_vllm = False
             return None, model
-        return start_colocated_engine(model, args, peft_config=kwargs.get("peft_config"),
+        return start_colocated_engine(model, args, peft_config=peft_config, route=route,
                                       train_dataset=kwargs.get("train_dataset"),
                                       tokenizer=kwargs.get("processing_class"))
 

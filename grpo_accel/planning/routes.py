@@ -1,0 +1,98 @@
+"""Generation routes: how a run's completions are generated, and which one a run gets on a given stack.
+
+    route, why = choose_route(use_vllm=True, vllm_mode="colocate", quantization="4bit", lora_r=16, stack=PINNED_STACK)
+    # ("vllm_4bit", "colocated vLLM quantizes its own 4-bit copy (vllm-bnb-plugin) ...")
+
+A route decides what sits on the GPU while generating, so the planner (`memory.plan_memory(generation=...)`) sizes
+the route that will run, not the one that was asked for. The rule, per training precision, first route that the
+stack has wins:
+  LoRA on bf16/fp16/fp32 weights  vllm_shared (the engine's weights are the trainer's: one copy, no mismatch)
+  QLoRA (4-bit NF4 base)          vllm_4bit (the engine quantizes its own NF4 copy of the same checkpoint: the same
+                                  NF4 + double quantization as the trainer, so the same 4-bit weights; needs
+                                  vllm-bnb-plugin), then vllm_fp8 (an FP8 copy, CUDA vLLM only)
+  full fine-tuning                vllm_copy (its own copy, every weight pushed, asleep while training on CUDA)
+  vllm_mode="server"              vllm_server (nothing on these GPUs)
+and `generate` (transformers' generate(), TRL's non-vLLM path: the whole generation batch's KV cache at once)
+when use_vllm is off or the stack has none of the above. This module is pure: the stack is probed at run time
+(`grpo_accel.generation.vllm_setup.local_stack`), and presets are planned for PINNED_STACK (a CUDA machine with
+the `vllm` extra installed: vLLM 0.32 with vllm-bnb-plugin).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROUTES = {
+    "vllm_shared": "colocated vLLM sharing the trainer's base weights (one copy), adapter pushed from memory",
+    "vllm_4bit": "colocated vLLM quantizing its own 4-bit NF4 copy (vllm-bnb-plugin), adapter pushed from memory",
+    "vllm_fp8": "colocated vLLM with its own FP8 copy (CUDA), adapter pushed from memory",
+    "vllm_copy": "colocated vLLM with its own copy (full fine-tuning), every weight pushed, asleep while training",
+    "vllm_server": "a `trl vllm-serve` machine generates: nothing of it on these GPUs",
+    "generate": "transformers' generate(): the whole generation batch's KV cache at once",
+}
+COLOCATED = ("vllm_shared", "vllm_4bit", "vllm_fp8", "vllm_copy")
+# What each colocated route asks of vLLM: EngineArgs' quantization (None: the checkpoint's dtype).
+ENGINE_QUANTIZATION = {"vllm_shared": None, "vllm_4bit": "bitsandbytes", "vllm_fp8": "fp8", "vllm_copy": None}
+VLLM_INSTALL = "pip install 'grpo_accel[vllm]' (CPU: make test-vllm's venv)"
+BNB_PLUGIN_INSTALL = "pip install --no-deps vllm-bnb-plugin==0.0.3 'bitsandbytes>=0.48.1'"
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What the generating machine has: whether vLLM (a supported version) imports, whether it lists bitsandbytes
+    quantization (vllm-bnb-plugin and bitsandbytes installed), whether CUDA is there; `missing` says why not, for
+    the lines that name the fix."""
+
+    vllm: bool
+    bnb_4bit: bool
+    cuda: bool
+    missing: dict = field(default_factory=dict)  # "vllm" / "bnb_4bit" -> one line naming the fix
+
+    def lacks(self, route: str) -> str | None:
+        """Why this stack cannot run `route` (None: it can)."""
+        if route in ("generate", "vllm_server"):
+            return None
+        if not self.vllm:
+            return self.missing.get("vllm") or f"vLLM is not installed. Fix: {VLLM_INSTALL}"
+        if route == "vllm_4bit" and not self.bnb_4bit:
+            return self.missing.get("bnb_4bit") or (
+                f"this vLLM has no bitsandbytes quantization (since 0.28 it lives in vllm-bnb-plugin). Fix: "
+                f"{BNB_PLUGIN_INSTALL}")
+        if route == "vllm_fp8" and not self.cuda:
+            return "vLLM's FP8 weights need CUDA"
+        return None
+
+
+PINNED_STACK = Stack(vllm=True, bnb_4bit=True, cuda=True)  # a GPU machine with the vllm extra: what presets plan for
+
+
+def candidate_routes(*, use_vllm: bool, vllm_mode: str = "colocate", quantization: str = "none",
+                     lora_r: int = 16) -> list[str]:
+    """The routes a run with these settings may take, best first (see the module docstring); `generate` last."""
+    if not use_vllm:
+        return ["generate"]
+    if vllm_mode == "server":
+        return ["vllm_server"]
+    if quantization == "4bit":
+        return ["vllm_4bit", "vllm_fp8", "generate"]
+    return ["vllm_shared" if lora_r > 0 else "vllm_copy", "generate"]
+
+
+def choose_route(*, use_vllm: bool, vllm_mode: str = "colocate", quantization: str = "none", lora_r: int = 16,
+                 vllm_share_weights: bool = True, stack: Stack = PINNED_STACK) -> tuple[str, str]:
+    """(route, why): the first candidate this stack has. `vllm_share_weights=False` turns vllm_shared into an
+    engine holding its own copy (vllm_copy's terms, the adapter still pushed)."""
+    tried = []
+    for route in candidate_routes(use_vllm=use_vllm, vllm_mode=vllm_mode, quantization=quantization, lora_r=lora_r):
+        lacking = stack.lacks(route)
+        if lacking is None:
+            if route == "vllm_shared" and not vllm_share_weights:
+                return "vllm_copy", "colocated vLLM with its own copy: --vllm_share_weights false"
+            return route, ROUTES[route] + (f", because {'; '.join(tried)}" if tried else "")
+        if not any(lacking in t for t in tried):  # vLLM missing stops every colocated route: say it once
+            tried.append(f"no {route}: {lacking}")
+    raise AssertionError("generate is always a candidate")  # pragma: no cover
+
+
+__all__ = ["BNB_PLUGIN_INSTALL", "COLOCATED", "ENGINE_QUANTIZATION", "PINNED_STACK", "ROUTES", "Stack",
+           "VLLM_INSTALL", "candidate_routes", "choose_route"]
