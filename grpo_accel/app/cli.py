@@ -35,10 +35,14 @@ def cmd_presets(args) -> int:
     from grpo_accel.app.presets import preset_table_rows
 
     headers = dict(name="preset", gpu="GPU", model="model", precision="precision", lora_r="LoRA r",
-                   completion="completion", generations="G", peak_gib="peak GiB", yaml="accelerate YAML")
+                   completion="completion", generations="G", route="generation", peak_gib="peak GiB",
+                   yaml="accelerate YAML")
     print(_table(preset_table_rows(), headers))
     print("\npeak GiB: the planner's prediction per GPU (host RAM for the cpu presets); "
-          "`grpo-accel plan --preset NAME` for the breakdown.")
+          "`grpo-accel plan --preset NAME` for the breakdown.\ngeneration: the route with the vllm extra installed "
+          "(vllm_4bit: vLLM's own 4-bit copy via vllm-bnb-plugin; vllm_shared: vLLM on the trainer's weights; "
+          "vllm_copy: its own copy, asleep while training; generate: transformers' generate()); without vLLM every "
+          "preset generates with generate(), which the plan sizes (`grpo-accel plan` on that machine).")
     return 0
 
 

@@ -456,6 +456,7 @@ def preset_table_rows() -> list[dict]:
     for p in PRESETS.values():
         rows.append(dict(name=p.name, gpu=p.target_gpu, model=p.model, precision=p.precision,
                          lora_r=p.lora_r or "full", completion=p.max_completion_length, generations=p.num_generations,
+                         route=p.route()[0],
                          peak_gib=round(p.plan().peak_gib, 1), yaml=p.yaml))
     return rows
 

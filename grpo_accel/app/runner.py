@@ -141,6 +141,8 @@ def load_training_model(spec, tokenizer, longest_prompt: int):
     script, config = spec.script, spec.config
     init_kwargs = {k: v for k, v in (config.model_init_kwargs or {}).items() if k not in ("dtype", "device_map")}
     action, route = colocated_route(script.model, config, script.quantization, lora_r=script.lora_r)
+    if action == "fallback":  # generate(): startup() said so in its route line; the trainer need not again
+        config.use_vllm = False
     if action == "from_path":
         engine, model = start_colocated_engine(script.model, config, peft_config=lora_config(script),
                                                longest_prompt=longest_prompt, route=route,

@@ -228,6 +228,10 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     lora_r = int(peft_config.r) if peft_config is not None else 0
     if route is None:
         route = colocated_route(model, args, lora_r=lora_r)[1]
+    if route == "vllm_4bit" and dtype == torch.float32:
+        raise VLLMSetupError("the 4-bit engine (vllm-bnb-plugin 0.0.3) cannot load weights with an fp32 compute dtype "
+                             "(its packed NF4 shapes assume 16-bit). Fix: --model_dtype bfloat16 (float16 on a T4), "
+                             "or --use_vllm false.")
     model_len = max_model_len(args, hf_config, train_dataset, tokenizer, longest_prompt)
     cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, route=route, model_len=model_len)
     share = route == "vllm_shared"

@@ -9,7 +9,8 @@ MODE: shared    LoRA, use_vllm=True (the model passed as a directory: the engine
 Savers on top (any mode): --offload-tokens N (gradient checkpointing + activation offload, re-run in pieces of
 N tokens: sequence tiles when N is shorter than a row; set GRPO_ACCEL_OFFLOAD_FORCE_COPIES=1 for the real copy
 path on CPU), --token-budget N (packed log-prob forwards of <= N tokens: several per backward), --mini-batch N
-(N padded rows per log-prob forward, padding_free off). --dtype fp16 / --quantization 4bit: with --cuda only.
+(N padded rows per log-prob forward, padding_free off). --dtype fp16: with --cuda only; --quantization 4bit (QLoRA,
+the engine's own NF4 copy through vllm-bnb-plugin): bf16 compute on CPU, --dtype on CUDA.
 Used by test_vllm_trainer.py and benchmarks/bench_vllm_memory.py. Peak memory is the process's VmHWM.
 """
 
@@ -83,13 +84,13 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true", help="train and generate on the GPU (bf16 engine and model)")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="--cuda: weights and autocast dtype")
     ap.add_argument("--quantization", choices=["none", "4bit"], default="none",
-                    help="--cuda, LoRA: a 4-bit (QLoRA) model; the engine quantizes its own copy in flight")
+                    help="LoRA: a 4-bit (QLoRA) model; the engine quantizes its own copy in flight")
     ap.add_argument("--offload-tokens", type=int, default=0)
     ap.add_argument("--token-budget", type=int, default=None)
     ap.add_argument("--mini-batch", type=int, default=None)
     args = ap.parse_args()
-    if (args.dtype != "bf16" or args.quantization != "none") and not args.cuda:
-        ap.error("--dtype fp16 and --quantization 4bit need --cuda")
+    if args.dtype != "bf16" and not args.cuda:
+        ap.error("--dtype fp16 needs --cuda")
     torch.set_num_threads(args.threads)
 
     from peft import LoraConfig
@@ -107,6 +108,7 @@ def main() -> None:
     if args.quantization == "4bit":  # loaded here: the engine starts beside it and quantizes its own copy
         from grpo_accel.data.models import load_model
 
+        # bf16 compute on CPU too: vllm-bnb-plugin 0.0.3 cannot load an fp32 engine (vllm_setup refuses it)
         model, _ = load_model(model_dir, dtype=half, quantization="4bit")
     train, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=0)
     lora = None if args.mode == "full" else LoraConfig(

@@ -44,31 +44,44 @@ def test_launch_without_vllm_falls_back_with_one_line(tmp_path):
 
     proc = run_train([*TINY_ARGS, "--use_vllm", "true", "--report_to", "none", "--output_dir", str(tmp_path / "run")])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(vc.FALLBACK_LINE) == 1, proc.stdout[-3000:]
+    route_lines = [line for line in proc.stdout.splitlines() if "generation route" in line]
+    assert len(route_lines) == 1 and "generation route generate: transformers' generate()" in route_lines[0]
+    assert "vLLM is not installed. Fix: pip install 'grpo_accel[vllm]'" in route_lines[0], proc.stdout[-3000:]
     assert (tmp_path / "run" / "summary.json").exists()
 
 
-def test_qlora_falls_back_where_vllm_has_no_bitsandbytes(tmp_path, monkeypatch):
-    """QLoRA x vLLM on a GPU (runs in the vLLM tier): vLLM 0.32 lists no bitsandbytes quantization, so the engine's
-    own 4-bit copy cannot start (EngineArgs refuse it before any CUDA code). The run generates with generate() and
-    says why in one line, as on CPU, rather than failing at engine start. Checked against the installed vLLM's own
-    method list."""
+def test_qlora_route_with_the_installed_vllm(tmp_path):
+    """QLoRA x vLLM: the route the installed vLLM gives a 4-bit model, checked against vLLM's own method list after
+    its plugins load. In the vLLM venv (vllm-bnb-plugin installed by the Makefile) bitsandbytes is listed and the
+    route is the engine's own 4-bit copy; a vLLM without it takes FP8 on CUDA, else generate() naming the plugin."""
     pytest.importorskip("vllm")
     import torch
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from vllm.plugins import load_general_plugins
 
     from grpo_accel.generation import vllm_setup as vs
     from grpo_accel.trainer.config import GRPOAccelConfig
 
+    load_general_plugins()
     four_bit = torch.nn.Linear(2, 2)
     four_bit.is_loaded_in_4bit = True
     args = GRPOAccelConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8,
-                           num_generations=4, max_completion_length=40)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU host's view
-    monkeypatch.setattr(vs.vc, "fallback_line", lambda: None)
-    reason = vs.fallback_reason(four_bit, args)
+                           num_generations=4, max_completion_length=40, use_vllm=True)
+    action, route = vs.colocated_route(four_bit, args)
     if "bitsandbytes" in QUANTIZATION_METHODS:
-        assert reason is None
+        assert (action, route) == ("from_model", "vllm_4bit")
+    elif torch.cuda.is_available():
+        assert (action, route) == ("from_model", "vllm_fp8")
     else:
-        assert reason.startswith("vLLM ") and "no bitsandbytes quantization" in reason and "generate()" in reason
-    assert vs.fallback_reason(torch.nn.Linear(2, 2), args) is None  # unquantized: the engine runs
+        assert action == "fallback" and "vllm-bnb-plugin" in route
+    assert vs.colocated_route(torch.nn.Linear(2, 2), args)[1] == "vllm_shared"  # unquantized: the shared engine
+
+
+def test_vllm_tier_has_the_4bit_engine():
+    """The vLLM tier's venv is the pinned stack: vLLM 0.32 lists bitsandbytes once vllm-bnb-plugin is loaded (the
+    Makefile installs it with --no-deps), so the QLoRA presets' route vllm_4bit exists there."""
+    pytest.importorskip("vllm")
+    from grpo_accel.generation.vllm_setup import local_stack
+
+    stack = local_stack()
+    assert stack.vllm and stack.bnb_4bit, stack.missing
