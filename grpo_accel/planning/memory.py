@@ -2,7 +2,7 @@
 
     plan = plan_memory(model_shape("qwen3-8b"), dtype="bf16", quantization="4bit", lora_r=16, num_generations=8,
                        max_prompt_length=512, max_completion_length=110_000, per_device_train_batch_size=1,
-                       offload_activations=True, use_vllm=True, vllm_share_weights=True)
+                       offload_activations=True, generation="vllm_4bit", generation_batch=8)
     print(plan.format()); print(plan.verdict(80 * 2**30))
     grpo-accel plan --preset h100_110k          # the same from the command line
 
