@@ -140,3 +140,19 @@ def test_unsupported_options_are_refused_in_one_line():
     line = unsupported_options(SimpleNamespace(**{**defaults, "vllm_structured_outputs_regex": "a+",
                                                   "vllm_tensor_parallel_size": 2}))
     assert "vllm_structured_outputs_regex='a+', vllm_tensor_parallel_size=2." in line and "--vllm_mode server" in line
+
+
+def test_engine_quantization_follows_the_route(tmp_path, hf_config, monkeypatch):
+    """The engine's EngineArgs quantization is the route's: vllm-bnb-plugin's bitsandbytes for vllm_4bit, vLLM's
+    online FP8 for vllm_fp8, the checkpoint's dtype when it shares; sized on CUDA by the plan of that route (the
+    4-bit trainer beside an engine copy: its own weights count against the fraction)."""
+    args = _args(tmp_path)
+    _fake_gpu(monkeypatch, 4 * 2**30)  # small enough that the 0.95 cap does not hide the difference
+    got = {}
+    for route in ("vllm_4bit", "vllm_fp8", "vllm_shared"):
+        cfg, why = vs.engine_config(args, hf_config, dtype=torch.bfloat16, lora_r=16, route=route, model_len=512)
+        got[route] = cfg
+        assert "memory planner" in why and not cfg.sleep
+    assert [got[r].quantization for r in got] == ["bitsandbytes", "fp8", None]
+    # the same 4-bit trainer leaves the same room, so the two engine copies get the same fraction; sharing differs
+    assert got["vllm_4bit"].memory_fraction == got["vllm_fp8"].memory_fraction != got["vllm_shared"].memory_fraction

@@ -169,7 +169,7 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
         cfg.memory_fraction = args.vllm_gpu_memory_utilization
         return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
     plan = plan_memory(shape, dtype=dtype_name,
-                       quantization="4bit" if route == "vllm_4bit" else "none", lora_r=lora_r,
+                       quantization="4bit" if route in ("vllm_4bit", "vllm_fp8") else "none", lora_r=lora_r,
                        num_generations=args.num_generations,
                        max_prompt_length=max(model_len - args.max_completion_length, 1),
                        max_completion_length=args.max_completion_length,
