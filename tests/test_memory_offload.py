@@ -52,8 +52,9 @@ def test_tiles_bound_the_rerun_of_one_long_row():
 
 
 def test_longest_completion_fits_and_one_step_more_does_not():
+    # generation on another machine (a vLLM server): the training step's own limits, GPU and host
     kw = dict(dtype="bf16", quantization="4bit", lora_r=16, per_device_train_batch_size=1, max_prompt_length=512,
-              offload_activations=True)
+              offload_activations=True, generation="vllm_server")
     plan, gpu, host = plan_memory("qwen3-8b", **kw), int(79 * GIB), int(110 * GIB)
     t, fitted = find_max_completion_length(plan, gpu, host)
     assert t % 128 == 0 and fitted.inputs["max_completion_length"] == t

@@ -99,10 +99,11 @@ def test_tiled_grads_equal_untiled(kind, monkeypatch):
 def test_half_autocast_tiled_error_is_the_untiled_ones(dtype, monkeypatch):
     """Tiling x bf16 / fp16 (docs/pairs.md): under half autocast the tiles re-run in that dtype, and summing their
     grads in pieces rounds differently from one whole pass. So the reference is fp32 without checkpointing, and the
-    tiled run's error against it must stay within 1.5x (+ a floor) of plain half-precision training's own error,
-    and its grads must sit closer to plain half training's than plain's error (a re-run in fp32, autocast state
-    lost, lands about one plain error away from them; a wrong tile mask is off by O(1)). Before the fix in
-    tile_attention._attend a tile past the first failed here: RoPE leaves q, k fp32 beside a half v under autocast."""
+    tiled run's error against it (all gradients together) must stay within 1.5x of plain half-precision
+    training's own error, and its grads must sit closer to plain half training's than plain's error (a re-run in
+    fp32, autocast state lost, lands about one plain error away from them; a wrong tile mask is off by O(1)).
+    Before the fix in tile_attention._attend a tile past the first failed here: RoPE leaves q, k fp32 beside a half
+    v under autocast."""
     calls = spy(monkeypatch)
     ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(3))
 
@@ -114,13 +115,22 @@ def test_half_autocast_tiled_error_is_the_untiled_ones(dtype, monkeypatch):
     _, plain = half()
     _, tiles = half(forced(8))
     assert len(calls) == 4 * 2 and all(len(t) == 4 for t in calls)  # every layer and row re-ran in 4 tiles
+    apart = []
     for n in ref:
         scale = ref[n].norm().item()
         plain_err, tiled_err = ((plain[n] - ref[n]).norm() / scale).item(), ((tiles[n] - ref[n]).norm() / scale).item()
         assert plain_err > 1e-4, n  # half precision really ran
-        assert tiled_err <= 1.5 * plain_err + 1e-3, (n, tiled_err, plain_err)
-        # tiles follow plain half training (measured <= 0.41x plain's error apart); an fp32 re-run would not (~1x)
-        assert (tiles[n] - plain[n]).norm().item() / scale <= 0.6 * plain_err, n
+        # per tensor, loosely (one tensor reached 1.93x on an AMD EPYC, 2026-11-26); a wrong tile mask is off by O(1)
+        assert tiled_err <= 2.5 * plain_err + 1e-3, (n, tiled_err, plain_err)
+        apart.append((tiles[n] - plain[n]).norm().item() / scale / plain_err)
+    flat = {name: torch.cat([g[n].flatten() for n in ref]) for name, g in (("ref", ref), ("plain", plain),
+                                                                            ("tiles", tiles))}
+    whole_err = {k: ((flat[k] - flat["ref"]).norm() / flat["ref"].norm()).item() for k in ("plain", "tiles")}
+    assert whole_err["tiles"] <= 1.5 * whole_err["plain"], whole_err  # all gradients together: within 1.5x
+    # tiles follow plain half training; an fp32 re-run would not (~1x plain's error apart, every tensor). Per tensor
+    # the distance depends on the CPU's half kernels (<= 0.41x on the machine that wrote this test; on an AMD EPYC
+    # without AVX512-BF16, 2026-11-26: median 0.44x bf16 / 0.53x fp16, single tensors up to 1.8x): judged by the median
+    assert sorted(apart)[len(apart) // 2] <= 0.6, sorted(apart)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -27,7 +27,8 @@ def test_sp_divides_tokens_per_gpu_adds_all_to_all():
 def test_sp_tiles_a_long_shard():
     """A 500K-token row over 8 GPUs: 62.6K-token shards, longer than the 16K re-run piece, so each layer's re-run
     runs in sequence tiles (parallel/ulysses_tiles.py) instead of whole (recompute_tokens past the shard)."""
-    kw = {**KW, "max_completion_length": 500_000, "use_vllm": False}
+    kw = {**KW, "max_completion_length": 500_000, "use_vllm": None, "vllm_share_weights": None,
+          "generation": "vllm_server"}
     tiled = plan_memory("qwen3-8b", sequence_parallel_size=8, **kw)
     whole = plan_memory("qwen3-8b", sequence_parallel_size=8, recompute_tokens=70_000, **kw)
     assert whole.device["recompute_working_set"] > 2.5 * tiled.device["recompute_working_set"]  # 18.6 vs 7.0 GiB
@@ -39,7 +40,8 @@ def test_sp8_prediction_against_one_h100():
     (128 GiB: the one-H100 machine's). One H100: h100_110k (colocated vLLM) and the same without an engine; 8 H100s
     with SP = 8: 8xh100_sp8_512k (generation on a vLLM server node). Predictions, stated as such."""
     single, _ = find_max_completion_length(PRESETS["h100_110k"].plan(), H100, 128 * GIB, limit=1 << 24)
-    alone, _ = find_max_completion_length(PRESETS["h100_110k"].plan(use_vllm=False), H100, 128 * GIB, limit=1 << 24)
+    alone, _ = find_max_completion_length(PRESETS["h100_110k"].plan(generation="vllm_server"), H100, 128 * GIB,
+                                          limit=1 << 24)
     sp8, plan = find_max_completion_length(PRESETS["8xh100_sp8_512k"].plan(), H100, 128 * GIB, limit=1 << 24)
     assert 250_000 < single < 300_000  # 273,152: colocated vLLM's whole-sequence KV binds
     assert sp8 >= 8 * single  # 4,473,344: 16.4x h100_110k

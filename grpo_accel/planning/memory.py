@@ -210,8 +210,8 @@ def shortest_shared_prompt(completion_len: int, num_generations: int) -> int | N
 
 def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
                 max_completion_length=1024, per_device_train_batch_size=8, gradient_checkpointing=True,
-                offload_activations=False, logprob_impl="auto", logprob_chunk_size=None, use_vllm=False,
-                vllm_share_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
+                offload_activations=False, logprob_impl="auto", logprob_chunk_size=None, use_vllm=None,
+                vllm_share_weights=None, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
@@ -219,12 +219,18 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
 
     generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
-    quantization imply, `legacy_route`); it decides use_vllm and vllm_share_weights. generation_batch: sequences
+    quantization imply, `legacy_route`: use_vllm off is TRL's generate()); it decides use_vllm and
+    vllm_share_weights (given beside it, they must agree). generation_batch: sequences
     one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former)."""
     if generation is None:
-        generation = legacy_route(use_vllm, lora_r, quantization, vllm_share_weights)
+        generation = legacy_route(bool(use_vllm), lora_r, quantization, vllm_share_weights is not False)
     if generation not in ROUTES:
         raise ValueError(f"generation={generation!r}: use one of {tuple(ROUTES)}")
+    if use_vllm is not None and bool(use_vllm) != (generation in COLOCATED) or \
+            vllm_share_weights is not None and generation in COLOCATED and vllm_share_weights != (
+                generation == "vllm_shared"):  # a replan must not silently keep the other route
+        raise ValueError(f"use_vllm={use_vllm}, vllm_share_weights={vllm_share_weights} contradict "
+                         f"generation={generation!r}: pass generation= alone")
     use_vllm, vllm_share_weights = generation in COLOCATED, generation == "vllm_shared"
     vllm_sleep = vllm_sleep and generation == "vllm_copy"
     generation_batch = generation_batch or per_device_train_batch_size
@@ -367,7 +373,10 @@ class MemoryPlan:
         return int(shared + sum(self.device[k] for k in ("vllm_weights", "vllm_kv_cache", "vllm_runtime")))
 
     def replan(self, **changes) -> MemoryPlan:
-        return plan_memory(self.shape, **{**self.inputs, **changes})
+        inputs = {**self.inputs, **changes}
+        if "generation" in changes:  # the flags this plan derived from its route follow the new one
+            inputs.update(use_vllm=changes.get("use_vllm"), vllm_share_weights=changes.get("vllm_share_weights"))
+        return plan_memory(self.shape, **inputs)
 
     def format(self) -> str:
         lines = [f"{'term':<26}{'GiB':>10}"]
