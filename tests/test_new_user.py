@@ -64,7 +64,7 @@ def test_bad_flag_is_one_line_naming_the_flag(flag, value, pattern, tmp_path, ca
 
 @pytest.mark.parametrize("reward, pattern", [
     ("rewards_for_tests:broken_reward", r"'broken_reward' raised KeyError"),
-    ("rewards_for_tests:none_reward", r"'none_reward' returned None for every completion"),
+    ("rewards_for_tests:none_reward", r"got no reward from any of \['none_reward'\].*--reward_checks trl"),
     ("rewards_for_tests:wrong_count_reward", r"returned 1 rewards for 8 completions"),
     ("rewards_for_tests:nan_reward", r"returned non-finite rewards"),
     ("rewards_for_tests:NOT_CALLABLE", r"is a int, not a function"),

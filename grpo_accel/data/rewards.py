@@ -126,25 +126,23 @@ class RewardFunctionError(UserError, RuntimeError):
     pass
 
 
-# A reward that returns None for a whole batch this many times in a row is broken, not "not applicable"
-# (with several rewards a batch may legitimately hold no row for one of them); the only reward: at once.
-ALL_NONE_BATCHES = 3
+RELAX_FLAG = "--reward_checks trl"  # the flag that turns the strict checks off (GRPOAccelConfig.reward_checks)
 
 
-def guarded(func, sole: bool = False, strict: bool = True):
+def guarded(func, strict: bool = True):
     """Wrap a reward function so its failures are loud and named, never a silent 0; an `async def` one stays async
     (TRL runs those on its event loop, concurrently).
 
     Always: RewardFunctionError naming the function when it raises or returns the wrong number of rewards (TRL
     raises a bare error, or a ValueError for the count). `strict` (GRPOAccelConfig(reward_checks="strict"), the
-    launch/train.py default) adds what TRL lets through: NaN / inf rewards, and None for every completion of a batch
-    (`sole`: the run's only reward; else ALL_NONE_BATCHES batches in a row), which would train on a blank column.
-    Without it None and NaN are "does not apply", as in TRL (which warns when a row gets no reward at all).
+    launch/train.py default) adds NaN / inf, which TRL lets through (it reads NaN as "does not apply" and nan-sums it
+    away). None stays TRL's "does not apply to this row", even for a whole batch: a row that no reward scored is the
+    trainer's check (trainer/callbacks/guards.py `check_reward_rows`): only the rewards together say whether
+    a row is blank.
     """
     from trl.trainer.utils import get_callable_name, is_async_callable  # TRL's own reading of a reward callable
 
     name = get_callable_name(func)  # the name TRL logs it under (rewards/<name>/mean): kept by the wrapper
-    all_none = [0]
 
     def check(rewards, completions):
         if rewards is None or len(rewards) != len(completions):
@@ -153,18 +151,11 @@ def guarded(func, sole: bool = False, strict: bool = True):
                 f"reward function {name!r} returned {got} rewards for {len(completions)} completions. "
                 f"Fix: return one float (or None) per completion."
             )
-        if not strict:
-            return rewards
-        all_none[0] = all_none[0] + 1 if all(r is None for r in rewards) else 0
-        if all_none[0] >= (1 if sole else ALL_NONE_BATCHES):
-            raise RewardFunctionError(
-                f"reward function {name!r} returned None for every completion ({all_none[0]} batch(es) in a row): "
-                f"the run would train on a blank reward. Fix: return a float per completion (None only for rows "
-                f"the reward does not apply to).")
-        bad = [r for r in rewards if r is not None and not math.isfinite(float(r))]
+        bad = [r for r in rewards if r is not None and not math.isfinite(float(r))] if strict else []
         if bad:
             raise RewardFunctionError(
-                f"reward function {name!r} returned non-finite rewards {bad[:3]}. Fix: return finite floats or None."
+                f"reward function {name!r} returned non-finite rewards {bad[:3]}. Fix: return finite floats, or None "
+                f"for rows it does not apply to ({RELAX_FLAG} reads NaN as None, as TRL does)."
             )
         return rewards
 
