@@ -110,6 +110,7 @@ class Preset:
             sequence_parallel_size=int(f.get("sequence_parallel_size") or 1),
             share_prompt=str(f.get("share_prompt", "auto")).lower() if f.get("padding_free", True) else "false",
             offload_device_budget_bytes=int((f.get("offload_device_budget_gib") or 0) * GIB),
+            reward_models=reward_model_shapes(f),
             device="cuda" if cuda else "cpu")
 
     def training_overrides(self) -> dict:
@@ -152,6 +153,16 @@ _COMMON = dict(quantization="none", lora_r=16, lora_alpha=32, max_prompt_length=
                vllm_share_weights=True, deepspeed_stage=0,
                offload_optimizer=False, offload_params=False, num_processes=1, gradient_accumulation_steps=1,
                recipe=GPU_RECIPE, model_init_kwargs={})
+
+
+def reward_model_shapes(f: dict) -> tuple:
+    """(shape, rows) of each reward model in --rewards: TRL scores a process's whole generation batch at once."""
+    from grpo_accel.data.rewards import is_reward_model_name, reward_names
+
+    names = [n for n in reward_names(f.get("rewards") or "") if is_reward_model_name(n)]
+    rows = f["per_device_train_batch_size"] * (f.get("steps_per_generation") or f.get("gradient_accumulation_steps")
+                                               or 1)
+    return tuple((model_shape(os.path.expanduser(n)), rows) for n in names)
 
 
 def _p(**kw) -> Preset:

@@ -39,7 +39,7 @@ PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the
 # Device-side terms; "peak" is their sum. Generation-only terms are released during training with vllm_sleep.
 DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "activations_checkpointed",
                 "recompute_working_set", "sp_all_to_all", "logprob_workspace", "vllm_weights", "vllm_kv_cache",
-                "vllm_runtime", "allocator_margin")
+                "vllm_runtime", "reward_models", "allocator_margin")
 GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime")
 TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_working_set", "sp_all_to_all",
                             "logprob_workspace")
@@ -104,6 +104,19 @@ def _weights_bytes(shape: ModelShape, dtype_bytes: int, quantization: str) -> fl
         linear = shape.layers * shape.layer_linear_params
         return linear * NF4_BYTES_PER_PARAM + (shape.n_params - linear) * dtype_bytes
     return shape.n_params * dtype_bytes
+
+
+def reward_model_bytes(shape: ModelShape, rows: int, T: int, a: int) -> int:
+    """A reward model on the device (TRL's `_calculate_rewards`): its weights in the compute dtype (a classifier:
+    the decoder, embeddings and a [1, H] score head, no [V, H] lm_head) and one no-grad forward over the `rows`
+    prompt + completion sequences TRL scores at once (a process's generation batch: per_device_train_batch_size x
+    steps_per_generation), T tokens each: the residual stream and its normed copy [H each] beside the larger of the
+    MLP (gate, up, their product: 3 I) and attention (q, k, v, output), and the padding mask SDPA gets ([T, T] bool
+    per row; TRL pads right)."""
+    H = shape.hidden
+    weights = (shape.n_params - (0 if shape.tied else shape.vocab * H) + H) * a
+    widest = max(3 * shape.intermediate, 2 * shape.q_dim + 2 * shape.kv_dim)
+    return int(weights + rows * T * (2 * H + widest) * a + rows * T * T)
 
 
 def _kv_bytes_per_token(shape: ModelShape, a: int) -> int:
@@ -180,8 +193,9 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
                 vllm_share_weights=True, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
-                sequence_parallel_size=1, share_prompt="false") -> MemoryPlan:
-    """Predicted per-device bytes of one GRPO training step (see the module docstring)."""
+                sequence_parallel_size=1, share_prompt="false", reward_models=()) -> MemoryPlan:
+    """Predicted per-device bytes of one GRPO training step (see the module docstring). reward_models: (shape,
+    rows) of each reward model (`reward_model_bytes`)."""
     inputs = {k: v for k, v in locals().items() if k != "shape"}
     shape = model_shape(shape)
     if logprob_impl not in PLANNED_LOGPROB_IMPLS:
@@ -261,6 +275,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     dev["vllm_weights"] = vllm_weights_bytes if use_vllm and not vllm_share_weights else 0
     dev["vllm_kv_cache"] = vllm_kv_seqs * T * _kv_bytes_per_token(shape, a) if use_vllm else 0
     dev["vllm_runtime"] = VLLM_RUNTIME_BYTES if use_vllm else 0
+    dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
     live = sum(dev.values()) - (min(sum(dev[k] for k in GENERATION_TERMS),
                                     sum(dev[k] for k in TRAINING_TRANSIENT_TERMS)) if vllm_sleep else 0)
     dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
