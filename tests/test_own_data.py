@@ -184,6 +184,9 @@ def test_file_formats_and_splits(tmp_path):
     assert data.kind == "qa" and len(data.train) == 4 and len(data.held_out) == 2
     assert data.train[0]["prompt"][0]["role"] == "system" and "level" in data.train.column_names
     assert not set(data.train["question"]) & set(data.held_out["question"])
+    sparse = tmp_path / "sparse.jsonl"  # a column the first row lacks is kept (None there), as TRL users get it
+    write_jsonl(sparse, [{"prompt": "a", "task": "poem"}, {"prompt": "b", "task": "code", "tests": "assert 1"}])
+    assert list(load_run_data(str(sparse), 10, 0).train)[0] == {"prompt": "a", "task": "poem", "tests": None}
     with pytest.raises(DatasetError, match="has no split 'dev'.*--dataset_split"):
         load_run_data(str(tmp_path / "d.jsonl"), 10, 0, split="dev")
     with pytest.raises(DatasetError, match="some prompts are text and some are chat messages"):

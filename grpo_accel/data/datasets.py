@@ -268,8 +268,17 @@ def load_run_data(name: str, train_size: int, eval_size: int, level: int = 1, se
     else:
         held, note = None, (f"no held-out evaluation: {name} has no {'/'.join(HELD_OUT_SPLITS)} split (add one, "
                             f"e.g. a test file beside the train file in a directory)")
-    train = Dataset.from_list(_subset(rows, train_size, seed))
-    return RunData(train, Dataset.from_list(held) if held else None, kind, note)
+    train = as_dataset(_subset(rows, train_size, seed))
+    return RunData(train, as_dataset(held) if held else None, kind, note)
+
+
+def as_dataset(rows: list[dict]):
+    """Dataset.from_list keeps only the first row's keys: a column some rows lack (a multi-task set's `tests`) would
+    vanish. Every column, None where a row lacks it, as datasets' JSON reader gives it."""
+    from datasets import Dataset
+
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return Dataset.from_list([{k: row.get(k) for k in keys} for row in rows])
 
 
 def _with_system(rows: list[dict], system_prompt: str | None) -> list[dict]:
@@ -281,12 +290,11 @@ def _with_system(rows: list[dict], system_prompt: str | None) -> list[dict]:
 
 def load_dataset_by_name(name: str, split: str = "train", n: int | None = None, seed: int = 0, level: int = 1):
     """One split of --dataset as a Dataset (see load_run_data): 'arithmetic', a file, a directory or a hub name."""
-    from datasets import Dataset
 
     if name in ("arithmetic", "synthetic"):
         return arithmetic_dataset(split, n or 2000, level=level, seed=seed)
     data = load_run_data(name, n or 10**9, 0, seed=seed, split=split)
-    return data.train if n is None else Dataset.from_list(_subset(list(data.train), n, seed))
+    return data.train if n is None else as_dataset(_subset(list(data.train), n, seed))
 
 
 def train_eval_datasets(name: str, train_size: int, eval_size: int, level: int = 1, seed: int = 0):
