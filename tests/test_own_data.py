@@ -126,19 +126,33 @@ def test_chat_prompts_with_columns_multi_task_and_held_out_split(tmp_path, capsy
 
 
 def test_text_prompts_reward_model_and_weights(tmp_path, capsys):
-    """A standard (plain-text) dataset in Parquet, a reward model directory beside a function that reads a column,
-    --reward_weights; no held-out split: no evaluation, said in one line."""
+    """A standard (plain-text) dataset in Parquet files (a directory: train + test), a reward model directory beside
+    a function that reads a column, --reward_weights; the held-out prompts scored by both, weighted."""
     tokenizer = load_tokenizer("tiny-llama")
     reward_model = tiny_reward_model_dir(tmp_path, tokenizer)
-    path = tmp_path / "text.parquet"
-    datasets.Dataset.from_list([{"prompt": f"Write about thing {i}.", "scale": 1 + i % 3} for i in range(16)]
-                               ).to_parquet(str(path))
+    data = tmp_path / "text"
+    data.mkdir()
+    rows = [{"prompt": f"Write about thing {i}.", "scale": 1 + i % 3} for i in range(16)]
+    datasets.Dataset.from_list(rows).to_parquet(str(data / "train.parquet"))
+    datasets.Dataset.from_list(rows[:2]).to_parquet(str(data / "test.parquet"))
     out = tmp_path / "run"
-    ours, logged = launch(["--dataset", str(path), "--train_size", "16",
+    ours, logged = launch(["--dataset", str(data), "--train_size", "16",
                            "--rewards", f"{reward_model},rewards_for_tests:scaled_length",
                            "--reward_weights", "0.5", "2.0"], out, capsys)
-    assert "no held-out evaluation: " in logged and "before" not in json.loads((out / "summary.json").read_text())
-    train_ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    held_out = json.loads((out / "heldout_before.json").read_text())
+    assert [r["prompt"] for r in held_out] == [r["prompt"] for r in rows[:2]]
+    assert json.loads((out / "summary.json").read_text())["before"]["rows_scored"] == 2
+    # each held-out reward, recomputed here: 0.5 x the reward model's logit on prompt + completion + 2.0 x the function
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    for record, row in zip(held_out, rows):
+        with torch.no_grad():
+            score = model(**tokenizer(record["prompt"] + record["completion"], return_tensors="pt",
+                                      add_special_tokens=False)).logits[0, 0].item()
+        expected = 0.5 * score + 2.0 * scaled_length(None, [record["completion"]], [row["scale"]])[0]
+        assert record["reward"] == pytest.approx(expected, rel=1e-5)
+    train_ds = datasets.load_dataset("parquet", data_files=str(data / "train.parquet"), split="train")
     trl = trl_steps(out, [reward_model, scaled_length], train_ds)  # TRL loads the reward model by its path
     assert any(k.startswith("rewards/rm_ForSequenceClassification") for k in trl[0])
     assert_same_steps(ours, trl)

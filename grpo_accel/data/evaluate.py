@@ -29,7 +29,9 @@ def generate_greedy(model, tokenizer, prompts: list[list[dict]], max_new_tokens:
             chunk = prompts[start:start + batch_size]
             rendered = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                         if isinstance(p, list) else p for p in chunk]
-            enc = tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            # a chat template writes its own special tokens; TRL tokenizes text prompts with them added
+            enc = tokenizer(rendered, return_tensors="pt", padding=True,
+                            add_special_tokens=not isinstance(chunk[0], list)).to(device)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
                                  top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus)
             texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
