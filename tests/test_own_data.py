@@ -228,3 +228,63 @@ def test_planner_counts_a_reward_model(tmp_path):
     assert rows == spec.config.per_device_train_batch_size * spec.config.steps_per_generation
     assert plan.device["reward_models"] == reward_model_bytes(shape, rows, plan.inputs["max_prompt_length"]
                                                               + plan.inputs["max_completion_length"], 4)
+
+
+class LiveBytes:
+    """Peak bytes of live tensors made by torch ops (a TorchDispatchMode sees each op's outputs; a weakref finalizer
+    counts a storage free): what an allocator would have to hold, without the CPU malloc's reuse and RSS noise."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor):
+                        tracker.add(t)
+                return out
+
+        self.mode, self.live, self.peak, self.seen = Mode(), 0, 0, set()
+
+    def add(self, t) -> None:
+        import weakref
+
+        storage = t.untyped_storage()
+        key, n = storage.data_ptr(), storage.nbytes()
+        if key and key not in self.seen:
+            self.seen.add(key)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self.free, key, n)
+
+    def free(self, key, n) -> None:
+        self.seen.discard(key)
+        self.live -= n
+
+
+@pytest.mark.parametrize("intermediate, kv_heads, layers, T", [(1024, 2, 4, 512), (64, 2, 4, 512), (64, 4, 2, 1024)])
+def test_reward_model_forward_term_matches_live_bytes(intermediate, kv_heads, layers, T):
+    """The planner's forward term against the live tensor bytes of a real classifier's no-grad forward over 4
+    right-padded rows (as TRL scores them), loaded as the run loads it (use_cache off), fp32 on CPU: the MLP's peak
+    (I=1024) and the attention's (I=64), with 2 and 4 kv heads."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from grpo_accel.planning.architectures import model_shape
+    from grpo_accel.planning.memory import reward_model_bytes
+
+    rows = 4
+    config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=256, intermediate_size=intermediate,
+                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+                                  num_labels=1, pad_token_id=0, attn_implementation="sdpa", use_cache=False)
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    ids, mask = torch.randint(1, 512, (rows, T)), torch.ones(rows, T, dtype=torch.long)
+    mask[1::2, T // 2:] = 0
+    tracker = LiveBytes()
+    with torch.inference_mode(), tracker.mode:
+        model(input_ids=ids, attention_mask=mask)
+    shape = model_shape(config)
+    predicted = reward_model_bytes(shape, rows, T, 4) - reward_model_bytes(shape, 0, T, 4)
+    assert predicted == pytest.approx(tracker.peak, rel=0.02), (predicted / 2**20, tracker.peak / 2**20)

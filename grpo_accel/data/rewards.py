@@ -174,11 +174,15 @@ def reward_model_ref(name: str) -> RewardModelRef:
 
 def load_reward_model(ref: RewardModelRef, dtype):
     """(model, tokenizer) as TRL loads a reward model given by name (num_labels=1; the tokenizer's pad token is set
-    by TRL's trainer), in the policy's dtype; our loading keeps the policy's model_init_kwargs (rope scaling) off it."""
+    by TRL's trainer), in the policy's dtype, without use_cache; our loading keeps the policy's model_init_kwargs
+    (rope scaling) off it."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     path = os.path.expanduser(ref.name)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    # One forward a batch, no generation: a k/v cache is never read, and would hold 2 kv per layer and token
+    # until the forward returns (planning/memory.py reward_model_bytes). The scores are the same without it.
+    model.config.use_cache = False
     return model, AutoTokenizer.from_pretrained(path)
 
 
