@@ -208,6 +208,29 @@ def test_file_formats_and_splits(tmp_path):
         load_run_data(str(tmp_path / "mixed.jsonl"), 10, 0)
 
 
+def test_hub_name_with_config_and_split(monkeypatch):
+    """A hub name goes to datasets.load_dataset with --dataset_config; without one, a set whose configurations
+    include 'main' (GSM8K) still loads as before; the held-out rows come from its test split."""
+    from grpo_accel.data.datasets import load_run_data
+
+    calls = []
+
+    def fake_load(name, config=None):
+        calls.append((name, config))
+        if config is None:
+            raise ValueError("Config name is missing.\nPlease pick one among the available configs: ['main', "
+                             "'socratic']")
+        rows = [{"question": f"{i} + 1?", "answer": f"#### {i + 1}"} for i in range(4)]
+        return {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:1])}
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    data = load_run_data("openai/gsm8k", 10, 5)
+    assert calls == [("openai/gsm8k", None), ("openai/gsm8k", "main")]
+    assert data.kind == "qa" and len(data.train) == 4 and data.held_out["answer"] == ["1"]
+    load_run_data("openai/gsm8k", 10, 0, config="socratic", split="test")
+    assert calls[-1] == ("openai/gsm8k", "socratic")
+
+
 def test_planner_counts_a_reward_model(tmp_path):
     """The plan of a run with a reward model holds its weights and its forward over a generation batch."""
     from grpo_accel.app.run_spec import resolve_run_spec

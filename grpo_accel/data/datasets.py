@@ -208,7 +208,12 @@ def _load_splits(name: str, config: str | None) -> dict:
     from datasets import load_dataset
 
     try:
-        loaded = load_dataset(name, config)
+        try:
+            loaded = load_dataset(name, config)
+        except ValueError as exc:  # several configurations: 'main' where there is one (GSM8K's, our old default)
+            if config is not None or "Config name is missing" not in str(exc) or "'main'" not in str(exc):
+                raise
+            loaded = load_dataset(name, "main")
     except Exception as exc:  # offline, a typo, a config to choose: the library's words, then the fix
         raise DatasetError(
             f"dataset {name!r} could not be loaded ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}). Fix: "
