@@ -295,7 +295,6 @@ def _with_system(rows: list[dict], system_prompt: str | None) -> list[dict]:
 
 def load_dataset_by_name(name: str, split: str = "train", n: int | None = None, seed: int = 0, level: int = 1):
     """One split of --dataset as a Dataset (see load_run_data): 'arithmetic', a file, a directory or a hub name."""
-
     if name in ("arithmetic", "synthetic"):
         return arithmetic_dataset(split, n or 2000, level=level, seed=seed)
     data = load_run_data(name, n or 10**9, 0, seed=seed, split=split)
