@@ -42,3 +42,29 @@ def length_reward_noting_rank(prompts, completions, **kwargs):
     state = PartialState()
     Path(os.environ["REWARD_RANKS_DIR"], f"rank{rank}").write_text(f"{state.num_processes} {state.distributed_type}")
     return length_reward(prompts, completions)
+
+
+def _texts(completions):
+    return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+
+
+def scaled_length(prompts, completions, scale, **kwargs):
+    """length_reward times the row's `scale` column: a reward that reads an extra dataset column (TRL passes it as
+    a keyword argument), so a column lost or misaligned on the way changes the rewards."""
+    return [len(t) / 100 * float(s) for t, s in zip(_texts(completions), scale)]
+
+
+def math_reward(prompts, completions, task, scale, **kwargs):
+    """Applies to the rows whose `task` is 'math' only (None elsewhere: TRL's documented multi-task case)."""
+    return [len(t) / 100 * float(s) if k == "math" else None for t, k, s in zip(_texts(completions), task, scale)]
+
+
+def code_reward(prompts, completions, task, **kwargs):
+    """Applies to the 'code' rows only: the share of digits and spaces in the completion."""
+    return [sum(ch.isdigit() or ch == " " for ch in t) / max(len(t), 1) if k == "code" else None
+            for t, k in zip(_texts(completions), task)]
+
+
+def never_applies(prompts, completions, **kwargs):
+    """None for every row, batch after batch, beside rewards that score every row: must train (issue 38)."""
+    return [None] * len(completions)

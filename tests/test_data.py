@@ -58,7 +58,7 @@ def test_missing_file_names_the_fix(tmp_path):
 def test_missing_fields_and_bad_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"q": "x", "answer": "1"}) + "\n")
-    with pytest.raises(DatasetError, match="no 'question' field"):
+    with pytest.raises(DatasetError, match="row 1 has no 'prompt' column, nor 'question' and 'answer'"):
         load_dataset_by_name(str(path))
     path.write_text(json.dumps({"question": "x", "answer": "1"}) + "\n{not json\n")
     with pytest.raises(DatasetError, match=r"d.jsonl:2: not valid JSON"):

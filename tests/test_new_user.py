@@ -5,31 +5,12 @@ process (the same code path, without 10 s of imports per case); the accelerate c
     OMP_NUM_THREADS=1 pytest tests/test_new_user.py
 """
 
-import importlib.util
 import json
 import os
 import re
 
 import pytest
-from launch_utils import ROOT, TINY_ARGS, error_line, run_train
-
-spec = importlib.util.spec_from_file_location("train_script", os.path.join(ROOT, "launch", "train.py"))
-train_script = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(train_script)
-
-
-def train(args, capsys):
-    code = train_script.main(args)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_user_error(args, pattern, capsys, out_dir):
-    code, _, err = train(args, capsys)
-    assert code == 2, err[-2000:]
-    assert re.search(pattern, error_line(err)), error_line(err)
-    assert "Traceback" not in err
-    assert not os.path.exists(out_dir), os.listdir(out_dir)
+from launch_utils import ROOT, TINY_ARGS, assert_user_error, error_line, run_train, train, train_script
 
 
 # 1. hub ids with dots reach the hub; a file is not "missing"
@@ -64,7 +45,7 @@ def test_bad_flag_is_one_line_naming_the_flag(flag, value, pattern, tmp_path, ca
 
 @pytest.mark.parametrize("reward, pattern", [
     ("rewards_for_tests:broken_reward", r"'broken_reward' raised KeyError"),
-    ("rewards_for_tests:none_reward", r"'none_reward' returned None for every completion"),
+    ("rewards_for_tests:none_reward", r"got no reward from any of \['none_reward'\].*--reward_checks trl"),
     ("rewards_for_tests:wrong_count_reward", r"returned 1 rewards for 8 completions"),
     ("rewards_for_tests:nan_reward", r"returned non-finite rewards"),
     ("rewards_for_tests:NOT_CALLABLE", r"is a int, not a function"),

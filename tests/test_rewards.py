@@ -107,15 +107,38 @@ def test_guarded_async_stays_async_and_is_checked():
 
 
 def test_guarded_without_strict_lets_through_what_trl_does():
-    """reward_checks="trl": None and NaN mean "does not apply" (TRL nan-sums them away), even for a whole batch."""
+    """reward_checks="trl": None and NaN mean "does not apply" (TRL nan-sums them away). Strict stops on NaN and
+    names the flag that relaxes it; None alone is never the guard's business (the trainer checks rows)."""
     def blank(prompts, completions, **kw):
         return [None, math.nan]
 
-    lenient = guarded(blank, sole=True, strict=False)
+    lenient = guarded(blank, strict=False)
     for _ in range(5):
         assert lenient(prompts=["p", "q"], completions=["c", "d"])[0] is None
-    with pytest.raises(RewardFunctionError, match="blank"):
-        guarded(blank, sole=True)(prompts=["p", "q"], completions=["c", "d"])
+    with pytest.raises(RewardFunctionError, match="blank.*non-finite.*--reward_checks trl"):
+        guarded(blank)(prompts=["p", "q"], completions=["c", "d"])
+    for _ in range(5):  # None for a whole batch, batch after batch: TRL's "applies to other rows"
+        assert guarded(none_for_all)(prompts=["p", "q"], completions=["c", "d"]) == [None, None]
+
+
+def none_for_all(prompts, completions, **kw):
+    return [None] * len(completions)
+
+
+def test_strict_row_check_stops_only_on_a_blank_row():
+    """A row that no reward scored is blank; None from one reward beside another's score is not (issue 38)."""
+    import torch
+
+    from grpo_accel.trainer.callbacks.guards import check_reward_rows
+
+    nan = math.nan
+    names = ["math", "code", "judge"]
+    check_reward_rows(torch.tensor([[1.0, nan, 0.5], [nan, 0.0, 0.5]]), names, [2])  # each row scored by some
+    check_reward_rows(torch.tensor([[1.0, nan], [0.0, nan]]), names[:2], [])  # one reward None for a whole batch
+    with pytest.raises(RewardFunctionError, match=r"1 of 2 completions got no reward.*row 1.*--reward_checks trl"):
+        check_reward_rows(torch.tensor([[1.0, nan], [nan, nan]]), names[:2], [])
+    with pytest.raises(RewardFunctionError, match=r"reward model 'judge' gave non-finite.*--reward_checks trl"):
+        check_reward_rows(torch.tensor([[1.0, nan, math.inf]]), names, [2])
 
 
 def test_resolve_rewards():

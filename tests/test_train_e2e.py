@@ -78,7 +78,7 @@ def test_dataset_without_fields(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"problem": "1+1", "solution": "2"}\n')
     result = run_train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--dataset", str(data)])
-    assert result.returncode == 2 and "needs 'question' and 'answer'" in error_line(result.stderr)
+    assert result.returncode == 2 and "no 'prompt' column, nor 'question' and 'answer'" in error_line(result.stderr)
 
 
 def test_reward_that_raises_is_named(tmp_path):

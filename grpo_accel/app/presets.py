@@ -118,6 +118,7 @@ class Preset:
             sequence_parallel_size=int(f.get("sequence_parallel_size") or 1),
             share_prompt=str(f.get("share_prompt", "auto")).lower() if f.get("padding_free", True) else "false",
             offload_device_budget_bytes=int((f.get("offload_device_budget_gib") or 0) * GIB),
+            reward_models=reward_model_shapes(f, self.generation_batch(f, processes)),
             device="cuda" if cuda else "cpu")
 
     def generation_batch(self, f: dict, processes: int) -> int:
@@ -171,6 +172,15 @@ _COMMON = dict(quantization="none", lora_r=16, lora_alpha=32, max_prompt_length=
                vllm_share_weights=True, deepspeed_stage=0,
                offload_optimizer=False, offload_params=False, num_processes=1, gradient_accumulation_steps=1,
                recipe=GPU_RECIPE, model_init_kwargs={})
+
+
+def reward_model_shapes(f: dict, rows: int) -> tuple:
+    """(shape, rows) of each reward model in --rewards: TRL scores a process's whole generation batch (`rows`
+    sequences, Preset.generation_batch) at once."""
+    from grpo_accel.data.rewards import is_reward_model_name, reward_names
+
+    names = [n for n in reward_names(f.get("rewards") or "") if is_reward_model_name(n)]
+    return tuple((model_shape(os.path.expanduser(n)), rows) for n in names)
 
 
 def _p(**kw) -> Preset:

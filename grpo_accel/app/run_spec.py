@@ -35,15 +35,25 @@ class ScriptArguments:
                        f"directory, '{DEFAULT_MODEL}' (embedded, offline) or 'tiny-llama' / 'tiny-qwen2' (tests)."})
     model_dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32, bfloat16, float16 "
                              "(or fp32, bf16, fp16)."})
-    dataset: str = field(default="arithmetic", metadata={"help": "'arithmetic' (built-in), a JSONL path with "
-                         "question/answer rows, a directory with train.jsonl/test.jsonl, or a hub name."})
+    dataset: str = field(default="arithmetic", metadata={"help": "'arithmetic' (built-in), or TRL's prompt "
+                         "datasets: a file (.jsonl, .json, .parquet, .csv), a directory or a hub name whose rows have "
+                         "a 'prompt' (text or chat messages; other columns go to the rewards as keyword arguments) "
+                         "or 'question'/'answer' (GSM8K). A test/validation split is the held-out evaluation."})
+    dataset_config: str | None = field(default=None, metadata={"help": "The hub dataset's configuration (e.g. "
+                                       "'main' for openai/gsm8k)."})
+    dataset_split: str = field(default="train", metadata={"help": "The split to train on."})
+    system_prompt: str | None = field(default=None, metadata={"help": "A system message put first in every chat "
+                                      "prompt; 'none' for none. Default: the arithmetic answer format for "
+                                      "'arithmetic' and question/answer rows, nothing for prompt datasets."})
     dataset_level: int = field(default=1, metadata={"help": "Difficulty of the built-in arithmetic set (1-3)."})
     train_size: int = field(default=2000, metadata={"help": "Training prompts to draw."})
     eval_size: int = field(default=200, metadata={"help": "Held-out problems evaluated before and after; 0 = skip."})
     eval_max_new_tokens: int = field(default=64, metadata={"help": "Greedy tokens per held-out answer."})
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate() call in evaluation."})
     rewards: str = field(default="correctness,format", metadata={"help": "Comma list of built-in rewards "
-                         "(correctness, format) or importable 'module:function' reward functions."})
+                         "(correctness, format), importable 'module:function' reward functions and reward models "
+                         "(a local directory or org/name hub id of a sequence classifier); --reward_weights weighs "
+                         "them in this order."})
     quantization: str = field(default="none", metadata={"help": "'none' or '4bit' (QLoRA, needs bitsandbytes)."})
     preset: str | None = field(default=None, metadata={"help": "Preset name; wins over the launching YAML's and "
                                "the detected GPU's (`grpo-accel presets` lists them)."})

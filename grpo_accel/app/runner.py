@@ -18,9 +18,15 @@ from grpo_accel.core import dtypes
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError, UserError
 from grpo_accel.core.processes import launched_processes, local_processes, process_rank
-from grpo_accel.data.datasets import prompt_lengths, train_eval_datasets
+from grpo_accel.data.datasets import load_run_data, prompt_lengths
 from grpo_accel.data.models import ModelLoadError, load_model, load_tokenizer
-from grpo_accel.data.rewards import resolve_rewards
+from grpo_accel.data.rewards import (
+    RewardModelRef,
+    check_reward_weights,
+    load_reward_model,
+    resolve_rewards,
+    reward_names,
+)
 from grpo_accel.trainer.checkpoints import latest_complete_checkpoint
 
 
@@ -117,20 +123,34 @@ def check_lora_targets(model, script_args) -> None:
                              f"with some of {sorted(linear - {'lm_head'})}, or all-linear.")
 
 
-def _evaluate(trainer_or_model, tokenizer, dataset, script_args, tag):
+def _evaluate(trainer, tokenizer, data, script_args, tag):
+    """Greedy completions of the held-out prompts: accuracy on question/answer rows, else their mean reward as the
+    run's rewards score them in training (weighted; a row no reward applies to is left out of the mean)."""
     from grpo_accel.core.model_access import zero3_gather_ctx
-    from grpo_accel.data.evaluate import evaluate
+    from grpo_accel.data.evaluate import evaluate, generate_greedy
 
-    t0 = time.time()
+    t0, model, held_out = time.time(), trainer.model, data.held_out
+    kwargs = dict(max_new_tokens=script_args.eval_max_new_tokens, batch_size=script_args.eval_batch_size,
+                  desc=f"held-out eval ({tag})", disable_progress=process_rank() != 0)
     # Under ZeRO-3 every rank holds a shard: gather the whole model for generate() (costs one full copy of the
     # weights per rank while evaluating; every rank decodes the same greedy sequences, so they stay in step).
-    with zero3_gather_ctx(*trainer_or_model.parameters()):
-        acc, records = evaluate(trainer_or_model, tokenizer, dataset, max_new_tokens=script_args.eval_max_new_tokens,
-                                batch_size=script_args.eval_batch_size, desc=f"held-out eval ({tag})",
-                                disable_progress=process_rank() != 0)
-    log(f"held-out accuracy {tag}: strict {acc['accuracy_strict']:.1%}, lenient {acc['accuracy_lenient']:.1%} "
-        f"({len(records)} problems, {time.time() - t0:.0f} s)")
-    return acc, records
+    with zero3_gather_ctx(*model.parameters()):
+        if data.kind == "qa":
+            result, records = evaluate(model, tokenizer, held_out, **kwargs)
+        else:
+            rows = list(held_out)
+            texts = generate_greedy(model, tokenizer, [r["prompt"] for r in rows], **kwargs)
+    if data.kind == "qa":
+        log(f"held-out accuracy {tag}: strict {result['accuracy_strict']:.1%}, lenient "
+            f"{result['accuracy_lenient']:.1%} ({len(records)} problems, {time.time() - t0:.0f} s)")
+        return result, records
+    scores = trainer.score_completions(rows, texts)
+    scored = [x for x in scores if x == x]  # NaN: no reward applies to that row
+    result = {"reward_mean": sum(scored) / len(scored) if scored else float("nan"), "rows_scored": len(scored)}
+    log(f"held-out reward {tag}: mean {result['reward_mean']:.4g} over {len(scored)} of {len(rows)} prompts "
+        f"(greedy, {time.time() - t0:.0f} s)")
+    records = [{"prompt": r["prompt"], "completion": t, "reward": x} for r, t, x in zip(rows, texts, scores)]
+    return result, records
 
 
 def load_training_model(spec, tokenizer, longest_prompt: int):
@@ -225,21 +245,25 @@ def run(spec) -> int:
         raise ConfigError(f"{resume} is not a complete checkpoint (no trainer_state.json). Fix: pass "
                           f"--resume_from_checkpoint latest, or another checkpoint-N directory.")
     reward_funcs = resolve_rewards(script_args.rewards)
+    check_reward_weights(config.reward_weights, reward_names(script_args.rewards))
     tokenizer = load_tokenizer(script_args.model)
     if not tokenizer.chat_template:
         raise ModelLoadError(f"the tokenizer of {script_args.model!r} has no chat template. Fix: use an "
                              f"instruct/chat model, or set tokenizer.chat_template in a local copy.")
-    train_ds, eval_ds = train_eval_datasets(script_args.dataset, script_args.train_size, script_args.eval_size,
-                                            level=script_args.dataset_level, seed=config.seed)
-    longest_prompt = startup(spec, tokenizer, train_ds)
+    data = load_run_data(script_args.dataset, script_args.train_size, script_args.eval_size,
+                         level=script_args.dataset_level, seed=config.seed, config=script_args.dataset_config,
+                         split=script_args.dataset_split, system_prompt=script_args.system_prompt)
+    longest_prompt = startup(spec, tokenizer, data.train)
     log(f"model {script_args.model} ({script_args.model_dtype}), dataset {script_args.dataset}: "
-        f"{len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} held-out prompts")
+        f"{len(data.train)} train / {len(data.held_out) if data.held_out is not None else 0} held-out prompts")
+    if data.note:
+        log(data.note)
     if script_args.overwrite_output_dir and not resume and holds_a_run(config.output_dir):
         clear_run_dir(config.output_dir)
     configure_tracking(config)
     created = not os.path.isdir(config.output_dir)
     try:
-        return _train(spec, tokenizer, train_ds, eval_ds, reward_funcs, resume, longest_prompt)
+        return _train(spec, tokenizer, data, reward_funcs, resume, longest_prompt)
     except UserError:
         # A run that fails on the user's input before its first checkpoint leaves nothing behind.
         if created and os.path.isdir(config.output_dir) and not any(
@@ -250,15 +274,28 @@ def run(spec) -> int:
         raise
 
 
-def _train(spec, tokenizer, train_ds, eval_ds, reward_funcs, resume, longest_prompt) -> int:
+def load_rewards(reward_funcs: list, dtype) -> tuple[list, list]:
+    """(reward_funcs, reward_processing_classes) for TRL: reward models loaded (in the policy's dtype), each with
+    its own tokenizer; functions as they are (None)."""
+    funcs, tokenizers = [], []
+    for f in reward_funcs:
+        model, tok = load_reward_model(f, dtype) if isinstance(f, RewardModelRef) else (f, None)
+        funcs.append(model)
+        tokenizers.append(tok)
+    return funcs, tokenizers
+
+
+def _train(spec, tokenizer, data, reward_funcs, resume, longest_prompt) -> int:
     from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
     script_args, config = spec.script, spec.config
+    eval_ds = data.held_out
     model, engine = load_training_model(spec, tokenizer, longest_prompt)
     check_lora_targets(model, script_args)
+    reward_funcs, reward_tokenizers = load_rewards(reward_funcs, dtypes.torch_dtype(script_args.model_dtype))
     trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config, vllm_engine=engine,
-                               train_dataset=train_ds, processing_class=tokenizer,
-                               peft_config=lora_config(script_args))
+                               train_dataset=data.train, processing_class=tokenizer,
+                               reward_processing_classes=reward_tokenizers, peft_config=lora_config(script_args))
     is_main = trainer.accelerator.is_main_process
     log(f"log-prob head: {trainer.logprob_impl}; activation offload: {offload_line(trainer)}")
     os.makedirs(config.output_dir, exist_ok=True)
@@ -267,7 +304,7 @@ def _train(spec, tokenizer, train_ds, eval_ds, reward_funcs, resume, longest_pro
         write_json(spec.resolved(), os.path.join(config.output_dir, "resolved_config.json"))
 
     if eval_ds is not None and not resume:
-        summary["before"], records = _evaluate(trainer.model, tokenizer, eval_ds, script_args, "before")
+        summary["before"], records = _evaluate(trainer, tokenizer, data, script_args, "before")
         if is_main:
             write_json(records, os.path.join(config.output_dir, "heldout_before.json"))
 
@@ -285,7 +322,7 @@ def _train(spec, tokenizer, train_ds, eval_ds, reward_funcs, resume, longest_pro
                    seconds_per_step=round(sum(step_times) / len(step_times), 2) if step_times else None)
 
     if eval_ds is not None:
-        summary["after"], records = _evaluate(trainer.model, tokenizer, eval_ds, script_args, "after")
+        summary["after"], records = _evaluate(trainer, tokenizer, data, script_args, "after")
         if is_main:
             write_json(records, os.path.join(config.output_dir, "heldout_after.json"))
     trainer.save_model(os.path.join(config.output_dir, "final"))
@@ -345,7 +382,7 @@ def fix_model_card(output_dir: str, model: str) -> None:
 def _write_artifacts(output_dir: str, rows: list[dict], summary: dict) -> None:
     write_metrics_csv(rows, os.path.join(output_dir, "metrics.csv"))
     acc = None
-    if "before" in summary and "after" in summary:
+    if "accuracy_lenient" in summary.get("before", {}) and "after" in summary:
         acc = {"before": summary["before"]["accuracy_lenient"], "after": summary["after"]["accuracy_lenient"]}
     plot_reward_curve(rows, os.path.join(output_dir, "reward_curve.png"), title=summary["run_name"], accuracy=acc)
     write_json(summary, os.path.join(output_dir, "summary.json"))

@@ -1,7 +1,9 @@
-"""Datasets: built-in synthetic arithmetic (seeded, disjoint splits) and GSM8K (hub name or JSONL).
+"""Datasets: built-in synthetic arithmetic (seeded, disjoint splits) and the user's own, in TRL's formats.
 
-Every row has `prompt` (chat messages: system + user) and `answer` (the integer answer as a string);
-TRL passes `answer` to the reward functions as a keyword argument.
+--dataset takes TRL's prompt datasets as TRL's trainer does (a `prompt` column, text or chat messages; every other
+column goes to the rewards as a keyword argument) and GSM8K-style `question`/`answer` rows (turned into chat
+prompts with the arithmetic system prompt; `answer` becomes the bare number), from a file (JSONL, JSON, Parquet,
+CSV), a directory or a hub name.
 
     python -c "from grpo_accel.data.datasets import arithmetic_dataset; print(arithmetic_dataset('train', 3)[0])"
 """
@@ -12,6 +14,7 @@ import hashlib
 import json
 import os
 import random
+from dataclasses import dataclass
 
 from grpo_accel.core.errors import UserError
 
@@ -113,70 +116,195 @@ def read_jsonl(path: str) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{path}:{lineno}: not valid JSON ({exc.msg}). Fix that line or remove it.") from exc
     if not rows:
-        raise DatasetError(f"dataset file {path!r} is empty. Fix: point --dataset at a JSONL file with rows.")
+        raise DatasetError(f"dataset file {path!r} is empty. Fix: point --dataset at a file with rows.")
     return rows
 
 
-def rows_to_prompts(rows: list[dict], source: str) -> list[dict]:
-    """Rows with `question` + `answer` (GSM8K's '#### N' or a bare number) → prompt/answer rows."""
+# What --dataset reads from a file, by its ending (datasets' builder for each); .jsonl goes through read_jsonl.
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# A held-out split, by the names datasets on the hub use for it (first one present wins).
+HELD_OUT_SPLITS = ("test", "validation", "valid", "eval")
+
+
+def _system_prompt(flag: str | None, default: str | None) -> str | None:
+    """--system_prompt: None (not given) → the data's default; 'none' or '' → no system message; else the text."""
+    if flag is None:
+        return default
+    return None if flag.strip().lower() in ("", "none") else flag
+
+
+def rows_to_prompts(rows: list[dict], source: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[dict]:
+    """Rows with `question` + `answer` (GSM8K's '#### N' or a bare number) → prompt rows; other columns stay (TRL
+    hands them to the rewards)."""
     out = []
-    for i, row in enumerate(rows):
-        missing = [k for k in ("question", "answer") if k not in row]
-        if missing:
-            raise DatasetError(
-                f"{source}: row {i + 1} has no {' or '.join(repr(k) for k in missing)} field (it has {sorted(row)}). "
-                f"Fix: each row needs 'question' and 'answer' (GSM8K format)."
-            )
-        out.append({"prompt": make_prompt(row["question"]), "question": row["question"],
-                    "answer": _gsm8k_answer(str(row["answer"]))})
+    for row in rows:
+        question = row["question"]
+        prompt = make_prompt(question, system_prompt) if system_prompt else [{"role": "user", "content": question}]
+        out.append({**row, "prompt": prompt, "answer": _gsm8k_answer(str(row["answer"]))})
     return out
 
 
-def load_dataset_by_name(name: str, split: str = "train", n: int | None = None, seed: int = 0, level: int = 1):
-    """'arithmetic' (built-in), a JSONL path, or a hub dataset name such as 'openai/gsm8k'."""
+def _prompt_format(prompt) -> str | None:
+    """'standard' (text), 'conversational' (a list of {'role', 'content'} messages, TRL's format) or None."""
+    if isinstance(prompt, str):
+        return "standard"
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                   for m in prompt):
+        return "conversational"
+    return None
+
+
+def prompt_rows(rows: list[dict], source: str, system_prompt: str | None) -> list[dict]:
+    """TRL's prompt datasets as they are: every row's `prompt` in one format, its other columns untouched.
+    --system_prompt puts a system message first in each conversation (replacing the row's own)."""
+    formats = {_prompt_format(row["prompt"]) for row in rows}
+    bad = next((i for i, row in enumerate(rows) if _prompt_format(row["prompt"]) is None), None)
+    if bad is not None:
+        raise DatasetError(f"{source}: row {bad + 1}'s 'prompt' is {str(rows[bad]['prompt'])[:80]!r}: neither text nor "
+                           f"a list of {{'role', 'content'}} messages. Fix: one of TRL's two prompt formats per row.")
+    if len(formats) > 1:
+        raise DatasetError(f"{source}: some prompts are text and some are chat messages. Fix: one format for every "
+                           f"row (TRL's trainer takes one or the other).")
+    if system_prompt is None:
+        return rows
+    if formats == {"standard"}:
+        raise DatasetError(f"{source}: --system_prompt needs chat-message prompts, and these are plain text. Fix: "
+                           f"leave --system_prompt out, or write the prompts as [{{'role': 'user', 'content': ...}}].")
+    system = {"role": "system", "content": system_prompt}
+    return [{**row, "prompt": [system, *[m for m in row["prompt"] if m["role"] != "system"]]} for row in rows]
+
+
+def normalize_rows(rows: list[dict], source: str, system_prompt: str | None = None) -> tuple[list[dict], str]:
+    """(training rows, kind): kind 'prompt' for TRL's prompt datasets, 'qa' for question/answer rows (GSM8K's
+    format, given the arithmetic system prompt unless --system_prompt says otherwise)."""
+    if all("prompt" in row for row in rows):
+        return prompt_rows(rows, source, _system_prompt(system_prompt, None)), "prompt"
+    if all("question" in row and "answer" in row for row in rows):
+        return rows_to_prompts(rows, source, _system_prompt(system_prompt, SYSTEM_PROMPT)), "qa"
+    i, row = next((i, r) for i, r in enumerate(rows) if "prompt" not in r and not {"question", "answer"} <= r.keys())
+    raise DatasetError(f"{source}: row {i + 1} has no 'prompt' column, nor 'question' and 'answer' (it has "
+                       f"{sorted(row)}). Fix: a 'prompt' column (text or chat messages, TRL's formats; other columns "
+                       f"go to the rewards) or 'question' and 'answer' columns (GSM8K's format).")
+
+
+def _load_file(path: str) -> list[dict]:
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".jsonl" or ext not in FILE_BUILDERS:  # a file without a known ending: read as JSONL, as before
+        return read_jsonl(path)
+    from datasets import load_dataset
+
+    try:
+        rows = list(load_dataset(FILE_BUILDERS[ext], data_files=path, split="train"))
+    except Exception as exc:  # a malformed file, in the builder's words
+        raise DatasetError(f"{path} could not be read as {ext[1:]} ({type(exc).__name__}: {str(exc)[:200]}). "
+                           f"Fix: check the file, or save it as JSONL.") from exc
+    if not rows:
+        raise DatasetError(f"dataset file {path!r} is empty. Fix: point --dataset at a file with rows.")
+    return rows
+
+
+def _load_splits(name: str, config: str | None) -> dict:
+    """{split: rows} of a directory (its files by split name, as datasets reads them) or a hub dataset."""
+    from datasets import load_dataset
+
+    try:
+        try:
+            loaded = load_dataset(name, config)
+        except ValueError as exc:  # several configurations: 'main' where there is one (GSM8K's, our old default)
+            if config is not None or "Config name is missing" not in str(exc) or "'main'" not in str(exc):
+                raise
+            loaded = load_dataset(name, "main")
+    except Exception as exc:  # offline, a typo, a config to choose: the library's words, then the fix
+        raise DatasetError(
+            f"dataset {name!r} could not be loaded ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}). Fix: "
+            f"a local file (.jsonl, .parquet, .csv) or directory, a hub name with --dataset_config / --dataset_split "
+            f"where it has several, or --dataset arithmetic.") from exc
+    return {split: list(ds) for split, ds in loaded.items()}
+
+
+@dataclass
+class RunData:
+    """What a run trains and evaluates on. kind: 'qa' (accuracy on answers) or 'prompt' (mean reward);
+    held_out None: no evaluation, `note` says why in one line."""
+
+    train: object  # datasets.Dataset
+    held_out: object | None
+    kind: str
+    note: str = ""
+
+
+def _subset(rows: list[dict], n: int | None, seed: int) -> list[dict]:
+    """All rows in their order when n covers them (as TRL would train on them), else a seeded sample of n."""
+    return rows if n is None or n >= len(rows) else random.Random(seed).sample(rows, n)
+
+
+def load_run_data(name: str, train_size: int, eval_size: int, level: int = 1, seed: int = 0,
+                  config: str | None = None, split: str = "train", system_prompt: str | None = None) -> RunData:
+    """--dataset: 'arithmetic' (built-in, disjoint held-out split), a file (.jsonl, .json, .parquet, .csv), a
+    directory or a hub name (--dataset_config, --dataset_split). The held-out rows come from the data's own test /
+    validation split; without one, question/answer rows lend a seeded eval_size of theirs and prompt rows get none."""
     from datasets import Dataset
 
     if name in ("arithmetic", "synthetic"):
-        return arithmetic_dataset(split, n or 2000, level=level, seed=seed)
-    if name.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(name)):
+        prompt = _system_prompt(system_prompt, SYSTEM_PROMPT)
+        train, test = (_with_system(arithmetic_rows(s, n or 1, level, seed), prompt) for s, n in
+                       (("train", train_size), ("test", eval_size)))
+        return RunData(Dataset.from_list(train), Dataset.from_list(test) if eval_size else None, "qa")
+    if (name.startswith((".", "/", "~")) or name.lower().endswith(tuple(FILE_BUILDERS))) and not os.path.exists(
+            os.path.expanduser(name)):
         raise DatasetError(f"dataset path {name!r} does not exist. Fix: check the path, or use --dataset arithmetic.")
-    if os.path.isdir(name):
-        rows = rows_to_prompts(read_jsonl(os.path.join(name, f"{split}.jsonl")), name)
-    elif name.endswith((".jsonl", ".json")) or os.path.exists(name):
-        rows = rows_to_prompts(read_jsonl(name), name)
+    splits = {"train": _load_file(name)} if os.path.isfile(name) else _load_splits(name, config)
+    if split not in splits:
+        raise DatasetError(f"{name!r} has no split {split!r} (it has {sorted(splits)}). Fix: --dataset_split with "
+                           f"one of those.")
+    rows, kind = normalize_rows(splits[split], name, system_prompt)
+    held_name = next((s for s in HELD_OUT_SPLITS if s in splits and s != split), None)
+    if not eval_size:
+        held, note = None, ""
+    elif held_name is not None:
+        held, note = _subset(normalize_rows(splits[held_name], name, system_prompt)[0], eval_size, seed), ""
+    elif kind == "qa":  # a seeded share of the rows, never trained on
+        rows = random.Random(seed).sample(rows, len(rows))
+        held, rows = rows[:eval_size], rows[eval_size:]
+        if not rows:
+            raise DatasetError(f"{name!r} has {len(held)} rows, all taken by --eval_size {eval_size}. "
+                               f"Fix: lower --eval_size or add rows.")
+        note = ""
     else:
-        try:
-            from datasets import load_dataset
+        held, note = None, (f"no held-out evaluation: {name} has no {'/'.join(HELD_OUT_SPLITS)} split (add one, "
+                            f"e.g. a test file beside the train file in a directory)")
+    train = as_dataset(_subset(rows, train_size, seed))
+    return RunData(train, as_dataset(held) if held else None, kind, note)
 
-            rows = rows_to_prompts(list(load_dataset(name, "main", split=split)), name)
-        except Exception as exc:
-            raise DatasetError(
-                f"dataset {name!r} could not be loaded ({type(exc).__name__}: {str(exc)[:200]}). "
-                f"Fix: pass a JSONL path with 'question'/'answer' rows, or --dataset arithmetic."
-            ) from exc
-    if n is not None:
-        rows = random.Random(seed).sample(rows, min(n, len(rows)))
-    return Dataset.from_list(rows)
+
+def as_dataset(rows: list[dict]):
+    """Dataset.from_list keeps only the first row's keys: a column some rows lack (a multi-task set's `tests`) would
+    vanish. Every column, None where a row lacks it, as datasets' JSON reader gives it."""
+    from datasets import Dataset
+
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return Dataset.from_list([{k: row.get(k) for k in keys} for row in rows])
+
+
+def _with_system(rows: list[dict], system_prompt: str | None) -> list[dict]:
+    if system_prompt == SYSTEM_PROMPT:
+        return rows
+    return [{**r, "prompt": make_prompt(r["question"], system_prompt) if system_prompt else r["prompt"][1:]}
+            for r in rows]
+
+
+def load_dataset_by_name(name: str, split: str = "train", n: int | None = None, seed: int = 0, level: int = 1):
+    """One split of --dataset as a Dataset (see load_run_data): 'arithmetic', a file, a directory or a hub name."""
+    if name in ("arithmetic", "synthetic"):
+        return arithmetic_dataset(split, n or 2000, level=level, seed=seed)
+    data = load_run_data(name, n or 10**9, 0, seed=seed, split=split)
+    return data.train if n is None else as_dataset(_subset(list(data.train), n, seed))
 
 
 def train_eval_datasets(name: str, train_size: int, eval_size: int, level: int = 1, seed: int = 0):
-    """(train, held-out or None). Built-in: disjoint splits by construction. A directory: its
-    train.jsonl / test.jsonl. A single file or hub set: a seeded split of its rows."""
-    from datasets import Dataset
-
-    if name in ("arithmetic", "synthetic"):
-        train = arithmetic_dataset("train", train_size, level=level, seed=seed)
-        return train, (arithmetic_dataset("test", eval_size, level=level, seed=seed) if eval_size else None)
-    if os.path.isdir(name):
-        train = load_dataset_by_name(name, "train", train_size, seed)
-        return train, (load_dataset_by_name(name, "test", eval_size, seed) if eval_size else None)
-    rows = list(load_dataset_by_name(name, "train", None, seed))
-    random.Random(seed).shuffle(rows)
-    held_out, rest = rows[:eval_size], rows[eval_size:]
-    if not rest:
-        raise DatasetError(f"{name!r} has {len(rows)} rows, all taken by --eval_size {eval_size}. "
-                           f"Fix: lower --eval_size or add rows.")
-    return Dataset.from_list(rest[:train_size]), (Dataset.from_list(held_out) if held_out else None)
+    """(train, held-out or None): load_run_data's two datasets."""
+    data = load_run_data(name, train_size, eval_size, level=level, seed=seed)
+    return data.train, data.held_out
 
 
 def prompt_lengths(tokenizer, prompts) -> list[int]:

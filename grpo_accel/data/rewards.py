@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 
 from grpo_accel.core.errors import UserError
+
+# 'org/name' on the hub (data/models.py's pattern, with the slash required)
+_HUB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 _NUM = r"-?\$?\s?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?"
 _STRICT_PATTERNS = [
@@ -87,30 +92,105 @@ REWARDS = {"correctness": correctness_reward, "format": format_reward}
 DEFAULT_REWARDS = (correctness_reward, format_reward)
 
 
-def resolve_rewards(spec: str) -> list:
-    """'correctness,format' or 'my_pkg.my_module:my_reward' (any importable function), comma-separated."""
-    import importlib
+def reward_names(spec: str) -> list[str]:
+    return [s.strip() for s in spec.split(",") if s.strip()]
 
+
+def is_reward_model_name(name: str) -> bool:
+    """A --rewards entry that names a reward model: a local directory (or path), or an 'org/name' hub id. A bare
+    word stays a (mistyped) function name, so its error says so."""
+    if name in REWARDS or ":" in name:
+        return False
+    return os.path.isdir(name) or name.startswith((".", "/", "~")) or bool(_HUB_ID.fullmatch(name))
+
+
+def resolve_rewards(spec: str) -> list:
+    """--rewards: built-in names, importable 'module:function's and reward models (a local directory or an
+    'org/name' hub id of a sequence-classification model; checked from its config here, loaded later by
+    `load_reward_model`), comma-separated, in order."""
     funcs = []
-    for name in [s.strip() for s in spec.split(",") if s.strip()]:
+    for name in reward_names(spec):
         if name in REWARDS:
             funcs.append(REWARDS[name])
-            continue
-        module, _, attr = name.partition(":")
-        try:
-            func = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise RewardFunctionError(
-                f"reward {name!r} is neither built in ({', '.join(REWARDS)}) nor an importable "
-                f"'module:function' ({type(exc).__name__}: {exc}). Fix: check the name and PYTHONPATH."
-            ) from exc
-        if not callable(func):
-            raise RewardFunctionError(f"reward {name!r} is a {type(func).__name__}, not a function. Fix: point "
-                                      f"--rewards at a function (prompts, completions, **columns) -> list of floats.")
-        funcs.append(func)
+        elif is_reward_model_name(name):
+            funcs.append(reward_model_ref(name))
+        else:
+            funcs.append(_import_function(name))
     if not funcs:
         raise RewardFunctionError(f"no reward functions in {spec!r}. Fix: e.g. --rewards correctness,format")
     return funcs
+
+
+def _import_function(name: str):
+    import importlib
+
+    module, _, attr = name.partition(":")
+    try:
+        func = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise RewardFunctionError(
+            f"reward {name!r} is neither built in ({', '.join(REWARDS)}), an importable 'module:function' nor a "
+            f"reward model ({type(exc).__name__}: {exc}). Fix: check the name and PYTHONPATH; a reward model is a "
+            f"local directory or an org/name hub id."
+        ) from exc
+    if not callable(func):
+        raise RewardFunctionError(f"reward {name!r} is a {type(func).__name__}, not a function. Fix: point "
+                                  f"--rewards at a function (prompts, completions, **columns) -> list of floats.")
+    return func
+
+
+@dataclass(frozen=True)
+class RewardModelRef:
+    """A reward model named in --rewards, checked from its config (no weights read yet)."""
+
+    name: str  # the local directory or hub id, as given
+    config: object  # its transformers config
+
+
+def reward_model_ref(name: str) -> RewardModelRef:
+    """TRL's reward models: a sequence-classification model scoring a whole prompt + completion with one logit
+    (TRL loads them with num_labels=1 and reads logits[:, 0]). Anything else fails here, before any weights."""
+    from transformers import AutoConfig
+
+    if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        raise RewardFunctionError(f"reward model directory {name!r} does not exist. Fix: check the path.")
+    try:
+        config = AutoConfig.from_pretrained(os.path.expanduser(name))
+    except Exception as exc:  # no config.json, offline, unknown repo
+        raise RewardFunctionError(
+            f"reward model {name!r}: no readable config ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}). "
+            f"Fix: a directory saved by AutoModelForSequenceClassification.save_pretrained, or a hub id with hub "
+            f"access.") from exc
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise RewardFunctionError(
+            f"reward model {name!r} is a {archs[0]}, not a sequence classifier. Fix: a reward model saved from "
+            f"AutoModelForSequenceClassification with num_labels=1 (TRL scores prompt + completion by its one logit).")
+    if getattr(config, "num_labels", 1) != 1:
+        raise RewardFunctionError(f"reward model {name!r} has {config.num_labels} labels; TRL loads reward models "
+                                  f"with num_labels=1. Fix: a reward model with one output (a score).")
+    return RewardModelRef(name, config)
+
+
+def load_reward_model(ref: RewardModelRef, dtype):
+    """(model, tokenizer) as TRL loads a reward model given by name (num_labels=1; the tokenizer's pad token is set
+    by TRL's trainer), in the policy's dtype, without use_cache; our loading keeps the policy's model_init_kwargs
+    (rope scaling) off it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.path.expanduser(ref.name)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    # One forward a batch, no generation: a k/v cache is never read, and would hold 2 kv per layer and token
+    # until the forward returns (planning/memory.py reward_model_bytes). The scores are the same without it.
+    model.config.use_cache = False
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def check_reward_weights(weights, rewards: list[str]) -> None:
+    """TRL checks the count only once every model is loaded, in its own words: say it first, naming both flags."""
+    if weights is not None and len(weights) != len(rewards):
+        raise RewardFunctionError(f"--reward_weights has {len(weights)} weights for {len(rewards)} rewards "
+                                  f"({', '.join(rewards)}). Fix: one weight per --rewards entry, in the same order.")
 
 
 def accuracy(texts: list[str], answers: list[str]) -> dict[str, float]:
@@ -126,25 +206,23 @@ class RewardFunctionError(UserError, RuntimeError):
     pass
 
 
-# A reward that returns None for a whole batch this many times in a row is broken, not "not applicable"
-# (with several rewards a batch may legitimately hold no row for one of them); the only reward: at once.
-ALL_NONE_BATCHES = 3
+RELAX_FLAG = "--reward_checks trl"  # the flag that turns the strict checks off (GRPOAccelConfig.reward_checks)
 
 
-def guarded(func, sole: bool = False, strict: bool = True):
+def guarded(func, strict: bool = True):
     """Wrap a reward function so its failures are loud and named, never a silent 0; an `async def` one stays async
     (TRL runs those on its event loop, concurrently).
 
     Always: RewardFunctionError naming the function when it raises or returns the wrong number of rewards (TRL
     raises a bare error, or a ValueError for the count). `strict` (GRPOAccelConfig(reward_checks="strict"), the
-    launch/train.py default) adds what TRL lets through: NaN / inf rewards, and None for every completion of a batch
-    (`sole`: the run's only reward; else ALL_NONE_BATCHES batches in a row), which would train on a blank column.
-    Without it None and NaN are "does not apply", as in TRL (which warns when a row gets no reward at all).
+    launch/train.py default) adds NaN / inf, which TRL lets through (it reads NaN as "does not apply" and nan-sums it
+    away). None stays TRL's "does not apply to this row", even for a whole batch: a row that no reward scored is the
+    trainer's check (trainer/callbacks/guards.py `check_reward_rows`): only the rewards together say whether
+    a row is blank.
     """
     from trl.trainer.utils import get_callable_name, is_async_callable  # TRL's own reading of a reward callable
 
     name = get_callable_name(func)  # the name TRL logs it under (rewards/<name>/mean): kept by the wrapper
-    all_none = [0]
 
     def check(rewards, completions):
         if rewards is None or len(rewards) != len(completions):
@@ -153,18 +231,11 @@ def guarded(func, sole: bool = False, strict: bool = True):
                 f"reward function {name!r} returned {got} rewards for {len(completions)} completions. "
                 f"Fix: return one float (or None) per completion."
             )
-        if not strict:
-            return rewards
-        all_none[0] = all_none[0] + 1 if all(r is None for r in rewards) else 0
-        if all_none[0] >= (1 if sole else ALL_NONE_BATCHES):
-            raise RewardFunctionError(
-                f"reward function {name!r} returned None for every completion ({all_none[0]} batch(es) in a row): "
-                f"the run would train on a blank reward. Fix: return a float per completion (None only for rows "
-                f"the reward does not apply to).")
-        bad = [r for r in rewards if r is not None and not math.isfinite(float(r))]
+        bad = [r for r in rewards if r is not None and not math.isfinite(float(r))] if strict else []
         if bad:
             raise RewardFunctionError(
-                f"reward function {name!r} returned non-finite rewards {bad[:3]}. Fix: return finite floats or None."
+                f"reward function {name!r} returned non-finite rewards {bad[:3]}. Fix: return finite floats, or None "
+                f"for rows it does not apply to ({RELAX_FLAG} reads NaN as None, as TRL does)."
             )
         return rewards
 

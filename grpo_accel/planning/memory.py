@@ -40,7 +40,8 @@ PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the
 # Device-side terms; "peak" is their sum. Generation-only terms are released during training with vllm_sleep.
 DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "activations_checkpointed",
                 "recompute_working_set", "sp_all_to_all", "logprob_workspace", "vllm_weights", "vllm_kv_cache",
-                "vllm_runtime", "generate_kv_cache", "generate_working_set", "allocator_margin")
+                "vllm_runtime", "generate_kv_cache", "generate_working_set", "reward_models",
+                "allocator_margin")
 # Alive only while generating: a sleeping engine's KV cache and runtime, and everything generate() holds (its cache
 # is freed when the batch is done; the caching allocator then reuses those blocks for the training step).
 GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime", "generate_kv_cache", "generate_working_set")
@@ -107,6 +108,23 @@ def _weights_bytes(shape: ModelShape, dtype_bytes: int, quantization: str) -> fl
         linear = shape.layers * shape.layer_linear_params
         return linear * NF4_BYTES_PER_PARAM + (shape.n_params - linear) * dtype_bytes
     return shape.n_params * dtype_bytes
+
+
+def reward_model_bytes(shape: ModelShape, rows: int, T: int, a: int) -> int:
+    """A reward model on the device (TRL's `_calculate_rewards`): its weights in the compute dtype (a classifier:
+    the decoder, embeddings and a [1, H] score head, no [V, H] lm_head) and one no-grad forward over the `rows`
+    prompt + completion sequences TRL scores at once (a process's generation batch: per_device_train_batch_size x
+    steps_per_generation), T tokens each, with use_cache off (data/rewards.py loads it so; TRL's own loading keeps
+    every layer's k and v until the forward returns: 2 kv more per layer and token). Per token: the embeddings'
+    output, held through the layers [H], and one layer's peak, its MLP [3 I + 3 H] or its attention [2 H + 3 q +
+    4 kv] (k and v repeated to every head, as SDPA runs on CPU). Fitted to, and checked against, live tensor bytes
+    of Llama classifiers on CPU in fp32 (SDPA, right-padded rows as TRL pads; no [T, T] mask was alive at the peak),
+    within 1% at H=256 with I=1024 or 64, 2 or 4 kv heads, 2 or 4 layers, 8 rows of 1024 or 2048 tokens (by hand)
+    and within 2% in tests/test_own_data.py (4 rows of 512 or 1024). Not measured on a GPU."""
+    H, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
+    weights = (shape.n_params - (0 if shape.tied else shape.vocab * H) + H) * a
+    layer_peak = max(3 * shape.intermediate + 3 * H, 2 * H + 3 * q + 4 * kv)
+    return int(weights + rows * T * (H + layer_peak) * a)
 
 
 def kv_bytes_per_token(shape: ModelShape, a: int) -> int:
@@ -215,13 +233,14 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
-                generation_batch=None) -> MemoryPlan:
+                generation_batch=None, reward_models=()) -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
 
     generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
     quantization imply, `legacy_route`: use_vllm off is TRL's generate()); it decides use_vllm and
     vllm_share_weights (given beside it, they must agree). generation_batch: sequences
-    one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former)."""
+    one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former).
+    reward_models: (shape, rows) of each reward model (`reward_model_bytes`)."""
     if generation is None:
         generation = legacy_route(bool(use_vllm), lora_r, quantization, vllm_share_weights is not False)
     if generation not in ROUTES:
@@ -316,6 +335,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     dev["vllm_runtime"] = VLLM_RUNTIME_BYTES if use_vllm else 0
     dev["generate_kv_cache"], dev["generate_working_set"] = (
         _generate_terms(shape, a, generation_batch, max_prompt_length, T) if generation == "generate" else (0, 0))
+    dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
     live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
     dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
     return MemoryPlan(shape, inputs, {k: int(dev[k]) for k in DEVICE_TERMS}, {k: int(v) for k, v in host.items()})

@@ -95,8 +95,9 @@ class GRPOAccelConfig(GRPOConfig):
         default="trl",
         metadata={"help": "'trl': reward functions behave as in TRL (None or NaN = does not apply to that completion; "
                           "a completion no reward applies to only warns). 'strict' (launch/train.py's default): "
-                          "also stop with RewardFunctionError on inf / NaN rewards and on a reward that returns None "
-                          "for every completion of a batch. Either way a reward that raises or returns the wrong "
+                          "also stop with RewardFunctionError on inf / NaN rewards and on a completion that no reward "
+                          "scored (a reward may return None for rows it does not apply to, beside one that scores "
+                          "them). Either way a reward that raises or returns the wrong "
                           "number of rewards is named in the error."},
     )
     max_nonfinite_steps: int = field(

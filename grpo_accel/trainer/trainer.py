@@ -54,7 +54,7 @@ from grpo_accel.parallel.packing import (
 )
 from grpo_accel.parallel.shared_prompt import pack_units, prompt_units, split_units_to_count
 from grpo_accel.planning.memory import SHARE_PROMPT_MIN_SAVED, shortest_shared_prompt
-from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGuard
+from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGuard, check_reward_rows
 from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
 from grpo_accel.trainer.callbacks.preemption import Preemption
 from grpo_accel.trainer.callbacks.telemetry import PhaseTelemetry
@@ -92,7 +92,7 @@ class GRPOAccelTrainer(GRPOTrainer):
             # Reward models (nn.Module) and hub ids (str) are TRL's business; plain functions get the guard.
             strict = getattr(args, "reward_checks", "trl") == "strict"
             reward_funcs = [f if isinstance(f, (str, torch.nn.Module))
-                            else guarded(f, sole=len(reward_funcs) == 1, strict=strict) for f in reward_funcs]
+                            else guarded(f, strict=strict) for f in reward_funcs]
         if vllm_engine is None and args is not None and args.use_vllm and args.vllm_mode == "colocate":
             vllm_engine, model = self._start_engine(model, args, kwargs)
         if vllm_engine is not None:
@@ -163,6 +163,31 @@ class GRPOAccelTrainer(GRPOTrainer):
         finally:
             self.preemption.uninstall()
             self.close()
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards; with reward_checks="strict" a row no reward scored, or a reward model's NaN / inf, stops
+        the run (guards.check_reward_rows). Every process holds the gathered tensor, so all of them stop together."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if getattr(self.args, "reward_checks", "trl") == "strict":
+            models = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, torch.nn.Module)]
+            check_reward_rows(rewards_per_func, list(self.reward_func_names), models)
+        return rewards_per_func
+
+    def score_completions(self, rows: list[dict], completions: list[str]) -> list[float]:
+        """The weighted reward of each completion of `rows` (dataset rows: `prompt` and the columns the rewards read)
+        as training scores it (TRL's `_calculate_rewards`, then the weighted nan-sum; NaN where no reward applies).
+        Used by the held-out evaluation of datasets without answers; every process must call it (it gathers)."""
+        prompts = [row["prompt"] for row in rows]
+        if isinstance(prompts[0], list):  # conversational: TRL hands completions over as assistant messages
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        inputs = [{**row, "completion": c} for row, c in zip(rows, completions)]
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        ids = [self.processing_class(t, add_special_tokens=False)["input_ids"] for t in texts]
+        # TRL's own scoring (no strict stop: an evaluation reports blank rows as NaN instead)
+        per_func = super()._calculate_rewards(inputs, prompts, completions, ids)[: len(rows)]
+        weighted = per_func * self.reward_weights.to(per_func.device).unsqueeze(0)
+        blank = per_func.isnan().all(dim=1)
+        return weighted.nansum(dim=1).masked_fill(blank, float("nan")).tolist()
 
     @staticmethod
     def _start_engine(model, args, kwargs):

@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import UserError
+from grpo_accel.data.rewards import RELAX_FLAG, RewardFunctionError
 from grpo_accel.trainer.checkpoints import latest_complete_checkpoint
 
 
@@ -147,3 +148,25 @@ class DeepSpeedSkipGuard(_SkipCounter):
         wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
         norm = wrapped.engine.get_global_grad_norm() if wrapped is not None else None
         return 0.0 if norm is None else float(norm)
+
+
+def check_reward_rows(rewards_per_func: torch.Tensor, names: list[str], model_columns: list[int]) -> None:
+    """reward_checks="strict" on one generation batch's rewards ([rows, functions], None already NaN, as TRL
+    gathers them): stop on a row that no reward scored (TRL warns and trains on, with advantage 0) and on a reward
+    model's NaN / inf (a function's are caught by its guard, data/rewards.py `guarded`). A reward that is None for
+    some rows, or a whole batch, beside one that scores them is TRL's documented multi-task case and passes.
+    Cost: two [rows, functions] reductions per generation batch."""
+    for i in model_columns:
+        column = rewards_per_func[:, i]
+        if not column.isfinite().all():
+            raise RewardFunctionError(
+                f"reward model {names[i]!r} gave non-finite scores ({int((~column.isfinite()).sum())} of "
+                f"{len(column)} rows). Fix: check the model's weights and dtype (fp16 overflows), or pass "
+                f"{RELAX_FLAG} to train on with NaN as 'no reward'.")
+    blank = rewards_per_func.isnan().all(dim=1).nonzero(as_tuple=True)[0].tolist()
+    if blank:
+        raise RewardFunctionError(
+            f"{len(blank)} of {len(rewards_per_func)} completions got no reward from any of {names} (each returned "
+            f"None or NaN; first: row {blank[0]}): the run would train on a blank reward. Fix: make at least one "
+            f"reward score every row (None is for rows a reward does not apply to, beside another that scores "
+            f"them), or pass {RELAX_FLAG} to train on with TRL's warning.")
