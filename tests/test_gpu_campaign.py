@@ -25,6 +25,7 @@ results_io.write_results([dict(op="x", impl="a", shape="s,", metric="value", val
                          __import__("pathlib").Path(out), ("v", "abc", "dev"))
 """
 HANGS = """import subprocess, sys, time
+print("stuck: a step that never ends", flush=True)
 worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 open(sys.argv[sys.argv.index("--out") + 1] + ".pid", "w").write(str(worker.pid))
 time.sleep(600)
@@ -83,9 +84,16 @@ def test_rows_run_in_order_a_hang_is_killed_and_a_rerun_resumes(tmp_path, monkey
     assert all(f"| {name} |" in page for name in ("first", "stuck", "missing", "last"))
     assert "device: dev; versions: v; git sha: abc" in page and "preset_big (needs more memory)" in page
 
-    (tmp_path / "writes.py").write_text("raise SystemExit('ran again')")  # a rerun must not start it
+    assert "## Failures" in page and "stuck: a step that never ends" in page  # the failed row's log tail
+
+    (tmp_path / "writes.py").write_text("raise SystemExit('ran again')")  # a rerun must not start a done row
+    gc.run_campaign(rows, [], META, results, tmp_path / "logs", tmp_path / "models", skip_failed=True)
+    assert ledger(results) == got  # --skip-failed: the timed-out row left too
     gc.run_campaign(rows, [], META, results, tmp_path / "logs", tmp_path / "models")
-    assert ledger(results) == got
+    again = ledger(results)
+    assert again[("stuck", "attempts")] == 2 and again[("stuck", "timed_out")] == 1  # failed is not done: retried
+    assert {k: v for k, v in again.items() if k[0] != "stuck"} == {k: v for k, v in got.items() if k[0] != "stuck"}
+    got = again
     gc.run_campaign(rows, [], dict(META, sha="def"), results, tmp_path / "logs", tmp_path / "models")
     assert ledger(results, "abc") == got  # the old sha's record stays
     new = ledger(results, "def")
