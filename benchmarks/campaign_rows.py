@@ -171,8 +171,8 @@ def _later() -> list[Row]:
             dict(_TINY, completion_length=8, t_step=8, max_t=16),
             "{arch},{adapter},G={num_generations},P={prompt_length},T<=max,step={t_step},",
             needs=Row.needs + ("bitsandbytes", "triton"),
-            note="G=2 as max_t_ours; capped at 196608 (past 131072 the 2x goal is missed either way); each probe a "
-                 "fresh process, so no estimate beyond its limit."),
+            note=_MB1_G2 + " Capped at 196608 (past 131072 the 2x goal is missed either way); each probe a fresh "
+                 "process, so no estimate beyond its limit."),
         Row("shared_prompt_8k", "the prompt once per group vs G times, Qwen3-8B LoRA bf16, P=8K, C=1K, G=8: shared "
             "vs packed vs TRL's padded rows", ">= 3x faster, <= 1/3 peak of packed (issue 28's goal, at G=8)", 300,
             "bench_shared_prompt.py", "shared_prompt.csv", "grpo_policy_step", summary.judge_shared_prompt,
@@ -213,7 +213,8 @@ def preset_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]]]
             estimate=(78.0, "62 s measured on an H200 (2026-11-26, random checkpoint included); its 39 s of "
                       "generate() x 1.4 for the H100's memory bandwidth (3.35 vs 4.8 TB/s)") if first else (0.0, ""),
             note="128-token completions, as the first GPU point (issue 35), so the planner's error is compared at "
-                 "the same point; the longer completions are a later row's." if first else ""))
+                 "the same completion length (prompts are longer: a byte-level tokenizer, random_models.py)."
+                 if name == "h100_110k" else ""))
     return rows, skipped
 
 

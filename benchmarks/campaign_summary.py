@@ -9,6 +9,7 @@ no planner constant (one or two points are not a calibration).
 from __future__ import annotations
 
 import csv
+import functools
 from pathlib import Path
 
 MIB_PER_GB = 1e9 / 2**20  # the seeds' table is in decimal GB
@@ -238,6 +239,7 @@ FIRST_POINT = dict(preset="h100_110k", device="NVIDIA H200", sha="unrecorded (is
                    step_time_s=19.4)
 
 
+@functools.lru_cache(maxsize=64)  # the summary is rewritten after every row; the plan of a point does not change
 def plan_now_gib(preset: str, prompt: int, completion: int) -> float | None:
     """This checkout's planner at a measured point (gpu_presets.predicted_peak_gib: the preset's flags, the point's
     lengths): a planner fix shows here on the next summary, with no figure re-measured."""

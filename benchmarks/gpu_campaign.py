@@ -186,6 +186,13 @@ def run_campaign(rows, skipped, meta, results: Path, logs: Path, models: Path, b
     return entries
 
 
+def assumed_h100():
+    """What --list, --preflight and --summary-only assume without a GPU: the headline rows are sized for an H100."""
+    from grpo_accel.app.presets import GPUProps
+
+    return GPUProps("NVIDIA H100 80GB HBM3 (assumed: no GPU here)", int(79.1 * 2**30), 9, 0, 1)
+
+
 def list_rows(rows, skipped) -> None:
     """The rows in order, each with its limit and the estimate behind it; the headline set's total."""
     for i, r in enumerate(rows, 1):
@@ -224,13 +231,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    from grpo_accel.app.presets import GPUProps, current_gpu_props
+    from grpo_accel.app.presets import current_gpu_props
 
     cuda, cpu = torch.cuda.is_available(), args.cpu_check
     if not cuda and not cpu and not (args.list or args.summary_only or args.preflight):
         print("error: no CUDA GPU here. Fix: run on a GPU host, or --cpu-check to test the plumbing.", file=sys.stderr)
         return 2
-    gpu = current_gpu_props() or GPUProps("NVIDIA H100 80GB HBM3 (assumed: no GPU here)", int(79.1 * 2**30), 9, 0, 1)
+    gpu = current_gpu_props() or assumed_h100()
     rows, skipped = campaign_rows(cpu, None if cpu else gpu)
     if args.rows:
         unknown = set(args.rows) - {r.name for r in rows}
