@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from results_io import (  # benchmarks/ is on sys.path when run as a script
+    already_measured,
     killed_result,
     killed_rows,
     run_meta,
@@ -189,10 +190,14 @@ def run_worker(args, impl, mix):
     return json.loads(lines[-1][len(RESULT_TAG):])
 
 
-def rows_of(res, args, impl, mix):
+def shape_of(args, mix):
     dtype = "bf16" if args.device == "cuda" else "fp32"
-    shape = (f"{args.arch},lora-r16,G={args.num_generations},P<={args.prompt_length},T<={args.completion_length},"
-             f"{mix},{dtype}" + (",offload" if args.offload == "true" else ""))
+    return (f"{args.arch},lora-r16,G={args.num_generations},P<={args.prompt_length},T<={args.completion_length},"
+            f"{mix},{dtype}" + (",offload" if args.offload == "true" else ""))
+
+
+def rows_of(res, args, impl, mix):
+    shape = shape_of(args, mix)
     metrics = killed_rows(res) if "killed_by_signal" in res else [("oom", float(res["oom"]), "bool")]
     if res.get("host_refused"):
         metrics.append(("host_budget_refused", 1.0, "bool"))
@@ -223,6 +228,8 @@ def plot(rows, path):
               ("tokens_per_cpu_s", "real tokens / CPU-s (CPU rows)"),
               ("peak_step_mem_mib", "peak memory of one step above the model (MiB)")]
     panels = [p for p in panels if any(r["metric"] == p[0] for r in rows)]
+    if not panels:  # every variant out of memory, killed or timed out: nothing to draw (the CSV says so)
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 2.4 * len(groups) * len(panels) / 2 + 5), 4.8))
     for ax, (metric, label) in zip(axes, panels, strict=True):
         for k, impl in enumerate(VARIANTS):
@@ -259,6 +266,8 @@ def parse_args():
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", type=Path, default=RESULTS / "packing.csv")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from the CSV")
+    p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and device "
+                   "(gpu_campaign.py's retry of a failed row runs only what failed)")
     return p.parse_args()
 
 
@@ -279,12 +288,15 @@ def main():
     for mix in args.mixes:
         results = {}
         for impl in VARIANTS:  # each variant's rows into the CSV as soon as it ends: a later kill loses none
+            if args.resume and already_measured(args.out, meta, "grpo_step_fwd_bwd", impl, shape_of(args, mix)):
+                print(f"{impl} {mix}: measured before at this sha and device (--resume): skipped", flush=True)
+                continue
             results[impl] = run_worker(args, impl, mix)
             done = rows_of(results[impl], args, impl, mix)
             write_results(done, args.out, meta)
             rows += done
-        pad, pk = results["padded"], results["packed"]
-        if not any(r["oom"] or "killed_by_signal" in r for r in (pad, pk)):
+        pad, pk = results.get("padded"), results.get("packed")
+        if pad and pk and not any(r["oom"] or "killed_by_signal" in r for r in (pad, pk)):
             speed = statistics.median(pad["time_ms"]) / statistics.median(pk["time_ms"])
             cpu_speed = statistics.median(pad["cpu_ms"]) / statistics.median(pk["cpu_ms"])
             print(f"{mix}: real/padded tokens {pk['real_tokens']}/{pk['padded_tokens']}, packed step "

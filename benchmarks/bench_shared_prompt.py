@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from results_io import (  # benchmarks/ is on sys.path when run as a script
+    already_measured,
     killed_result,
     killed_rows,
     run_meta,
@@ -186,6 +187,8 @@ def plot(rows, path):
     panels = [("step_time_ms", "policy step time (ms)"), ("peak_step_mem_mib", "peak above the model (MiB)"),
               ("peak_reserved_mib", "peak reserved (MiB, CUDA)")]
     panels = [p for p in panels if any(r["metric"] == p[0] for r in rows)]
+    if not panels:  # every variant out of memory, killed or timed out: nothing to draw (the CSV says so)
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 1.6 * len(groups) * len(panels) + 4), 4.8),
                              squeeze=False)
     for ax, (metric, label) in zip(axes[0], panels, strict=True):
@@ -227,6 +230,8 @@ def parse_args():
     p.add_argument("--timeout", type=int, default=1800, help="seconds per variant and point")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", type=Path, default=RESULTS / "shared_prompt.csv")
+    p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and device "
+                   "(gpu_campaign.py's retry of a failed row runs only what failed)")
     return p.parse_args()
 
 
@@ -244,6 +249,9 @@ def main():
         shape = shape_of(args, P, C, G)
         results = {}
         for impl in args.impls:  # each variant's rows into the CSV as soon as it ends: a later kill loses none
+            if args.resume and already_measured(args.out, meta, "grpo_policy_step", impl, shape):
+                print(f"{impl} {shape}: measured before at this sha and device (--resume): skipped", flush=True)
+                continue
             results[impl] = run_worker(args, impl, P, C, G)
             done = rows_of(results[impl], shape, impl)
             write_results(done, args.out, meta)

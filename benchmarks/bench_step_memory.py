@@ -72,6 +72,7 @@ import time
 from pathlib import Path
 
 from results_io import (  # benchmarks/ is on sys.path when run as a script
+    already_measured,
     killed_result,
     killed_rows,
     run_meta,
@@ -397,11 +398,14 @@ def step_rows(res, args, T):
             for m, v, u in metrics]
 
 
-def run_steps(args, save):
+def run_steps(args, save, done=lambda op, impl, shape, metric="oom": False):
     """Each variant in turn; `save(rows)` appends its rows to the CSV as soon as it ends (a later variant killed,
-    or the whole bench killed at the campaign's limit, loses none of them)."""
+    or the whole bench killed at the campaign's limit, loses none of them); `done` ones (--resume) are skipped."""
     rows = []
     for impl in args.impls:
+        if done("grpo_step_fwd_bwd", impl, _shape(args, args.completion_length)):
+            print(f"{impl}: measured before at this sha and device (--resume): skipped", flush=True)
+            continue
         res = run_worker(args, impl, args.completion_length, args.reps)
         brief = {k: res.get(k) for k in ("oom", "peak_mib", "time_ms", "loss", "entropy", "grad_norm",
                                           "offloaded_peak_mib", "logprob_impl", "offload", "checkpointing", "wall_s")}
@@ -440,11 +444,15 @@ def planned_max_t(args, impl) -> int:
     return t
 
 
-def find_max_t(args, save):
+def find_max_t(args, save, done=lambda op, impl, shape, metric="oom": False):
     """Per impl: from the planner's longest T (CUDA; --completion-length on CPU or with --no-plan-probes) grow by
-    1.25x (2x without a plan) until a step does not fit, then bisect to --t-step. `save` each impl's rows."""
+    1.25x (2x without a plan) until a step does not fit, then bisect to --t-step. `save` each impl's rows; skip the
+    `done` ones (--resume)."""
     rows = []
     for impl in args.impls:
+        if done("grpo_max_completion_length", impl, _shape(args), "max_completion_length"):
+            print(f"{impl}: bisected before at this sha and device (--resume): skipped", flush=True)
+            continue
         rows_before = len(rows)
         probes = {}
         planned = planned_max_t(args, impl) if args.plan_probes else 0
@@ -546,6 +554,8 @@ def parse_args():
                    help="CPU: glibc MALLOC_MMAP_THRESHOLD_ for the workers, so peak RSS follows live tensors "
                         "(0 = glibc's dynamic default, whose retained free memory dominates the RSS peak)")
     p.add_argument("--out", type=Path, default=RESULTS / "step_memory.csv")
+    p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and "
+                   "device (gpu_campaign.py's retry of a failed row runs only what failed)")
     return p.parse_args()
 
 
@@ -573,7 +583,10 @@ def main():
         write_results(rows, args.out, meta)
         return rows
 
-    rows = find_max_t(args, save) if args.find_max_t else run_steps(args, save)
+    def done(op, impl, shape, metric="oom"):
+        return args.resume and already_measured(args.out, meta, op, impl, shape, metric)
+
+    rows = find_max_t(args, save, done) if args.find_max_t else run_steps(args, save, done)
     write_results(rows, args.out, meta, plot)
     if any(r["metric"] == "killed_by_signal" for r in rows):
         raise SystemExit("a variant's worker was killed (see killed_by_signal above): its row failed, the others "

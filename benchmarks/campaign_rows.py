@@ -7,7 +7,7 @@ an H200 including its random checkpoint, issue 35): per worker process START_S (
 model build (BUILD_S: random bf16 weights made on the GPU; 4-bit: loaded and quantized from the saved checkpoint),
 plus the step FLOPs at TFLOPS: per token 6 N through the frozen weights (forward, checkpoint re-run, backward) and
 per causal row 9 L T^2 d of attention (2 L T^2 d forward, x4.5 with re-run and backward). A row's limit is about
-1.25x its estimate; a row that runs past it is killed, recorded as timed out and retried by the next call.
+1.2-1.3x its estimate; a row that runs past it is killed, recorded as timed out and retried by the next call.
 """
 
 from __future__ import annotations

@@ -49,13 +49,20 @@ def flags(sizes: dict) -> list[str]:
     return [x for k, v in sizes.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def command(row: Row, cpu: bool, results: Path, logs: Path, models: Path) -> list[str]:
+RESUMABLE = ("bench_step_memory.py", "bench_packing.py", "bench_shared_prompt.py")  # their --resume
+
+
+def command(row: Row, cpu: bool, results: Path, logs: Path, models: Path, retry: bool = False) -> list[str]:
+    """The row's script with its flags; on a `retry` of a failed row the benches skip the variants already measured
+    at this sha (--resume): only what failed runs again."""
     cmd = [sys.executable, str(row.script_path()), *row.flags_of(cpu), *flags(row.sizes(cpu))]
     if row.script == "gpu_presets.py":  # its --out is the runs' folder; --csv the results
         return cmd + ["--csv", str(results / row.csv), "--out", str(logs / "presets"), "--models-dir", str(models),
                       "--timeout-s", str(max(30, row.limit(cpu) - 15))]  # its own timeout first: it records it
     if row.script == "bench_step_memory.py" and row.gpu.get("quant") == "4bit":
         cmd += ["--ckpt-cache", str(models)]  # the presets' checkpoint folder: one random checkpoint per arch
+    if retry and Path(row.script).name in RESUMABLE:
+        cmd.append("--resume")
     return cmd + ["--out", str(results / row.csv)]
 
 
@@ -171,7 +178,7 @@ def run_campaign(rows, skipped, meta, results: Path, logs: Path, models: Path, b
             print(f"[campaign] stopped before {row.name}: its limit is {limit} s, {left:.0f} s of --budget-s left. "
                   f"Run the same command again to go on.", flush=True)
             break
-        cmd = command(row, cpu, results, logs, models)
+        cmd = command(row, cpu, results, logs, models, retry=state is not None and row.name not in redo)
         print(f"[campaign] {row.name} (limit {limit} s): {' '.join(cmd[1:])}", flush=True)
         log = logs / f"{row.name}.log"
         code, seconds = run_limited(cmd, log, limit, env)

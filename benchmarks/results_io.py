@@ -127,3 +127,16 @@ def killed_rows(res: dict) -> list[tuple[str, float, str]]:
 
 def _gib(x):
     return "?" if x is None else f"{x:.1f}"
+
+
+def already_measured(path: Path, meta: tuple[str, str, str], op: str, impl: str, shape: str,
+                     metric: str = "oom") -> bool:
+    """A bench's --resume: `impl` has figures at `shape` in `path` from this sha and device (`metric` is written
+    for every variant that ended, out of memory or not; a killed or timed-out one has none), so a retried row runs
+    only the variants that failed."""
+    _, sha, dev = meta
+    if not path.exists():
+        return False
+    with path.open() as f:
+        return any((r["op"], r["impl"], r["shape"], r["metric"], r["git_sha"], r["device"])
+                   == (op, impl, shape, metric, sha, dev) for r in csv.DictReader(f))

@@ -215,15 +215,36 @@ def test_each_variant_reaches_the_csv_as_it_ends_so_a_killed_bench_keeps_it(tmp_
             raise KeyboardInterrupt  # the bench killed mid-way
         return next(answers)
 
+    monkeypatch.setenv("GRPO_ACCEL_GIT_SHA", "abc")
     monkeypatch.setattr(bench, "run_worker", worker)
-    monkeypatch.setattr(sys, "argv", ["bench", "--prompt-lengths", "8", "--completion-lengths", "4",
-                                      "--generations-grid", "2", "--device", "cpu", "--out", str(out)])
+    argv = ["bench", "--prompt-lengths", "8", "--completion-lengths", "4", "--generations-grid", "2", "--device",
+            "cpu", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(KeyboardInterrupt):
         bench.main()
     got = {(r["impl"], r["metric"]): r["value"] for r in csv.DictReader(out.open())}
     assert float(got[("shared", "step_time_ms")]) == 10.0 and float(got[("shared", "peak_step_mem_mib")]) == 5.0
     assert float(got[("packed", "killed_by_signal")]) == 9 and float(got[("packed", "host_available_min_gib")]) == 0.25
     assert not any(impl == "trl_padded" for impl, _ in got)
+
+    ran = []  # the campaign's retry (--resume): only the killed and the missing variants run again
+    monkeypatch.setattr(bench, "run_worker", lambda args, impl, P, C, G: ran.append(impl) or dict(
+        oom=True, error="stand-in"))
+    monkeypatch.setattr(sys, "argv", argv + ["--resume"])
+    bench.main()
+    assert ran == ["packed", "trl_padded"]
+    monkeypatch.setenv("GRPO_ACCEL_GIT_SHA", "def")  # another sha: nothing measured there yet
+    ran.clear()
+    bench.main()
+    assert ran == ["shared", "packed", "trl_padded"]
+
+
+def test_a_retried_bench_row_resumes_its_variants_and_a_first_try_does_not(tmp_path):
+    rows, _ = gc.campaign_rows(False, gc.assumed_h100())
+    for row in rows:
+        first, retry = (gc.command(row, False, tmp_path, tmp_path, tmp_path, retry=r) for r in (False, True))
+        assert "--resume" not in first, row.name
+        assert ("--resume" in retry) == (row.script != "gpu_presets.py"), row.name  # a preset run is one variant
 
 
 def test_a_killed_row_is_failed_with_its_signal_in_the_summary(tmp_path, monkeypatch):
