@@ -197,6 +197,10 @@ def test_a_killed_worker_is_reported_with_its_signal_and_the_hosts_free_memory()
     metrics = dict((m, v) for m, v, _ in killed_rows(res))
     assert metrics["killed_by_signal"] == 15
     assert 0 < metrics["host_available_gib"] <= 1.5 * host_available_gib()  # /proc/meminfo's, in GiB
+    t0 = time.monotonic()
+    hung = run_worker_process([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), ROOT,
+                              timeout_s=0.5, poll_s=0.1)
+    assert hung["timed_out"] and hung["signal"] is None and time.monotonic() - t0 < 20  # a bench's own timeout
 
 
 def test_each_variant_reaches_the_csv_as_it_ends_so_a_killed_bench_keeps_it(tmp_path, monkeypatch):
