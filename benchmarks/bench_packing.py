@@ -33,13 +33,19 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
+from results_io import (  # benchmarks/ is on sys.path when run as a script
+    already_measured,
+    killed_result,
+    killed_rows,
+    run_meta,
+    run_worker_process,
+    write_results,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -154,10 +160,13 @@ def measured_steps(trainer, inputs, mem, base: int, reps: int, cuda: bool) -> li
                     grad_norm=grad_norm.item(),
                     reserved=torch.cuda.max_memory_reserved() / MIB if cuda else None)
 
+    from grpo_accel.offload.residency import HostMemoryError
+
     try:
         steps = [step("warmup")] + [step(f"step{i}") for i in range(reps)]
-    except torch.OutOfMemoryError as exc:
-        print(RESULT_TAG + json.dumps({"oom": True, "error": str(exc).splitlines()[0][:200]}), flush=True)
+    except (torch.OutOfMemoryError, HostMemoryError) as exc:  # the GPU's limit, or the trainer's host budget
+        print(RESULT_TAG + json.dumps({"oom": True, "host_refused": isinstance(exc, HostMemoryError),
+                                       "error": str(exc).splitlines()[0][:200]}), flush=True)
         return None
     return steps[1:] or steps
 
@@ -171,20 +180,28 @@ def run_worker(args, impl, mix):
     cmd = [sys.executable, __file__, "--worker", impl, "--mix", mix, "--arch", args.arch, "--device", args.device,
            "--num-generations", str(args.num_generations), "--prompt-length", str(args.prompt_length),
            "--completion-length", str(args.completion_length), "--reps", str(args.reps), "--offload", args.offload]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    run = run_worker_process(cmd, env, ROOT)
+    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
+    if not lines and run["signal"]:  # no message of its own (the OOM killer's 9): the signal and free memory say why
+        return killed_result(impl, run)
     if not lines:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"{impl} {mix} failed (rc {proc.returncode})")
+        print(run["stderr"][-3000:], file=sys.stderr)
+        raise SystemExit(f"{impl} {mix} failed (rc {run['returncode']})")
     return json.loads(lines[-1][len(RESULT_TAG):])
 
 
-def rows_of(res, args, impl, mix):
+def shape_of(args, mix):
     dtype = "bf16" if args.device == "cuda" else "fp32"
-    shape = (f"{args.arch},lora-r16,G={args.num_generations},P<={args.prompt_length},T<={args.completion_length},"
-             f"{mix},{dtype}" + (",offload" if args.offload == "true" else ""))
-    metrics = [("oom", float(res["oom"]), "bool")]
-    if not res["oom"]:
+    return (f"{args.arch},lora-r16,G={args.num_generations},P<={args.prompt_length},T<={args.completion_length},"
+            f"{mix},{dtype}" + (",offload" if args.offload == "true" else ""))
+
+
+def rows_of(res, args, impl, mix):
+    shape = shape_of(args, mix)
+    metrics = killed_rows(res) if "killed_by_signal" in res else [("oom", float(res["oom"]), "bool")]
+    if res.get("host_refused"):
+        metrics.append(("host_budget_refused", 1.0, "bool"))
+    if not (res["oom"] or "killed_by_signal" in res):
         ms = statistics.median(res["time_ms"])
         metrics += [("step_time_ms", ms, "ms"), ("tokens_per_s", res["real_tokens"] / ms * 1e3, "tokens/s"),
                     ("peak_step_mem_mib", res["peak_mib"], "MiB"), ("real_tokens", res["real_tokens"], "tokens"),
@@ -211,6 +228,8 @@ def plot(rows, path):
               ("tokens_per_cpu_s", "real tokens / CPU-s (CPU rows)"),
               ("peak_step_mem_mib", "peak memory of one step above the model (MiB)")]
     panels = [p for p in panels if any(r["metric"] == p[0] for r in rows)]
+    if not panels:  # every variant out of memory, killed or timed out: nothing to draw (the CSV says so)
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 2.4 * len(groups) * len(panels) / 2 + 5), 4.8))
     for ax, (metric, label) in zip(axes, panels, strict=True):
         for k, impl in enumerate(VARIANTS):
@@ -247,6 +266,8 @@ def parse_args():
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", type=Path, default=RESULTS / "packing.csv")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from the CSV")
+    p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and device "
+                   "(gpu_campaign.py's retry of a failed row runs only what failed)")
     return p.parse_args()
 
 
@@ -262,14 +283,20 @@ def main():
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    versions, sha, dev = run_meta(args.device, ("torch", "trl", "transformers"))
+    meta = run_meta(args.device, ("torch", "trl", "transformers"))
     rows = []
     for mix in args.mixes:
-        results = {impl: run_worker(args, impl, mix) for impl in VARIANTS}
-        for impl, res in results.items():
-            rows += rows_of(res, args, impl, mix)
-        pad, pk = results["padded"], results["packed"]
-        if not (pad["oom"] or pk["oom"]):
+        results = {}
+        for impl in VARIANTS:  # each variant's rows into the CSV as soon as it ends: a later kill loses none
+            if args.resume and already_measured(args.out, meta, "grpo_step_fwd_bwd", impl, shape_of(args, mix)):
+                print(f"{impl} {mix}: measured before at this sha and device (--resume): skipped", flush=True)
+                continue
+            results[impl] = run_worker(args, impl, mix)
+            done = rows_of(results[impl], args, impl, mix)
+            write_results(done, args.out, meta)
+            rows += done
+        pad, pk = results.get("padded"), results.get("packed")
+        if pad and pk and not any(r["oom"] or "killed_by_signal" in r for r in (pad, pk)):
             speed = statistics.median(pad["time_ms"]) / statistics.median(pk["time_ms"])
             cpu_speed = statistics.median(pad["cpu_ms"]) / statistics.median(pk["cpu_ms"])
             print(f"{mix}: real/padded tokens {pk['real_tokens']}/{pk['padded_tokens']}, packed step "
@@ -277,7 +304,10 @@ def main():
                   f"peak {pk['peak_mib'] / max(pad['peak_mib'], 1e-9):.2f}x of padded; "
                   f"loss {pad['loss']:.6g} vs {pk['loss']:.6g}, grad norm {pad['grad_norm']:.6g} vs "
                   f"{pk['grad_norm']:.6g}", flush=True)
-    write_results(rows, args.out, (versions, sha, dev), plot)
+    write_results(rows, args.out, meta, plot)
+    if any(r["metric"] == "killed_by_signal" for r in rows):
+        raise SystemExit("a variant's worker was killed (killed_by_signal above): its row failed, the others are in "
+                         "the CSV")
 
 
 if __name__ == "__main__":

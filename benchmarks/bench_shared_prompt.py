@@ -28,12 +28,18 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
+from results_io import (  # benchmarks/ is on sys.path when run as a script
+    already_measured,
+    killed_result,
+    killed_rows,
+    run_meta,
+    run_worker_process,
+    write_results,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -133,14 +139,15 @@ def run_worker(args, impl, P, C, G):
     cmd = [sys.executable, __file__, "--worker", impl, "--arch", args.arch, "--device", args.device,
            "--generations", str(G), "--prompt-length", str(P), "--completion-length", str(C),
            "--reps", str(args.reps), "--offload", args.offload, "--layers", str(args.layers or 0)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
+    run = run_worker_process(cmd, env, ROOT, timeout_s=args.timeout)
+    if run["timed_out"]:
         return {"oom": False, "timeout": True}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
+    if not lines and run["signal"]:  # no message of its own (the OOM killer's 9): the signal and free memory say why
+        return killed_result(impl, run)
     if not lines:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"{impl} P={P} C={C} G={G} failed (rc {proc.returncode})")
+        print(run["stderr"][-3000:], file=sys.stderr)
+        raise SystemExit(f"{impl} P={P} C={C} G={G} failed (rc {run['returncode']})")
     return json.loads(lines[-1][len(RESULT_TAG):])
 
 
@@ -154,8 +161,10 @@ def shape_of(args, P, C, G):
 def rows_of(res, shape, impl):
     if res.get("timeout"):
         return [dict(op="grpo_policy_step", impl=impl, shape=shape, metric="timeout", value="1", unit="bool")]
-    metrics = [("oom", float(res["oom"]), "bool")]
-    if not res["oom"]:
+    metrics = killed_rows(res) if "killed_by_signal" in res else [("oom", float(res["oom"]), "bool")]
+    if res.get("host_refused"):
+        metrics.append(("host_budget_refused", 1.0, "bool"))
+    if not (res["oom"] or "killed_by_signal" in res):
         metrics += [("step_time_ms", statistics.median(res["time_ms"]), "ms"),
                     ("peak_step_mem_mib", res["peak_mib"], "MiB"), ("layer_tokens", res["layer_tokens"], "tokens"),
                     ("loss", res["loss"], "nats"), ("lora_grad_norm", res["grad_norm"], "1"),
@@ -178,6 +187,8 @@ def plot(rows, path):
     panels = [("step_time_ms", "policy step time (ms)"), ("peak_step_mem_mib", "peak above the model (MiB)"),
               ("peak_reserved_mib", "peak reserved (MiB, CUDA)")]
     panels = [p for p in panels if any(r["metric"] == p[0] for r in rows)]
+    if not panels:  # every variant out of memory, killed or timed out: nothing to draw (the CSV says so)
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 1.6 * len(groups) * len(panels) + 4), 4.8),
                              squeeze=False)
     for ax, (metric, label) in zip(axes[0], panels, strict=True):
@@ -219,6 +230,8 @@ def parse_args():
     p.add_argument("--timeout", type=int, default=1800, help="seconds per variant and point")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", type=Path, default=RESULTS / "shared_prompt.csv")
+    p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and device "
+                   "(gpu_campaign.py's retry of a failed row runs only what failed)")
     return p.parse_args()
 
 
@@ -234,10 +247,16 @@ def main():
     rows = []
     for P, C, G in itertools.product(args.prompt_lengths, args.completion_lengths, args.generations_grid):
         shape = shape_of(args, P, C, G)
-        results = {impl: run_worker(args, impl, P, C, G) for impl in args.impls}
-        for impl, res in results.items():
-            rows += rows_of(res, shape, impl)
-        ok = {k: v for k, v in results.items() if not v.get("oom") and not v.get("timeout")}
+        results = {}
+        for impl in args.impls:  # each variant's rows into the CSV as soon as it ends: a later kill loses none
+            if args.resume and already_measured(args.out, meta, "grpo_policy_step", impl, shape):
+                print(f"{impl} {shape}: measured before at this sha and device (--resume): skipped", flush=True)
+                continue
+            results[impl] = run_worker(args, impl, P, C, G)
+            done = rows_of(results[impl], shape, impl)
+            write_results(done, args.out, meta)
+            rows += done
+        ok = {k: v for k, v in results.items() if not (v.get("oom") or v.get("timeout") or "killed_by_signal" in v)}
         if "shared" in ok and "packed" in ok:
             sh, pk = ok["shared"], ok["packed"]
             line = (f"{shape}: shared step {statistics.median(pk['time_ms']) / statistics.median(sh['time_ms']):.2f}x "
@@ -250,6 +269,9 @@ def main():
                          f"faster, peak {sh['peak_mib'] / max(tp['peak_mib'], 1e-9):.2f}x")
             print(line, flush=True)
     write_results(rows, args.out, meta, plot)
+    if any(r["metric"] == "killed_by_signal" for r in rows):
+        raise SystemExit("a variant's worker was killed (killed_by_signal above): its row failed, the others are in "
+                         "the CSV")
 
 
 if __name__ == "__main__":

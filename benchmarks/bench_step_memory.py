@@ -22,7 +22,8 @@
 
 Model: a named architecture (`grpo_accel.planning.architectures`) with random weights, bf16 on CUDA / fp32 on CPU,
 LoRA r=16 (alpha 32) on all linear layers; `--quant 4bit` loads the decoder linears in NF4 (QLoRA; CUDA + bitsandbytes
-only: a random bf16 checkpoint is saved once under --ckpt-cache and loaded through BitsAndBytesConfig).
+only: random_models.save_random_model saves a random bf16 checkpoint once under --ckpt-cache/<arch>, the folder
+gpu_presets.py's runs use too, and it loads through BitsAndBytesConfig).
 Step: G rows of P prompt + up to T completion tokens (random ids; completion lengths spread from T/2 to T and
 right-padded with mask 0 as TRL batches them, --equal-lengths for all T), random advantages, a fixed
 `old_per_token_logps` (-log V, so the loss depends on the log-probs instead of being -mean(advantage)), then
@@ -65,13 +66,19 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
+from results_io import (  # benchmarks/ is on sys.path when run as a script
+    already_measured,
+    killed_result,
+    killed_rows,
+    run_meta,
+    run_worker_process,
+    write_results,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -122,17 +129,14 @@ def build_model(arch, device, dtype, quant, ckpt_cache, layers: int = 0):
     if quant != "4bit":
         with torch.device(device):  # random init straight on the device: no 32 GB fp32 detour on the host
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    from random_models import save_random_model
+
     from grpo_accel.data.models import quantization_config
 
     bnb = quantization_config("4bit", dtype)  # clear error naming the fix when bitsandbytes is missing
-    path = Path(ckpt_cache) / f"{arch}-bf16-random"
-    if not (path / "config.json").exists():  # once per arch: bitsandbytes quantizes while loading a checkpoint
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.save_pretrained(path)
-        del model
-        torch.cuda.empty_cache()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=bnb,
+    # once per arch, shared with gpu_presets.py's runs (the same folder): bitsandbytes quantizes while loading
+    path = save_random_model(arch, Path(ckpt_cache), str(dtype).removeprefix("torch."))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_cache=False, quantization_config=bnb,
                                                 device_map={"": torch.cuda.current_device()})
 
 
@@ -253,6 +257,7 @@ def worker(a):
     sys.path.insert(0, str(ROOT))
     from grpo_accel.core.phase_memory import PhaseMemory
     from grpo_accel.offload import SavedActivationTracker
+    from grpo_accel.offload.residency import HostMemoryError
 
     cuda = a.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -300,8 +305,8 @@ def worker(a):
 
     try:
         steps = [step("warmup")] + [step(f"step{i}") for i in range(a.reps)]
-    except torch.OutOfMemoryError as exc:
-        out.update(oom=True, error=str(exc).splitlines()[0][:200])
+    except (torch.OutOfMemoryError, HostMemoryError) as exc:  # the GPU's limit, or the trainer's host budget
+        out.update(oom=True, host_refused=isinstance(exc, HostMemoryError), error=str(exc).splitlines()[0][:200])
         print(RESULT_TAG + json.dumps(out), flush=True)
         return
     measured = steps[1:] or steps
@@ -333,15 +338,17 @@ def run_worker(args, impl, T, reps):
            "--completion-length", str(T), "--reps", str(reps), "--device", args.device,
            "--ckpt-cache", str(args.ckpt_cache)] + (["--equal-lengths"] if args.equal_lengths else [])
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    run = run_worker_process(cmd, env, ROOT)
+    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
     if lines:
         res = json.loads(lines[-1][len(RESULT_TAG):])
-    elif "OutOfMemoryError" in proc.stderr or "CUDA out of memory" in proc.stderr:
+    elif run["signal"]:  # no message of its own (the OOM killer's 9): the signal and the host's memory say why
+        res = killed_result(impl, run)
+    elif "OutOfMemoryError" in run["stderr"] or "CUDA out of memory" in run["stderr"]:
         res = {"impl": impl, "oom": True, "error": "out of memory outside the step"}
     else:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"{impl} T={T} failed (rc {proc.returncode})")
+        print(run["stderr"][-3000:], file=sys.stderr)
+        raise SystemExit(f"{impl} T={T} failed (rc {run['returncode']})")
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -359,8 +366,13 @@ def _meta(device):
 
 
 def step_rows(res, args, T):
-    metrics = [("oom", float(res["oom"]), "bool")]
-    if not res["oom"]:
+    if "killed_by_signal" in res:
+        metrics = killed_rows(res)
+    else:
+        metrics = [("oom", float(res["oom"]), "bool")]
+    if res.get("host_refused"):
+        metrics.append(("host_budget_refused", 1.0, "bool"))
+    if not (res["oom"] or "killed_by_signal" in res):
         metrics += [
             ("peak_step_mem_mib", res["peak_mib"], "MiB"),
             ("step_time_ms", statistics.median(res["time_ms"]), "ms"),
@@ -386,14 +398,19 @@ def step_rows(res, args, T):
             for m, v, u in metrics]
 
 
-def run_steps(args):
+def run_steps(args, save, done=lambda op, impl, shape, metric="oom": False):
+    """Each variant in turn; `save(rows)` appends its rows to the CSV as soon as it ends (a later variant killed,
+    or the whole bench killed at the campaign's limit, loses none of them); `done` ones (--resume) are skipped."""
     rows = []
     for impl in args.impls:
+        if done("grpo_step_fwd_bwd", impl, _shape(args, args.completion_length)):
+            print(f"{impl}: measured before at this sha and device (--resume): skipped", flush=True)
+            continue
         res = run_worker(args, impl, args.completion_length, args.reps)
         brief = {k: res.get(k) for k in ("oom", "peak_mib", "time_ms", "loss", "entropy", "grad_norm",
                                           "offloaded_peak_mib", "logprob_impl", "offload", "checkpointing", "wall_s")}
         print(f"{impl}: {json.dumps(brief)}", flush=True)
-        rows += step_rows(res, args, args.completion_length)
+        rows += save(step_rows(res, args, args.completion_length))
     return rows
 
 
@@ -427,11 +444,16 @@ def planned_max_t(args, impl) -> int:
     return t
 
 
-def find_max_t(args):
+def find_max_t(args, save, done=lambda op, impl, shape, metric="oom": False):
     """Per impl: from the planner's longest T (CUDA; --completion-length on CPU or with --no-plan-probes) grow by
-    1.25x (2x without a plan) until a step does not fit, then bisect to --t-step."""
+    1.25x (2x without a plan) until a step does not fit, then bisect to --t-step. `save` each impl's rows; skip the
+    `done` ones (--resume)."""
     rows = []
     for impl in args.impls:
+        if done("grpo_max_completion_length", impl, _shape(args), "max_completion_length"):
+            print(f"{impl}: bisected before at this sha and device (--resume): skipped", flush=True)
+            continue
+        rows_before = len(rows)
         probes = {}
         planned = planned_max_t(args, impl) if args.plan_probes else 0
         growth = 1.25 if planned else 2.0
@@ -442,9 +464,10 @@ def find_max_t(args):
         def fits(T):
             if T not in probes:
                 probes[T] = run_worker(args, impl, T, reps=1)
-                verdict = "oom" if probes[T]["oom"] else "fits"
+                killed = "killed_by_signal" in probes[T]
+                verdict = "killed" if killed else "oom" if probes[T]["oom"] else "fits"
                 print(f"{impl} T={T}: {verdict} ({probes[T]['wall_s']:.0f} s)", flush=True)
-            return not probes[T]["oom"]
+            return not (probes[T]["oom"] or "killed_by_signal" in probes[T])
 
         lo, hi, T = 0, None, planned or args.completion_length
         while hi is None and T <= args.max_t:
@@ -462,6 +485,7 @@ def find_max_t(args):
                          value=str(len(probes)), unit="count"))
         if lo:
             rows += step_rows(probes[lo], args, lo)
+        save(rows[rows_before:])
     return rows
 
 
@@ -530,6 +554,8 @@ def parse_args():
                    help="CPU: glibc MALLOC_MMAP_THRESHOLD_ for the workers, so peak RSS follows live tensors "
                         "(0 = glibc's dynamic default, whose retained free memory dominates the RSS peak)")
     p.add_argument("--out", type=Path, default=RESULTS / "step_memory.csv")
+    p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and "
+                   "device (gpu_campaign.py's retry of a failed row runs only what failed)")
     return p.parse_args()
 
 
@@ -551,9 +577,20 @@ def main():
             print("skipped: --quant 4bit (QLoRA) needs a CUDA GPU and bitsandbytes (pip install 'grpo_accel[qlora]'); "
                   "nothing measured, nothing written. Run without --quant for LoRA.", flush=True)
             return
-    versions, sha, dev = _meta(args.device)
-    rows = find_max_t(args) if args.find_max_t else run_steps(args)
-    write_results(rows, args.out, (versions, sha, dev), plot)
+    meta = _meta(args.device)
+
+    def save(rows):  # append a variant's rows now; the plot once, at the end
+        write_results(rows, args.out, meta)
+        return rows
+
+    def done(op, impl, shape, metric="oom"):
+        return args.resume and already_measured(args.out, meta, op, impl, shape, metric)
+
+    rows = find_max_t(args, save, done) if args.find_max_t else run_steps(args, save, done)
+    write_results(rows, args.out, meta, plot)
+    if any(r["metric"] == "killed_by_signal" for r in rows):
+        raise SystemExit("a variant's worker was killed (see killed_by_signal above): its row failed, the others "
+                         "are in the CSV")
 
 
 if __name__ == "__main__":

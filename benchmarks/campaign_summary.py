@@ -9,6 +9,7 @@ no planner constant (one or two points are not a calibration).
 from __future__ import annotations
 
 import csv
+import functools
 from pathlib import Path
 
 MIB_PER_GB = 1e9 / 2**20  # the seeds' table is in decimal GB
@@ -42,6 +43,17 @@ class RowView:
             except ValueError:
                 out[r["metric"]] = r["value"]
         return out
+
+    def killed(self) -> str:
+        """'IMPL killed by signal N (host memory available ...)' for each variant whose worker the kernel killed."""
+        prefix, found = self.row.shape_prefix(self.cpu), {}
+        for r in read_rows(self.results / self.row.csv):
+            if (r["git_sha"], r["device"], r["op"]) == (self.sha, self.device, self.row.op) and \
+                    r["shape"].startswith(prefix):
+                found.setdefault(r["impl"], {})[r["metric"]] = r["value"]
+        return "; ".join(f"{impl} killed by signal {float(m['killed_by_signal']):.0f} (host memory available "
+                         f"{m.get('host_available_gib', '?')} GiB then, lowest {m.get('host_available_min_gib', '?')} "
+                         "GiB while it ran)" for impl, m in found.items() if "killed_by_signal" in m)
 
     def other(self, name: str) -> RowView | None:
         return self.views.get(name)
@@ -193,36 +205,80 @@ def ledger_state(ledger: list[dict], name: str, sha: str, device: str) -> dict |
     return got or None
 
 
+def is_done(state: dict | None) -> bool:
+    """Done = exited 0 within its limit. Failed or timed out is not done: the next call runs it again."""
+    return state is not None and not state.get("timed_out") and state.get("exit_code") == 0
+
+
+def exit_words(code) -> str:
+    """A row's end in words: None = killed at its limit by the campaign, < 0 = killed by a signal."""
+    if code is None:
+        return "timed out"
+    return f"killed by signal {-code:.0f}" if code < 0 else f"exit {code:.0f}"
+
+
 def describe_state(state: dict | None, present: bool) -> str:
     if state is None:
         return "pending" if present else "script not present yet"
+    tries = f", try {state['attempts']:.0f}" if state.get("attempts", 1) > 1 else ""
     if state.get("timed_out"):
-        return f"timed out at its limit, {state['limit_s']:.0f} s"
+        return f"timed out at its limit, {state['limit_s']:.0f} s{tries}"
     if state.get("exit_code"):
-        return f"failed (exit {state['exit_code']:.0f}; its log)"
-    return f"done in {state['wall_s']:.0f} s"
+        host = state.get("host_available_gib", -1)
+        free = f", host memory available then {host:.1f} GiB" if host >= 0 else ""
+        return f"failed ({exit_words(state['exit_code'])}{free}{tries}; log tail below)"
+    return f"done in {state['wall_s']:.0f} s{tries}"
 
 
 # ------------------------------------------------------------------------------------------------- the planner
+# The first GPU point, measured before presets_gpu.csv travelled back with the campaign's results (issue 35): the
+# h100_110k preset on an H200 host, 2 steps with 42-token prompts (SmolLM2's tokenizer) and 128-token completions,
+# generate() (vLLM absent there). Its plan (15.1 GiB) counted a colocated engine that never started (issue 34).
+FIRST_POINT = dict(preset="h100_110k", device="NVIDIA H200", sha="unrecorded (issue 29's campaign code)",
+                   date="2026-11-26", prompt=42, completion=128, planned_then_gib=15.1, reserved_gib=6.44,
+                   step_time_s=19.4)
+
+
+@functools.lru_cache(maxsize=64)  # the summary is rewritten after every row; the plan of a point does not change
+def plan_now_gib(preset: str, prompt: int, completion: int) -> float | None:
+    """This checkout's planner at a measured point (gpu_presets.predicted_peak_gib: the preset's flags, the point's
+    lengths): a planner fix shows here on the next summary, with no figure re-measured."""
+    from gpu_presets import predicted_peak_gib
+
+    try:
+        return predicted_peak_gib(preset, ["--max_completion_length", str(completion)], prompt)
+    except Exception as exc:  # a preset renamed or removed since the point was measured
+        print(f"[summary] planner for {preset} at {prompt}+{completion}: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _preset_point(preset, where, date, prompt, completion, then, reserved) -> dict:
+    now = plan_now_gib(preset, prompt, completion)
+    return dict(preset=preset, where=where, date=date, tokens=f"{prompt} + {completion}",
+                then=_fmt(then), now=_fmt(now), reserved=_fmt(reserved),
+                error_then=f"{then / reserved - 1:+.1%}" if then else "?",
+                error_now=f"{now / reserved - 1:+.1%}" if now else "?")
+
+
 def planner_vs_presets(results: Path) -> list[dict]:
-    """Every single-GPU preset: the planner's peak (the run's flags) against measured reserved, on any CUDA card."""
+    """Every GPU point of a single-GPU preset, first the one measured before the campaign: the plan printed by the
+    run, this checkout's plan at the same lengths, measured peak reserved."""
     from grpo_accel.app.presets import PRESETS
 
+    p = FIRST_POINT
+    out = [_preset_point(p["preset"], f"{p['device']} @ {p['sha']}", p["date"], p["prompt"], p["completion"],
+                         p["planned_then_gib"], p["reserved_gib"])]
     measured = {}
     for r in read_rows(results / "presets_gpu.csv"):
         if r["op"] == "preset_2_steps" and not r["device"].startswith("cpu"):
-            measured.setdefault((r["impl"], r["device"], r["git_sha"]), {})[r["metric"]] = float(r["value"])
-    out = []
-    for name, p in PRESETS.items():
-        if not (p.is_gpu and p.num_processes == 1):
+            key = (r["impl"], r["device"], r["git_sha"], r["shape"], r["date"])
+            measured.setdefault(key, {})[r["metric"]] = float(r["value"])
+    for (name, dev, sha, shape, date), m in sorted(measured.items()):
+        if name not in PRESETS or not m.get("peak_reserved_gib"):
             continue
-        found = [(dev, sha, m) for (n, dev, sha), m in measured.items() if n == name and m.get("peak_reserved_gib")]
-        if not found:
-            out.append(dict(preset=name, where="", predicted="", measured="", error="pending"))
-        for dev, sha, m in found:
-            err = m["predicted_peak_gib"] / m["peak_reserved_gib"] - 1
-            out.append(dict(preset=name, where=f"{dev} @ {sha}", predicted=f"{m['predicted_peak_gib']:.2f}",
-                            measured=f"{m['peak_reserved_gib']:.2f}", error=f"{err:+.1%}"))
+        prompt = int(shape.split("T=")[1].split("+")[0])
+        out.append(_preset_point(name, f"{dev} @ {sha}", date, prompt, int(m["completion_length_run"]),
+                                 m.get("predicted_peak_gib"), m["peak_reserved_gib"]))
     return out
 
 
@@ -269,17 +325,26 @@ def write_summary(path: Path, meta: dict, entries: list[dict], unselected: list[
     lines += _table(["#", "row", "measures", "goal", "state", "measured", "verdict"],
                     [[i + 1, e["name"], e["measures"], e["goal"], e["state"], e["measured"] or "-",
                       e["verdict"] or "pending"] for i, e in enumerate(entries)])
+    failed = [e for e in entries if e.get("tail")]
+    if failed:
+        lines += ["", "## Failures (the next call runs these again; --skip-failed leaves them)"]
+        for e in failed:
+            lines += ["", f"{e['name']}: {e['state']}. The last lines of its log:", "", "```", e["tail"].rstrip(),
+                      "```"]
     if unselected:
         lines += ["", "Not run on this device: " + "; ".join(f"{n} ({why})" for n, why in unselected) + "."]
     notes = [f"- {e['name']}: {e['note']}" for e in entries if e.get("note")]
     lines += ["", "Notes:", *notes] if notes else []
     lines += ["", "## The planner against measured GPU memory", "",
               "Error = predicted / measured - 1 (negative: the planner under-predicts). Reported, not fitted: no "
-              "planner constant changes until several GPU points agree.", "", "Per single-GPU preset (2 steps through "
-              "`accelerate launch`, `presets_gpu.csv`; goal: within 10% of reserved):", ""]
-    lines += _table(["preset", "measured on", "planner GiB", "reserved GiB", "error"],
-                    [[r["preset"], r["where"] or "-", r["predicted"] or "-", r["measured"] or "-", r["error"]]
-                     for r in planner_vs_presets(results)])
+              "planner constant changes until several GPU points agree.", "", "Per GPU point of a single-GPU preset "
+              "(2 steps through `accelerate launch`; `presets_gpu.csv` and the first point, measured before it; goal: "
+              "within 10% of reserved). \"plan then\": what the run printed; \"plan now\": this checkout's planner "
+              "at the same lengths.", ""]
+    lines += _table(["preset", "measured on", "date", "prompt + completion tokens", "plan then GiB",
+                     "plan now GiB", "reserved GiB", "error then", "error now"],
+                    [[r["preset"], r["where"], r["date"], r["tokens"], r["then"], r["now"], r["reserved"],
+                      r["error_then"], r["error_now"]] for r in planner_vs_presets(results)])
     steps = planner_vs_steps(results)
     lines += ["", "One GRPO step (`step_memory.csv`, CUDA rows; peaks with the weights):", ""]
     lines += _table(["variant", "shape", "measured on", "planner GiB", "allocated GiB", "reserved GiB",

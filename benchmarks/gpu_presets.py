@@ -4,13 +4,14 @@ For each preset this runs exactly what a user runs,
 
     accelerate launch --config_file accelerate_configs/<preset>.yaml launch/train.py --model <dir> ...
 
-with random weights of the preset's architecture saved locally (the hub is unreachable on our GPU hosts; memory
-and speed depend on shapes, not trained values; the embedded SmolLM2 tokenizer drives them: every id it makes is
-in each model's vocabulary). Completions are shortened where HF generate() would take too long (`--completion-
-length`, default 1024; the CSV records both lengths), no held-out evaluation, 2 steps. Per preset it writes the
-measured peak allocated and reserved memory over every phase (the run's own telemetry, `memory/<phase>_peak_gib`
-and `_reserved_gib`), the planner's prediction for the same flags (`RunSpec.plan`, the measured prompt length),
-their ratio, the step time and whether the run completed -> benchmarks/results/presets_gpu.csv + .png.
+with random weights of the preset's architecture saved locally (the hub is unreachable on our GPU hosts; memory and
+speed depend on shapes, not trained values; random_models.py saves them once per architecture with a byte-level
+ChatML tokenizer built in code, so nothing is downloaded). Completions are shortened where HF generate() would take
+too long (`--completion-length`, default 1024; the CSV records both lengths), no held-out evaluation, 2 steps. Per
+preset it writes the measured peak allocated and reserved memory over every phase (the run's own telemetry,
+`memory/<phase>_peak_gib` and `_reserved_gib`), the planner's prediction for the same flags (`RunSpec.plan`, the
+measured prompt length), their ratio, the step time and whether the run completed ->
+benchmarks/results/presets_gpu.csv + .png.
 
 Any work that has a GPU runs this first (after the wheels' install line, ../shared/gpu/README.md):
 
@@ -34,34 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel from a checkout
 
-from results_io import ROOT, merge_csv, run_meta  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from random_models import save_random_model  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from results_io import ROOT, host_available_gib, merge_csv, run_meta  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def save_random_model(architecture: str, target: Path, dtype: str) -> Path:
-    """Random weights of a named architecture + the embedded tokenizer, saved once under `target`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from grpo_accel.data.models import load_tokenizer
-    from grpo_accel.planning.architectures import get_architecture
-
-    path = target / architecture
-    if (path / "config.json").exists():
-        return path
-    tokenizer = load_tokenizer("smollm2-135m-instruct")
-    config = get_architecture(architecture)
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = (tokenizer.bos_token_id, tokenizer.eos_token_id,
-                                                                     tokenizer.pad_token_id)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    partial = path.with_suffix(".partial")
-    model.save_pretrained(partial, safe_serialization=True)
-    tokenizer.save_pretrained(partial)
-    os.replace(partial, path)  # a killed save never leaves a half model that looks complete
-    del model
-    return path
 
 
 def measured_peaks(metrics_csv: Path) -> dict[str, float]:
@@ -97,16 +74,24 @@ def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher:
         try:
             code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=ROOT).returncode
         except subprocess.TimeoutExpired:
-            code = -1
+            code = None
     tail = log.read_text()[-1500:]
-    print(f"[gpu_presets] {name}: exit {code} in {time.time() - t0:.0f} s", flush=True)
-    return flags, code == 0, time.time() - t0, tail
+    if code is not None and code < 0:  # killed (the OOM killer's 9 leaves no message): the host's memory says why
+        tail += f"\nkilled by signal {-code}; host memory available now {host_available_gib() or 0:.1f} GiB"
+    print(f"[gpu_presets] {name}: " + ("timed out" if code is None else f"exit {code}")
+          + f" in {time.time() - t0:.0f} s", flush=True)
+    return flags, code, time.time() - t0, tail
 
 
 def predicted_peak_gib(name: str, flags: list[str], prompt_tokens: int) -> float:
-    """The planner for the same flags as the launch, at the measured prompt length."""
+    """The planner for the same flags as the launch, at the measured prompt length. --model is dropped: the random
+    checkpoint has the preset's architecture, which the planner knows by name, so campaign_summary.py can re-plan a
+    point measured on another host (whose model folder is not here) with this checkout's planner."""
     from grpo_accel.app.run_spec import resolve_run_spec
 
+    if "--model" in flags:
+        i = flags.index("--model")
+        flags = flags[:i] + flags[i + 2:]
     spec = resolve_run_spec(["--preset", name, *flags], for_plan=True)
     return spec.plan(max_prompt_length=prompt_tokens).peak_gib
 
@@ -175,7 +160,7 @@ def main(argv=None) -> int:
     versions, sha, dev = run_meta(device, ("torch", "transformers", "trl", "deepspeed", "bitsandbytes"))
     date = datetime.date.today().isoformat()
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "-q"]
-    rows = []
+    rows, all_rows = [], merge_csv([], Path(args.csv), key=("op", "impl", "device", "metric"))
     for name in args.presets or single_gpu_presets(args.cpu_check):
         preset = PRESETS[name]
         if device == "cuda":
@@ -188,11 +173,14 @@ def main(argv=None) -> int:
         dtype = dtypes.long_name(preset.dtype)
         model_dir = save_random_model(arch, Path(args.models_dir), dtype)
         completion = min(args.completion_length, preset.max_completion_length)
-        flags, ok, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s)
+        flags, code, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s)
+        ok = code == 0
         prompt = longest_prompt(model_dir)
         shape = f"{arch} T={prompt}+{completion} G={preset.num_generations}"
         values = {"completed": float(ok), "completion_length_run": completion,
                   "completion_length_preset": preset.max_completion_length, "wall_s": round(seconds, 1)}
+        if code is not None and code < 0:
+            values.update(killed_by_signal=-code, host_available_gib=round(host_available_gib() or 0, 2))
         metrics_csv = out / "runs" / name / "metrics.csv"
         if ok and metrics_csv.exists():
             values.update(measured_peaks(metrics_csv))
@@ -201,13 +189,14 @@ def main(argv=None) -> int:
                 values["predicted_over_reserved"] = round(values["predicted_peak_gib"] / values["peak_reserved_gib"], 3)
         else:
             print(tail, file=sys.stderr)
-        units = {"completed": "bool", "wall_s": "s", "step_time_s": "s", "predicted_over_reserved": "ratio"}
-        for metric, value in values.items():
-            rows.append(dict(op="preset_2_steps", impl=name, shape=shape, metric=metric, value=value,
-                             unit=units.get(metric, "GiB" if metric.endswith("_gib") else "tokens"), device=dev,
-                             versions=versions, git_sha=sha, date=date))
+        units = {"completed": "bool", "wall_s": "s", "step_time_s": "s", "predicted_over_reserved": "ratio",
+                 "killed_by_signal": "signal"}
+        done = [dict(op="preset_2_steps", impl=name, shape=shape, metric=metric, value=value,
+                     unit=units.get(metric, "GiB" if metric.endswith("_gib") else "tokens"), device=dev,
+                     versions=versions, git_sha=sha, date=date) for metric, value in values.items()]
+        all_rows = merge_csv(done, Path(args.csv), key=("op", "impl", "device", "metric"))  # now: a kill loses none
+        rows += done
     csv_path = Path(args.csv)
-    all_rows = merge_csv(rows, csv_path, key=("op", "impl", "device", "metric"))
     # every preset measured on this device, not only this call's: gpu_campaign.py runs one preset per call
     plot([r for r in all_rows if r["device"] == dev and r["op"] == "preset_2_steps"], csv_path.with_suffix(".png"))
     print(f"[gpu_presets] wrote {csv_path} and {csv_path.with_suffix('.png')}")

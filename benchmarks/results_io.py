@@ -6,6 +6,7 @@ import csv
 import datetime
 import os
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,3 +66,77 @@ def run_meta(device: str, packages=("torch", "trl")) -> tuple[str, str, str]:
     else:
         dev = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
     return " ".join(versions), sha or "unknown", dev
+
+
+# ------------------------------------------------------------------------------------------ a bench's worker process
+GIB = 1 << 30
+
+
+def host_available_gib() -> float | None:
+    """MemAvailable of this host (GiB), None where /proc/meminfo cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    return None
+
+
+def run_worker_process(cmd: list[str], env: dict, cwd, timeout_s: float | None = None, poll_s: float = 1.0) -> dict:
+    """Run one variant's worker; {returncode, stdout, stderr, timed_out, signal, host_available_gib (when it ended),
+    host_available_min_gib (lowest seen while it ran, every `poll_s`)}. A worker the kernel kills (the OOM killer's
+    signal 9) leaves no message of its own: the signal and the host's free memory are what say why."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    t0, lowest, out, err = time.monotonic(), host_available_gib(), "", ""
+    while True:
+        try:
+            out, err = proc.communicate(timeout=poll_s)  # retried after a timeout, no output is lost
+            break
+        except subprocess.TimeoutExpired:
+            now = host_available_gib()
+            lowest = now if lowest is None or (now is not None and now < lowest) else lowest
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                proc.kill()
+                out, err = proc.communicate()
+                return dict(returncode=proc.returncode, stdout=out, stderr=err, timed_out=True, signal=None,
+                            host_available_gib=host_available_gib(), host_available_min_gib=lowest)
+    code = proc.returncode
+    return dict(returncode=code, stdout=out, stderr=err, timed_out=False, signal=-code if code < 0 else None,
+                host_available_gib=host_available_gib(), host_available_min_gib=lowest)
+
+
+def killed_result(impl: str, run: dict) -> dict:
+    """A variant's result when its worker died by a signal: what the CSV and the summary say instead of figures."""
+    gib = run["host_available_gib"]
+    low = run["host_available_min_gib"]
+    print(f"{impl}: killed by signal {run['signal']}; host memory available then {_gib(gib)} GiB (lowest while it "
+          f"ran {_gib(low)} GiB)", flush=True)
+    return {"impl": impl, "oom": False, "killed_by_signal": run["signal"], "host_available_gib": gib,
+            "host_available_min_gib": low}
+
+
+def killed_rows(res: dict) -> list[tuple[str, float, str]]:
+    """(metric, value, unit) of a killed variant, for the long-format CSV."""
+    rows = [("killed_by_signal", float(res["killed_by_signal"]), "signal")]
+    for key in ("host_available_gib", "host_available_min_gib"):
+        if res.get(key) is not None:
+            rows.append((key, round(res[key], 2), "GiB"))
+    return rows
+
+
+def _gib(x):
+    return "?" if x is None else f"{x:.1f}"
+
+
+def already_measured(path: Path, meta: tuple[str, str, str], op: str, impl: str, shape: str,
+                     metric: str = "oom") -> bool:
+    """A bench's --resume: `impl` has figures at `shape` in `path` from this sha and device (`metric` is written
+    for every variant that ended, out of memory or not; a killed or timed-out one has none), so a retried row runs
+    only the variants that failed."""
+    _, sha, dev = meta
+    if not path.exists():
+        return False
+    with path.open() as f:
+        return any((r["op"], r["impl"], r["shape"], r["metric"], r["git_sha"], r["device"])
+                   == (op, impl, shape, metric, sha, dev) for r in csv.DictReader(f))

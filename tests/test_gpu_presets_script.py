@@ -17,9 +17,11 @@ from launch_utils import ROOT, child_env
 @pytest.mark.long  # the benchmark script end to end (41 s): make test-distributed, as bench_step_memory
 def test_gpu_presets_cpu_check_writes_the_csv(tmp_path):
     csv_path = tmp_path / "presets.csv"
+    # as on an offline GPU host: no hub, no registry, no embedded model in the cache (issue 35): nothing downloads
+    offline = dict(child_env(), HF_HUB_OFFLINE="1", PIP_NO_INDEX="1", GRPO_ACCEL_CACHE=str(tmp_path / "no_cache"))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_presets.py"), "--cpu-check",
                            "--completion-length", "8", "--out", str(tmp_path / "out"), "--models-dir",
-                           str(tmp_path / "models"), "--csv", str(csv_path)], env=child_env(), cwd=ROOT,
+                           str(tmp_path / "models"), "--csv", str(csv_path)], env=offline, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     rows = {r["metric"]: r for r in csv.DictReader(csv_path.open())}
@@ -28,6 +30,7 @@ def test_gpu_presets_cpu_check_writes_the_csv(tmp_path):
     assert float(rows["predicted_peak_gib"]["value"]) > 0 and "T=" in rows["completed"]["shape"]
     assert csv_path.with_suffix(".png").exists()
     assert (tmp_path / "models" / "tiny-llama" / "config.json").exists()
+    assert not (tmp_path / "no_cache").exists()  # the embedded model was never fetched
 
 
 def test_gpu_presets_refuses_to_run_gpu_presets_without_a_gpu(tmp_path):

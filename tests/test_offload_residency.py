@@ -17,10 +17,10 @@ from grpo_accel.offload.residency import HostMemoryError, check_host_memory, hos
 L = 6
 
 
-def run(cfg, steps=1):
+def run(cfg, steps=1, tokens=T):
     model = tiny_llama(layers=L)
     ckpt = install_activation_offload(model, cfg)
-    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, V, (B, tokens), generator=torch.Generator().manual_seed(2))
     peaks = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
@@ -52,6 +52,22 @@ def test_host_budget_raises_naming_the_fix_and_the_device_budget_relieves_it():
     assert issubclass(HostMemoryError, ValueError)
     # 3 inputs kept on the device + the newest leave L - 4 = 2 for the host: fits exactly
     run(dataclasses.replace(tight, device_budget_bytes=3 * LAYER_BYTES))
+
+
+def test_pinned_copies_count_the_pinned_allocators_power_of_two_blocks(monkeypatch):
+    """torch's CachingHostAllocator rounds every pinned block up to a power of two (ATen/core/CachingHostAllocator.h,
+    PowerOf2Ceil): a 2.3 GiB layer input holds 4 GiB. The host budget must count the blocks, or 36 such inputs pass
+    a budget of 90% of 128 GiB and meet the OOM killer (issue 35: a benchmark worker killed by signal 9)."""
+    import grpo_accel.offload.stash as stash_mod
+
+    policy, copy = stash_mod._policy, stash_mod._copy  # pinned as on CUDA; the copy itself unpinned (no GPU here)
+    monkeypatch.setattr(stash_mod, "_policy", lambda t, cfg, m: (policy(t, cfg, m)[0], True, False))
+    monkeypatch.setattr(stash_mod, "_copy", lambda src, device, pin, stream: copy(src, device, False, stream))
+    layer = B * 12 * 32 * 4  # one 12-token input: 3072 bytes, in a 4096-byte pinned block
+    with pytest.raises(HostMemoryError):  # the L - 1 offloaded inputs' bytes, not their blocks
+        run(dataclasses.replace(FORCED, host_budget_bytes=(L - 1) * layer), tokens=12)
+    _, _, stash = run(dataclasses.replace(FORCED, host_budget_bytes=(L - 1) * 4096), tokens=12)
+    assert stash.host_bytes == 0  # every block given back after backward
 
 
 def test_reloads_reuse_two_pooled_buffers_across_layers_and_steps():

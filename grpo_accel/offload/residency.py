@@ -44,6 +44,13 @@ def host_available_bytes() -> int | None:
         return None
 
 
+def host_block_bytes(nbytes: int, pinned: bool) -> int:
+    """Host memory one copy of `nbytes` holds: torch's CachingHostAllocator rounds every pinned block up to a power
+    of two (ATen/core/CachingHostAllocator.h, PowerOf2Ceil; a 2.3 GiB layer input holds 4 GiB), pageable copies
+    hold their bytes. The host budget counts blocks, or it passes what the OOM killer then stops (issue 35)."""
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 1 else nbytes
+
+
 def host_budget_per_process(fraction: float = 0.9) -> int | None:
     """This process's share of what the host has free now: `fraction` of MemAvailable over the processes of this
     machine (each stashes up to its own budget, so k processes together stay within the node's), None if unknown."""

@@ -10,7 +10,7 @@ import torch
 
 from grpo_accel.offload import tracker as _tracker
 from grpo_accel.offload.config import OffloadConfig
-from grpo_accel.offload.residency import BufferPool, host_error
+from grpo_accel.offload.residency import BufferPool, host_block_bytes, host_error
 from grpo_accel.offload.tracker import _nbytes
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -41,6 +41,7 @@ class _Entry:
         self.stash = stash  # host budget and buffer pool (None for the head's saved tensors: unchecked, unpooled)
         self.dev = [t.detach() for t in tensors]
         self.pooled = [False] * len(tensors)
+        self.held_host = 0  # host bytes counted against the stash's budget for this entry
         self.resident = False  # kept on the device under the stash's device budget
         self.host = [None] * len(tensors)
         self.versions = [t._version for t in tensors]
@@ -75,8 +76,8 @@ class _Entry:
             if copy and self.host[i] is None:
                 self._check_version(i)
                 t, side = self.dev[i], _side_stream(self.device[i]) if streams else None
-                if self.stash is not None:
-                    self.stash.reserve_host(_nbytes(t))
+                if self.stash is not None:  # the pinned allocator's block, not the tensor's bytes
+                    self.held_host += self.stash.reserve_host(host_block_bytes(_nbytes(t), pin))
                 if side is not None:
                     side.wait_event(self.events["ready"])
                 self.host[i] = _copy(t, "cpu", pin, side)
@@ -125,7 +126,7 @@ class _Entry:
             self._report(-sum(_nbytes(t) for t in self.dev if t is not None), "device")
             self._report(-sum(_nbytes(t) for t in self.host if t is not None), "host")
             if self.stash is not None:
-                self.stash.host_bytes -= sum(_nbytes(t) for t in self.host if t is not None)
+                self.stash.host_bytes -= self.held_host
                 for t, pooled in zip(self.dev, self.pooled):
                     if pooled and t is not None:
                         self.stash.pool.give(t)
@@ -180,12 +181,13 @@ class ActivationStash:
         entry.release()
         self._entries = [r for r in self._entries if r() is not None and r() is not entry]
 
-    def reserve_host(self, nbytes: int) -> None:
-        """Count `nbytes` more host bytes, or raise HostMemoryError past the config's host budget."""
+    def reserve_host(self, nbytes: int) -> int:
+        """Count `nbytes` more host bytes (returned), or raise HostMemoryError past the config's host budget."""
         limit = self.config.host_budget_bytes
         if limit is not None and self.host_bytes + nbytes > limit:
             raise host_error(self.host_bytes + nbytes, limit)
         self.host_bytes += nbytes
+        return nbytes
 
     def __deepcopy__(self, memo):  # streams/events do not copy; a model copy gets its own stash
         return ActivationStash(self.config)
