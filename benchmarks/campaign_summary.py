@@ -93,7 +93,7 @@ def judge_preset(v: RowView):
         return "", ""
     if not got.get("completed"):
         return "did not complete 2 steps", "missed"
-    pred, res, alloc = got.get("predicted_peak_gib"), got.get("peak_reserved_gib"), got.get("peak_allocated_gib")
+    pred, res, alloc = got.get("predicted_reserved_gib"), got.get("peak_reserved_gib"), got.get("peak_allocated_gib")
     if v.cpu:  # no reserved memory on CPU; the "allocated" telemetry is the host RSS
         return f"2 steps; host RSS peak {_fmt(alloc)} GiB, planner {_fmt(pred)} GiB", NO_GOAL
     text = (f"2 steps, median step {_fmt(got.get('step_time_s'), 1)} s; reserved {_fmt(res)} GiB, allocated "
@@ -241,12 +241,12 @@ FIRST_POINT = dict(preset="h100_110k", device="NVIDIA H200", sha="unrecorded (is
 
 @functools.lru_cache(maxsize=64)  # the summary is rewritten after every row; the plan of a point does not change
 def plan_now_gib(preset: str, prompt: int, completion: int) -> float | None:
-    """This checkout's planner at a measured point (gpu_presets.predicted_peak_gib: the preset's flags, the point's
+    """This checkout's planner at a measured point (gpu_presets.predicted_reserved_gib: the preset's flags, the point's
     lengths): a planner fix shows here on the next summary, with no figure re-measured."""
-    from gpu_presets import predicted_peak_gib
+    from gpu_presets import predicted_reserved_gib
 
     try:
-        return predicted_peak_gib(preset, ["--max_completion_length", str(completion)], prompt)
+        return predicted_reserved_gib(preset, ["--max_completion_length", str(completion)], prompt)
     except Exception as exc:  # a preset renamed or removed since the point was measured
         print(f"[summary] planner for {preset} at {prompt}+{completion}: {type(exc).__name__}: {exc}")
         return None
@@ -278,7 +278,7 @@ def planner_vs_presets(results: Path) -> list[dict]:
             continue
         prompt = int(shape.split("T=")[1].split("+")[0])
         out.append(_preset_point(name, f"{dev} @ {sha}", date, prompt, int(m["completion_length_run"]),
-                                 m.get("predicted_peak_gib"), m["peak_reserved_gib"]))
+                                 m.get("predicted_reserved_gib"), m["peak_reserved_gib"]))
     return out
 
 

@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel fr
 from random_models import save_random_model  # noqa: E402  (benchmarks/ is on sys.path as a script)
 from results_io import ROOT, host_available_gib, merge_csv, run_meta  # noqa: E402
 
+from grpo_accel.planning.routes import Stack  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -83,17 +85,24 @@ def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher:
     return flags, code, time.time() - t0, tail
 
 
-def predicted_peak_gib(name: str, flags: list[str], prompt_tokens: int) -> float:
-    """The planner for the same flags as the launch, at the measured prompt length. --model is dropped: the random
-    checkpoint has the preset's architecture, which the planner knows by name, so campaign_summary.py can re-plan a
-    point measured on another host (whose model folder is not here) with this checkout's planner."""
+# The GPU hosts cannot carry vLLM (DESIGN.md): every point measured there generated with generate().
+GPU_HOST_STACK = Stack(vllm=False, bnb_4bit=False, cuda=True)
+
+
+def predicted_reserved_gib(name: str, flags: list[str], prompt_tokens: int, stack: Stack = GPU_HOST_STACK) -> float:
+    """The planner for the same flags as the launch, at the measured prompt length, on the generation stack the
+    point ran on (default: the GPU hosts', so generate()), as torch's peak reserved memory reports it (the plan's
+    peak without the CUDA context: MemoryPlan.reserved_bytes). --model is dropped: the random checkpoint has the
+    preset's architecture, which the planner knows by name, so campaign_summary.py can re-plan a point measured on
+    another host (whose model folder is not here) with this checkout's planner."""
     from grpo_accel.app.run_spec import resolve_run_spec
 
     if "--model" in flags:
         i = flags.index("--model")
         flags = flags[:i] + flags[i + 2:]
     spec = resolve_run_spec(["--preset", name, *flags], for_plan=True)
-    return spec.plan(max_prompt_length=prompt_tokens).peak_gib
+    spec.stack = stack
+    return spec.plan(max_prompt_length=prompt_tokens).reserved_bytes / 2**30
 
 
 def longest_prompt(model_dir: Path) -> int:
@@ -124,7 +133,7 @@ def plot(rows: list[dict], path: Path) -> None:
     xs = range(len(names))
     for offset, metric, label in ((-0.27, "peak_allocated_gib", "measured allocated"),
                                   (0.0, "peak_reserved_gib", "measured reserved"),
-                                  (0.27, "predicted_peak_gib", "planner")):
+                                  (0.27, "predicted_reserved_gib", "planner")):
         ax.bar([x + offset for x in xs], [get(n, metric) for n in names], width=0.27, label=label)
     ax.set_xticks(list(xs), names, rotation=20)
     ax.set_ylabel("GiB (2-step peak)")
@@ -184,9 +193,10 @@ def main(argv=None) -> int:
         metrics_csv = out / "runs" / name / "metrics.csv"
         if ok and metrics_csv.exists():
             values.update(measured_peaks(metrics_csv))
-            values["predicted_peak_gib"] = round(predicted_peak_gib(name, flags, prompt), 3)
+            values["predicted_reserved_gib"] = round(predicted_reserved_gib(name, flags, prompt), 3)
             if values.get("peak_reserved_gib"):
-                values["predicted_over_reserved"] = round(values["predicted_peak_gib"] / values["peak_reserved_gib"], 3)
+                values["predicted_over_reserved"] = round(
+                    values["predicted_reserved_gib"] / values["peak_reserved_gib"], 3)
         else:
             print(tail, file=sys.stderr)
         units = {"completed": "bool", "wall_s": "s", "step_time_s": "s", "predicted_over_reserved": "ratio",

@@ -305,7 +305,7 @@ def test_the_planner_error_starts_with_the_first_gpu_point_and_replans_with_this
         "op,impl,shape,metric,value,unit,device,versions,git_sha,date\n"
         + "".join(f"preset_2_steps,h100_110k,qwen3-8b T=150+128 G=8,{m},{v},u,NVIDIA H100,v,abc,2026-12-01\n"
                   for m, v in (("completed", 1), ("completion_length_run", 128), ("peak_reserved_gib", 8.0),
-                               ("predicted_peak_gib", 9.0))))
+                               ("predicted_reserved_gib", 9.0))))
     first, second = summary.planner_vs_presets(tmp_path)
     assert (first["preset"], first["tokens"], first["then"], first["reserved"]) == ("h100_110k", "42 + 128", "15.10",
                                                                                      "6.44")

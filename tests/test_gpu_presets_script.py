@@ -27,7 +27,7 @@ def test_gpu_presets_cpu_check_writes_the_csv(tmp_path):
     rows = {r["metric"]: r for r in csv.DictReader(csv_path.open())}
     assert rows["completed"]["value"] == "1.0" and rows["completion_length_run"]["value"] == "8"
     assert float(rows["peak_allocated_gib"]["value"]) > 0.1  # the launched run's own telemetry (host RSS on CPU)
-    assert float(rows["predicted_peak_gib"]["value"]) > 0 and "T=" in rows["completed"]["shape"]
+    assert float(rows["predicted_reserved_gib"]["value"]) > 0 and "T=" in rows["completed"]["shape"]
     assert csv_path.with_suffix(".png").exists()
     assert (tmp_path / "models" / "tiny-llama" / "config.json").exists()
     assert not (tmp_path / "no_cache").exists()  # the embedded model was never fetched
