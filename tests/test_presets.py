@@ -7,6 +7,7 @@ DeepSpeed's own config class, presets and YAMLs match one to one, and preset sel
 import copy
 import os
 import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -205,7 +206,7 @@ def test_launching_yaml_walks_the_real_parent_processes(tmp_path):
 
     if not os.path.exists("/proc/self/cmdline"):
         pytest.skip("needs /proc")
-    repo = str(CONFIG_DIR.parent)
+    repo = str(Path(__file__).resolve().parents[1])  # the checkout: its accelerate_configs links to CONFIG_DIR
     child = (f"import sys; sys.path.insert(0, {repo!r}); from grpo_accel.app.presets import select_preset; "
              "p, why = select_preset(None, gpu_props=None); print(p.name, '|', why)")
     # the parent: a python process with `--config_file ...cpu_zero2.yaml` in its argv, like accelerate launch

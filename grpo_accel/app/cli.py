@@ -194,18 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo_accel.core.errors import UserError
+    from grpo_accel.core.errors import run_guarded
 
     args, rest = build_parser().parse_known_args(argv)
-    try:
-        if args.command == "plan":
-            return cmd_plan(args, rest)
-        if rest:
-            build_parser().parse_args(argv)  # argparse's own message for unknown arguments, exit 2
-        return args.handler(args)
-    except UserError as exc:  # named-fix errors; anything else is a bug and keeps its traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.command == "plan":
+        return run_guarded(cmd_plan, args, rest)
+    if rest:
+        build_parser().parse_args(argv)  # argparse's own message for unknown arguments, exit 2
+    return run_guarded(args.handler, args)
 
 
 if __name__ == "__main__":

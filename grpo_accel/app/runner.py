@@ -6,9 +6,7 @@ second with a message that names the fix, and no run directory is created for a 
 
 from __future__ import annotations
 
-import errno
 import os
-import sys
 import time
 
 import torch
@@ -16,7 +14,7 @@ import torch
 from grpo_accel.app.report import plot_reward_curve, step_rows, write_json, write_metrics_csv
 from grpo_accel.core import dtypes
 from grpo_accel.core.console import log
-from grpo_accel.core.errors import ConfigError, UserError
+from grpo_accel.core.errors import ConfigError, UserError, run_guarded
 from grpo_accel.core.processes import launched_processes, local_processes, process_rank
 from grpo_accel.data.datasets import load_run_data, prompt_lengths
 from grpo_accel.data.models import ModelLoadError, load_model, load_tokenizer
@@ -390,22 +388,6 @@ def _write_artifacts(output_dir: str, rows: list[dict], summary: dict) -> None:
 
 
 def main_guarded(fn, *args) -> int:
-    """Run `fn`: an error the user can fix (UserError) becomes one `error:` line and exit code 2; anything else is
-    a bug and keeps its traceback."""
-    try:
-        return fn(*args)
-    except UserError as exc:
-        # one line per launch: every rank meets the same user error, rank 0 says it
-        if process_rank() == 0:
-            print(f"\nerror: {exc}", file=sys.stderr, flush=True)  # newline: a progress bar may be mid-line
-        return 2
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            print(f"\nerror: disk full while writing {exc.filename or 'the run'}. Fix: free space or pass another "
-                  f"--output_dir; files are written via rename, so the previous checkpoint and artifacts are intact, "
-                  f"and --resume_from_checkpoint latest skips the interrupted save.", file=sys.stderr, flush=True)
-            return 2
-        if isinstance(exc, (FileNotFoundError, PermissionError)) and exc.filename:
-            print(f"\nerror: {exc.strerror}: {exc.filename}. Fix: check that path.", file=sys.stderr, flush=True)
-            return 2
-        raise
+    """`fn(*args)` under core.errors.run_guarded (one `error:` line and exit 2 for what the user can fix), said by
+    rank 0 alone."""
+    return run_guarded(fn, *args, speaks=process_rank() == 0, after_progress=True)

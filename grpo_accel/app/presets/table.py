@@ -1,19 +1,15 @@
-"""GPU presets: the training side of each accelerate YAML, GPU detection, and which preset a run uses.
+"""The preset table: the training side of each accelerate YAML, keyed by the YAML's file name.
 
 accelerate refuses unknown keys in its YAML and does not pass the YAML's path to the script, so the training
-settings of `accelerate_configs/<name>.yaml` live here, keyed by the file name; `select_preset` finds the YAML
-that launched this process from the parent processes' command lines.
+settings of `accelerate_configs/<name>.yaml` live here. The YAMLs are package data (this folder's
+accelerate_configs/, which the checkout's top-level accelerate_configs links to), so an installed wheel has them.
 
-    accelerate launch --config_file accelerate_configs/h100_110k.yaml launch/train.py
     grpo-accel presets                                   # the table, with the planner's predicted peak
-
-Choice order (`select_preset`): --preset, else the launching YAML's preset, else the detected GPU's.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +20,9 @@ from grpo_accel.planning.architectures import model_shape
 from grpo_accel.planning.memory import MemoryPlan, plan_memory
 from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "accelerate_configs"
+# package data: the YAMLs travel with the package (a wheel, `pip install .`); the checkout's accelerate_configs/ is a
+# link to this folder, where the README's command names it
+CONFIG_DIR = Path(__file__).resolve().parent / "accelerate_configs"
 
 
 
@@ -289,178 +287,6 @@ def get_preset(name: str) -> Preset:
     return PRESETS[key]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# GPU detection
-
-@dataclass(frozen=True)
-class GPUProps:
-    """What detection reads from torch.cuda.get_device_properties(0) (injectable so tests can fake GPUs)."""
-
-    name: str
-    total_memory: int  # bytes
-    major: int
-    minor: int
-    count: int = 1
-
-    @property
-    def mem_gib(self) -> float:
-        return self.total_memory / GIB
-
-
-def current_gpu_props() -> GPUProps | None:
-    try:
-        import torch
-
-        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-            return None
-        p = torch.cuda.get_device_properties(0)
-        return GPUProps(p.name, p.total_memory, p.major, p.minor, torch.cuda.device_count())
-    except Exception:
-        return None
-
-
-def _props(gpu) -> GPUProps | None:
-    if gpu is None or getattr(gpu, "count", 1) == 0:
-        return None
-    if isinstance(gpu, GPUProps):
-        return gpu
-    return GPUProps(gpu.name, int(gpu.total_memory), int(gpu.major), int(gpu.minor), int(getattr(gpu, "count", 1)))
-
-
-def _describe(gpu: GPUProps) -> str:
-    many = f"{gpu.count}x " if gpu.count > 1 else ""
-    return f"{many}{gpu.name} ({gpu.mem_gib:.1f} GiB, sm{gpu.major}{gpu.minor})"
-
-
-def _gpu_model(text: str) -> str | None:
-    """'t4', 'l4', 'a100', 'h100', 'h200', 'b200' from a device name ('NVIDIA GH200' is none of them)."""
-    found = re.findall(r"\b([abhlt]\d{1,3})\b", text.lower())
-    return found[0] if found else None
-
-
-def _detect(gpu) -> tuple[Preset, str]:
-    gpu = _props(gpu)
-    if gpu is None:
-        return PRESETS["cpu"], "no CUDA GPU found: cpu"
-    cc = (gpu.major, gpu.minor)
-    ok = [p for p in PRESETS.values()
-          if p.is_gpu and p.min_gpu_mem_gib <= gpu.mem_gib and tuple(p.min_compute_capability) <= cc
-          and p.num_processes <= gpu.count and p.name != "multinode_zero3"]
-    if not ok:
-        smallest = min((p for p in PRESETS.values() if p.is_gpu), key=lambda p: p.min_gpu_mem_gib)
-        sm = "".join(map(str, smallest.min_compute_capability))
-        return PRESETS["cpu"], (f"{_describe(gpu)} is below every GPU preset (smallest: {smallest.name}, "
-                                f"≥ {smallest.min_gpu_mem_gib:g} GiB, sm{sm}+): cpu")
-    model = _gpu_model(gpu.name)
-    # most processes used, then most memory, then the preset made for this GPU model (A100 vs H100 at 80 GB)
-    best = max(ok, key=lambda p: (p.num_processes, p.min_gpu_mem_gib,
-                                  model is not None and _gpu_model(p.target_gpu) == model))
-    return best, f"detected {_describe(gpu)}: {best.name}"
-
-
-def detect_preset(gpu_props="current") -> Preset:
-    """The preset for a GPU (props: name, total_memory bytes, major, minor, count); None or no GPU -> cpu."""
-    return _detect(current_gpu_props() if gpu_props == "current" else gpu_props)[0]
-
-
-def check_preset_fits_gpu(preset: Preset | str, gpu_props="current") -> None:
-    """Raise PresetError naming a preset that fits, before any weights load."""
-    preset = get_preset(preset) if isinstance(preset, str) else preset
-    gpu = _props(current_gpu_props() if gpu_props == "current" else gpu_props)
-    if not preset.is_gpu:
-        return
-    if gpu is None:
-        raise PresetError(f"preset {preset.name} needs a CUDA GPU ({preset.target_gpu}); none found: try cpu")
-    suggestion = _detect(gpu)[0].name
-    if gpu.mem_gib < preset.min_gpu_mem_gib:
-        raise PresetError(f"preset {preset.name} needs ≥ {preset.min_gpu_mem_gib:g} GiB of GPU memory, this GPU "
-                          f"({gpu.name}) has {gpu.mem_gib:.0f} GiB: try {suggestion}")
-    if (gpu.major, gpu.minor) < tuple(preset.min_compute_capability):
-        need = ".".join(map(str, preset.min_compute_capability))
-        why = "bf16 needs compute capability ≥ 8.0" if preset.dtype == "bf16" else f"it needs sm ≥ {need}"
-        raise PresetError(f"preset {preset.name} trains in {preset.dtype}: {why}, this GPU ({gpu.name}) is "
-                          f"{gpu.major}.{gpu.minor}: try {suggestion}")
-    if gpu.count < preset.num_processes and preset.name != "multinode_zero3":
-        raise PresetError(f"preset {preset.name} runs {preset.num_processes} processes, one per GPU; this machine "
-                          f"has {gpu.count}: try {suggestion}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Which YAML launched us
-
-def preset_for_yaml(path) -> Preset | None:
-    """The preset of an accelerate YAML, by file stem (None for a YAML that is not one of ours)."""
-    return PRESETS.get(Path(str(path)).stem)
-
-
-def _config_file_arg(argv: list[str]) -> str | None:
-    for i, tok in enumerate(argv):
-        if tok == "--config_file" and i + 1 < len(argv):
-            return argv[i + 1]
-        if tok.startswith("--config_file="):
-            return tok.split("=", 1)[1]
-    return None
-
-
-def _read_cmdline(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return [t.decode(errors="replace") for t in f.read().split(b"\0") if t]
-
-
-def _parent_pid(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("PPid:"):
-                return int(line.split()[1])
-    return 0
-
-
-def launching_yaml(cmdline=None, max_depth: int = 12) -> Path | None:
-    """The `--config_file X.yaml` that `accelerate launch` got, from this process or its ancestors.
-
-    cmdline: a command line to read instead (str or list, for tests). Otherwise walks /proc/<pid>/cmdline from
-    this process up through its parents (accelerate -> torchrun / deepspeed launcher -> this script); a relative
-    path is resolved against that process's working directory.
-    """
-    if cmdline is not None:
-        argv = cmdline.split() if isinstance(cmdline, str) else list(cmdline)
-        found = _config_file_arg(argv)
-        return Path(found) if found else None
-    pid = os.getpid()
-    for _ in range(max_depth):
-        if pid <= 1:
-            break
-        try:
-            found = _config_file_arg(_read_cmdline(pid))
-            if found:
-                path = Path(found)
-                if not path.is_absolute():
-                    try:
-                        path = Path(os.readlink(f"/proc/{pid}/cwd")) / path
-                    except OSError:
-                        pass
-                return path
-            pid = _parent_pid(pid)
-        except OSError:  # not Linux, or a parent we may not read
-            break
-    return None
-
-
-def select_preset(cli_preset: str | None = None, cmdline=None, gpu_props="current") -> tuple[Preset, str]:
-    """(preset, why): --preset wins; else the launching YAML's preset; else the detected GPU's."""
-    if cli_preset:
-        return get_preset(cli_preset), f"--preset {cli_preset} on the command line"
-    yaml_path = launching_yaml(cmdline)
-    if yaml_path is not None:
-        preset = preset_for_yaml(yaml_path)
-        if preset is not None:
-            return preset, f"launched with --config_file {yaml_path}"
-    preset, why = _detect(current_gpu_props() if gpu_props == "current" else gpu_props)
-    if yaml_path is not None:
-        why = f"{yaml_path.name} is not a grpo_accel preset YAML; {why}"
-    return preset, why
-
-
 def preset_table_rows() -> list[dict]:
     rows = []
     for p in PRESETS.values():
@@ -471,6 +297,5 @@ def preset_table_rows() -> list[dict]:
     return rows
 
 
-__all__ = ["CONFIG_DIR", "GPUProps", "PRESETS", "Preset", "PresetError", "check_preset_fits_gpu",
-           "current_gpu_props", "detect_preset", "get_preset", "launching_yaml", "list_presets", "preset_for_yaml",
-           "preset_table_rows", "select_preset"]
+__all__ = ["CONFIG_DIR", "DEMO_RECIPE", "GPU_RECIPE", "PRESETS", "Preset", "PresetError", "get_preset",
+           "list_presets", "preset_table_rows"]
