@@ -71,7 +71,7 @@ def rank_main(rank, world, out, port, offload):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     registry_before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
-    trainer.sequence_parallel = sequence_parallel.enable(trainer, world)
+    trainer.sequence_parallel = sequence_parallel.enable(world, **trainer.sequence_parallel_arguments())
     calls, shards, shard_rows = [], [], []
     sp_obj = trainer.sequence_parallel
     real, attend = sp_obj.logps_and_entropies, sp_obj.uattn.forward

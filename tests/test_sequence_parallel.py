@@ -261,11 +261,9 @@ def test_what_sp_does_not_run_is_refused_when_the_config_is_made(tmp_path, monke
 def test_sp_with_trls_head_is_refused():
     """SP x logprob_impl trl (docs/pairs.md): the SP pass runs inside our log-prob head (SequenceParallel wraps
     it), so TRL's own head would leave SP off unsaid. Refused before any process group is needed, with one line."""
-    from types import SimpleNamespace
-
     from grpo_accel.core.errors import ConfigError
     from grpo_accel.parallel import sequence_parallel
 
     with pytest.raises(ConfigError, match=r"^--sequence_parallel_size 2 needs grpo_accel's log-prob head\. Fix: "
                                           r"--logprob_impl auto\.$"):
-        sequence_parallel.enable(SimpleNamespace(logprob_impl="trl"), 2)
+        sequence_parallel.enable(2, models=[], logprob_impl="trl")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_accel._compat.vllm_cpu import keep_cpu_weights
-from grpo_accel.core.errors import ConfigError, UserError
+from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import launched_processes
 
 logger = logging.getLogger(__name__)
@@ -495,31 +495,7 @@ def sampling_settings(args) -> dict:
     return sampling
 
 
-def attach_shared_vllm(trainer, engine: SharedVLLM) -> SharedVLLMGeneration:
-    """Route a TRL 1.16 GRPOTrainer's generation through `engine` (call right after the trainer's __init__).
-
-    The trainer must have been built with `use_vllm=False` (else TRL already created a second engine with a
-    second copy of the weights) from a model that `engine.build_training_model()` returned. Sets
-    `trainer.use_vllm = True`, `trainer.vllm_mode = "colocate"`, `trainer.vllm_generation` (this object),
-    `trainer._last_loaded_step = -1`; TRL's `_generate_single_turn` then calls our `sync_weights` (adapter only)
-    and `generate`, and its importance-sampling correction uses the engine's log-probs as usual.
-    """
-    if getattr(trainer, "vllm_generation", None) is not None:
-        raise ValueError("the trainer already has a vLLM engine (use_vllm=True): build it with use_vllm=False and "
-                         "attach the shared engine afterwards, or it holds two engines")
-    refusal = unsupported_options(trainer.args)
-    if refusal:
-        raise ConfigError(refusal)
-    generation = SharedVLLMGeneration(engine, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),
-                                      sampling=sampling_settings(trainer.args))
-    trainer.use_vllm = True
-    trainer.vllm_mode = "colocate"
-    trainer.vllm_generation = generation
-    trainer._last_loaded_step = -1
-    return generation
-
-
 __all__ = ["EngineConfig", "FALLBACK_LINE", "SUPPORTED_VLLM", "SharedVLLM", "SharedVLLMGeneration",
-           "VLLMVersionError", "attach_shared_vllm", "build_shared_model", "check_vllm_version", "create_engine",
+           "VLLMVersionError", "build_shared_model", "check_vllm_version", "create_engine",
            "engine_model", "fallback_line", "hf_token_logprobs", "import_vllm", "keep_cpu_weights", "sampling_settings",
            "shared_fraction", "unsupported_options", "use_vllm_or_fallback", "vllm_missing", "vllm_unavailable_reason"]

@@ -1,7 +1,7 @@
 """Start the colocated engine for a GRPO run: which weights are shared, how big the engine is, what to log.
 
 `start_colocated_engine(model, args, ...)` returns `(engine, model)`; the trainer then generates through the
-engine (`vllm_colocate.attach_shared_vllm`). The route (planning.routes.choose_route on this machine's stack,
+engine (`trainer.trainer.attach_shared_vllm`). The route (planning.routes.choose_route on this machine's stack,
 `local_stack`, the same rule the plan follows) decides:
 - LoRA on a bf16/fp32 model (and `vllm_share_weights`): one copy of the base weights. From a directory the engine
   loads the checkpoint and the training model is built as views into it (no second copy, ever); an already loaded

@@ -130,13 +130,16 @@ def unsupported_reason(config, sp: int, attn_implementation: str | None = None) 
     return None
 
 
-def enable(trainer, sp: int) -> SequenceParallel | None:
-    """Ulysses SP on a GRPOAccelTrainer whose log-prob head is installed; an error naming the fix otherwise. One
-    process has nothing to split over: None, with one line (the presets' scaled-down CPU steps run that way)."""
+def enable(sp: int, *, models, logprob_impl: str, train_dataset=None, temperature: float = 1.0, chunk_size=None,
+           vocab_tile=None, offload=None) -> SequenceParallel | None:
+    """Ulysses SP over `sp` processes for `models` (the policy, and the reference when there is one) carrying our
+    log-prob head (`logprob_impl`, not "trl"); an error naming the fix otherwise. One process has nothing to split
+    over: None, with one line (the presets' scaled-down CPU steps run that way). The trainer passes its own values
+    (GRPOAccelTrainer.sequence_parallel_arguments): nothing here reads a trainer."""
     from grpo_accel.core.console import log
     from grpo_accel.core.errors import ConfigError
 
-    if trainer.logprob_impl == "trl":
+    if logprob_impl == "trl":
         raise ConfigError(f"--sequence_parallel_size {sp} needs grpo_accel's log-prob head. Fix: --logprob_impl auto.")
     world = group_size()
     if world == 1:
@@ -145,21 +148,18 @@ def enable(trainer, sp: int) -> SequenceParallel | None:
     if world % sp:
         raise ConfigError(f"--sequence_parallel_size {sp} must divide the {world} process(es). Fix: launch a "
                           f"multiple of {sp} processes (accelerate_configs/cpu_ulysses2.yaml: 2 over gloo).")
-    reason = unsupported_reason(causal_lm_of(trainer.model).config, sp)
+    reason = unsupported_reason(causal_lm_of(models[0]).config, sp)
     if reason:
         raise ConfigError(f"--sequence_parallel_size {sp}: {reason}. Fix: --sequence_parallel_size 1.")
     import datasets
 
-    if isinstance(trainer.train_dataset, (datasets.IterableDataset, torch.utils.data.IterableDataset)):
+    if isinstance(train_dataset, (datasets.IterableDataset, torch.utils.data.IterableDataset)):
         raise ConfigError(f"--sequence_parallel_size {sp} deals batches to SP groups through TRL's sampler, which a "
                           f"streaming (iterable) dataset does not use. Fix: a map-style dataset (streaming off).")
     log(f"sequence parallelism: Ulysses over {sp} processes (each group of {sp} shares its rows, "
         f"{world // sp} data-parallel group(s))")
-    models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
-    off = trainer.offload_config if trainer.offload_enabled else None
-    return SequenceParallel(models, sp, temperature=trainer.temperature, impl=trainer.logprob_impl,
-                            chunk_size=trainer.args.logprob_chunk_size, vocab_tile=trainer.args.logprob_vocab_tile,
-                            offload=off)
+    return SequenceParallel([m for m in models if m is not None], sp, temperature=temperature, impl=logprob_impl,
+                            chunk_size=chunk_size, vocab_tile=vocab_tile, offload=offload)
 
 
 class SequenceParallel:

@@ -33,7 +33,12 @@ from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.patches import Patches
 from grpo_accel.core.processes import several_processes
 from grpo_accel.data.rewards import guarded
-from grpo_accel.generation.vllm_colocate import attach_shared_vllm
+from grpo_accel.generation.vllm_colocate import (
+    SharedVLLM,
+    SharedVLLMGeneration,
+    sampling_settings,
+    unsupported_options,
+)
 from grpo_accel.generation.vllm_setup import colocated_route, start_colocated_engine
 from grpo_accel.head.logprob_head import head_unsupported_reason, install_logprob_head
 from grpo_accel.offload import OffloadConfig, install_activation_offload, remove_activation_offload, resolve_offload
@@ -226,7 +231,14 @@ class GRPOAccelTrainer(GRPOTrainer):
             return None
         from grpo_accel.parallel import sequence_parallel
 
-        return sequence_parallel.enable(self, sp)
+        return sequence_parallel.enable(sp, **self.sequence_parallel_arguments())
+
+    def sequence_parallel_arguments(self) -> dict:
+        """What sequence_parallel.enable takes from this trainer: the models carrying our head and its settings."""
+        return dict(models=[self.model, self.ref_model], logprob_impl=self.logprob_impl,
+                    train_dataset=self.train_dataset, temperature=self.temperature,
+                    chunk_size=self.args.logprob_chunk_size, vocab_tile=self.args.logprob_vocab_tile,
+                    offload=self.offload_config if self.offload_enabled else None)
 
     def _install_padding_free(self) -> bool:
         """Whether the log-prob passes pack rows (packing.py); one line saying why not when asked for and impossible."""
@@ -414,3 +426,28 @@ class GRPOAccelTrainer(GRPOTrainer):
         logps = unpack([(p, lp) for p, lp, _ in outs], rows, logits_to_keep)
         entropies = unpack([(p, e) for p, _, e in outs], rows, logits_to_keep) if compute_entropy else None
         return logps, entropies, None
+
+
+def attach_shared_vllm(trainer, engine: SharedVLLM) -> SharedVLLMGeneration:
+    """Route a TRL 1.16 GRPOTrainer's generation through `engine` (call right after the trainer's __init__). Here,
+    in trainer/, because it writes TRL's own state: the generation layer only builds the object TRL calls.
+
+    The trainer must have been built with `use_vllm=False` (else TRL already created a second engine with a
+    second copy of the weights) from a model that `engine.build_training_model()` returned. Sets
+    `trainer.use_vllm = True`, `trainer.vllm_mode = "colocate"`, `trainer.vllm_generation` (this object),
+    `trainer._last_loaded_step = -1`; TRL's `_generate_single_turn` then calls our `sync_weights` (adapter only)
+    and `generate`, and its importance-sampling correction uses the engine's log-probs as usual.
+    """
+    if getattr(trainer, "vllm_generation", None) is not None:
+        raise ValueError("the trainer already has a vLLM engine (use_vllm=True): build it with use_vllm=False and "
+                         "attach the shared engine afterwards, or it holds two engines")
+    refusal = unsupported_options(trainer.args)
+    if refusal:
+        raise ConfigError(refusal)
+    generation = SharedVLLMGeneration(engine, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),
+                                      sampling=sampling_settings(trainer.args))
+    trainer.use_vllm = True
+    trainer.vllm_mode = "colocate"
+    trainer.vllm_generation = generation
+    trainer._last_loaded_step = -1
+    return generation
