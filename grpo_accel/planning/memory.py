@@ -57,17 +57,40 @@ def layer_saved_bytes_per_token(shape: ModelShape, act_bytes: int, lora_r: int) 
       LoRA on the 7 linears: each lora_B saves lora_A's output (r); inputs are shared with the base layer.
     Measured on CPU (fp32, SmolLM2-135M shape, no checkpointing): 51.6 KB vs 53.5 KB predicted per token-layer.
     """
-    H, I, q, kv, a = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, act_bytes
+    H, q, kv, a = shape.hidden, shape.q_dim, shape.kv_dim, act_bytes
     norms = 2 * (4 * H + 2 * a * H)
     attention = a * (5 * q + 4 * kv) + 4 * shape.heads
-    mlp = a * 4 * I
+    mlp = mlp_saved_bytes_per_token(shape, a)
     qk_norm = (4 + 2 * a) * (q + kv) if shape.qk_norm else 0
     return norms + attention + mlp + qk_norm + 7 * lora_r * a
 
 
+def mlp_saved_bytes_per_token(shape: ModelShape, a: int) -> float:
+    """What one layer's MLP saves per token, the mean over layers. Dense: gate, silu(gate), up, their product (4I).
+    MoE (counted from transformers' GptOssExperts / Qwen3MoeExperts loops, not measured): the router's logits [E]
+    and its fp32 softmax [E], the top-k weights and indices, and per routed copy (k per token) the gathered input and
+    the weighted output [H each] plus gate_up, the activation's inputs and output [5 I_e]."""
+    dense = a * 4 * shape.intermediate
+    if not shape.moe_layers:
+        return dense
+    E, k, Ie = shape.experts, shape.experts_per_token, shape.expert_intermediate
+    moe = (a + 4) * E + k * (a + 8) + k * a * (2 * shape.hidden + 5 * Ie)
+    return (shape.dense_mlp_layers * dense + shape.moe_layers * moe) / shape.layers
+
+
 def layer_backward_transient_per_token(shape: ModelShape, act_bytes: int) -> int:
-    """Gradients alive while one layer runs backward: d(out), d(in) [H each] and two MLP-sized grads [I each]."""
-    return act_bytes * (2 * shape.hidden + 2 * shape.intermediate)
+    """Gradients alive while one layer runs backward: d(out), d(in) [H each] and two MLP-sized grads [I each, or
+    I_e for each of a MoE token's k experts]."""
+    width = shape.experts_per_token * shape.expert_intermediate if shape.moe_layers else shape.intermediate
+    return act_bytes * (2 * shape.hidden + 2 * max(width, shape.intermediate if shape.dense_mlp_layers else 0))
+
+
+def expert_grad_transient_bytes(shape: ModelShape, grad_bytes: int, lora_r: int) -> int:
+    """Full fine-tuning of a MoE layer: each expert's slice of the 3-D weight (`gate_up_proj[e]`) back-propagates
+    through select_backward, a zero tensor the size of the whole parameter, and autograd sums those per use before
+    accumulating: one layer's expert weights twice, in the gradient dtype (from autograd's rules, not measured).
+    LoRA: none (PEFT's expert adapters on Qwen3-MoE add a per-layer delta of the experts' size, not modeled here)."""
+    return 2 * shape.expert_params * grad_bytes if lora_r <= 0 and shape.moe_layers else 0
 
 
 def auto_logprob_block(n_tokens: int, vocab: int, device: str, act_bytes: int, chunk: int | None = None):
@@ -101,13 +124,15 @@ def _logprob_workspace(impl, shape, n_c, a, device, chunk_tokens, head_trainable
 
 def _weights_bytes(shape: ModelShape, dtype_bytes: int, quantization: str) -> float:
     if quantization == "4bit":  # QLoRA: decoder linears in NF4; embeddings, lm_head, norms in the compute dtype
-        linear = shape.layers * shape.layer_linear_params
+        linear = shape.linear_params  # MoE experts stay in the compute dtype (ModelShape.linear_params)
         return linear * NF4_BYTES_PER_PARAM + (shape.n_params - linear) * dtype_bytes
     return shape.n_params * dtype_bytes
 
 
 def _kv_bytes_per_token(shape: ModelShape, a: int) -> int:
-    return 2 * shape.layers * shape.kv_dim * a  # K and V, every layer
+    """K and V of every layer per token: exact without sliding layers, an upper bound with them
+    (`ModelShape.kv_cache_bytes` keeps a sliding layer's window only)."""
+    return 2 * shape.layers * shape.kv_dim * a
 
 
 def engine_shares_weights(use_vllm: bool, lora_r: int, quantization: str, vllm_share_weights: bool = True) -> bool:
@@ -218,7 +243,8 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     trainable = shape.lora_params(lora_r) if lora_r > 0 else shape.n_params
     dev["lora_weights"] = trainable * 4 if lora_r > 0 else 0
     grad_bytes = 4 if lora_r > 0 else a
-    dev["gradients"] = trainable * grad_bytes / (world if deepspeed_stage >= 2 else 1)
+    dev["gradients"] = (trainable * grad_bytes / (world if deepspeed_stage >= 2 else 1)
+                        + expert_grad_transient_bytes(shape, grad_bytes, lora_r))
     # optimizer: fp32 master copy when the trained weights are not fp32, then Adam m and v (fp32, or 1 byte each
     # for 8-bit Adam); ZeRO-1+ shards them, offload_optimizer moves them to host
     master = 4 if (lora_r <= 0 and a != 4) else 0
@@ -259,7 +285,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     # hold vllm_kv_seqs full-length sequences (vLLM refuses to start below one)
     vllm_weights_bytes = _weights_bytes(shape, a, quantization)
     dev["vllm_weights"] = vllm_weights_bytes if use_vllm and not vllm_share_weights else 0
-    dev["vllm_kv_cache"] = vllm_kv_seqs * T * _kv_bytes_per_token(shape, a) if use_vllm else 0
+    dev["vllm_kv_cache"] = vllm_kv_seqs * shape.kv_cache_bytes(T, a) if use_vllm else 0
     dev["vllm_runtime"] = VLLM_RUNTIME_BYTES if use_vllm else 0
     live = sum(dev.values()) - (min(sum(dev[k] for k in GENERATION_TERMS),
                                     sum(dev[k] for k in TRAINING_TRANSIENT_TERMS)) if vllm_sleep else 0)
@@ -420,8 +446,8 @@ def vllm_memory_fraction(plan: MemoryPlan, gpu_bytes: int, cap: float = 0.95) ->
 def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
     """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
     inp = plan.inputs
-    per_seq = (inp["max_prompt_length"] + inp["max_completion_length"]) * _kv_bytes_per_token(
-        plan.shape, dtype_bytes(inp["dtype"]))
+    per_seq = plan.shape.kv_cache_bytes(inp["max_prompt_length"] + inp["max_completion_length"],
+                                        dtype_bytes(inp["dtype"]))
     budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
     return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
 
