@@ -77,9 +77,8 @@ def spy_policy_pass(monkeypatch):
 
 # Ours only. With the router loss on: the log-prob savers (offload cannot carry its gradient: refused, below).
 # With it off (router_aux_loss_coef=0 in both trainers): every saver of test_trl_compat, 16-token tiles included.
-LOGPROB_SAVERS = dict(logprob_impl="chunked", padding_free=True, share_prompt="auto")
-CASES = {"router_loss": (LOGPROB_SAVERS, {}),
-         "no_router_loss": ({**SAVERS_ON, "share_prompt": "auto"}, {"router_aux_loss_coef": 0.0})}
+LOGPROB_SAVERS = dict(logprob_impl="chunked", padding_free=True, share_prompt="true")
+CASES = {"router_loss": (LOGPROB_SAVERS, {}), "no_router_loss": (SAVERS_ON, {"router_aux_loss_coef": 0.0})}
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -87,8 +86,7 @@ CASES = {"router_loss": (LOGPROB_SAVERS, {}),
 @pytest.mark.parametrize("model_name", TWINS)
 @pytest.mark.parametrize("peft", [True, False], ids=["lora", "full"])
 def test_every_saver_equals_trls_step(model_name, peft, case, tmp_path, monkeypatch):
-    """One step equal to TRL's, with the savers on the policy pass. share_prompt="auto" shares where the model's
-    attention can (tiny-qwen3-moe), else runs unshared."""
+    """One step equal to TRL's, with the savers on the policy pass (none stepped aside, all ran)."""
     monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")
     savers, both = CASES[case]
     trl_run = run(GRPOTrainer, GRPOConfig, model_name, str(tmp_path / "trl"), peft, {}, both)
@@ -97,11 +95,9 @@ def test_every_saver_equals_trls_step(model_name, peft, case, tmp_path, monkeypa
     ours, log = our_run[0], our_run[1][0]
     assert ours.logprob_impl == "chunked" and not stepped_aside, "the policy pass went through TRL's code"
     assert ours.offload_enabled == (case == "no_router_loss")
-    # gpt-oss: eager attention with sinks and a sliding window, which the packed row and the tiles do not run
-    # (padded rows, whole re-runs: docs/pairs.md); Qwen3-MoE packs, shares the prompt and tiles
-    qwen = model_name == "tiny-qwen3-moe"
-    assert ours.padding_free == qwen and (log.get("share_prompt/token_ratio", 1) < 1) == qwen
-    assert bool(tiles) == (qwen and case == "no_router_loss")
+    # both pack and share the prompt (gpt-oss: its sinks and sliding window run per segment); tiles with offload
+    assert ours.padding_free and log["share_prompt/token_ratio"] < 1
+    assert bool(tiles) == (case == "no_router_loss")
     assert_same_step(trl_run, our_run, router_loss=case == "router_loss")
 
 
@@ -125,3 +121,63 @@ def test_offload_with_the_router_loss_is_refused(setting, tmp_path, monkeypatch,
         return
     assert not make().offload_enabled
     assert "offload_activations=auto: off, the MoE router loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "sliding"])
+@pytest.mark.parametrize("tile", [(0, 24), (9, 15)], ids=["whole", "tile"])
+def test_sink_and_window_attention_equals_gpt_oss_eager_float64(window, tile):
+    """`_attend` with a sink key and a window (no mask, as packed rows and tiles run it) against transformers'
+    gpt-oss eager attention with its own causal / sliding mask, all in float64: outputs and d(q, k, v, sinks) to
+    1e-10. A query tile (rows 9..23 against keys 0..23) as the tiled layer runs it."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from grpo_accel.tiling.attention import _attend, with_sink_column
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, T, D, scale = 2, 4, 2, 24, 8, 8 ** -0.5
+    q, k, v = (torch.randn(B, h, T, D, dtype=torch.float64, requires_grad=True) for h in (Hq, Hkv, Hkv))
+    sinks = torch.randn(Hq, dtype=torch.float64, requires_grad=True)
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups, module.training = sinks, Hq // Hkv, False
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    allowed = (j <= i) & ((j > i - window) if window else True)
+    mask = torch.zeros(T, T, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    ref = eager_attention_forward(module, q, k, v, mask[None, None], scale)[0]  # [B, T, heads, D]
+    start, n = tile
+    ours = _attend(with_sink_column(q[:, :, start:], sinks, scale), k, v, None, start, 0.0, scale, None, window,
+                   sink=True).transpose(1, 2)
+    torch.testing.assert_close(ours, ref[:, start:], rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(ours)
+    grads = torch.autograd.grad(ours, (q, k, v, sinks), g)
+    ref_grads = torch.autograd.grad(ref[:, start:], (q, k, v, sinks), g)
+    for ours_g, ref_g in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(ours_g, ref_g, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("model_name", TWINS)
+@pytest.mark.parametrize("peft", [True, False], ids=["lora", "full"])
+def test_tiled_mlp_over_experts_equals_whole(model_name, peft):
+    """The MoE block in tiles of 5 tokens (tiling/mlp.py) is the whole block: output, d(input) and every gradient
+    (experts, router, and under LoRA PEFT's adapters on them for Qwen3-MoE) within 1e-5 relative, fp32."""
+    from peft import LoraConfig, get_peft_model
+    from test_tiled_mlp import TOKENS, rel
+    from test_tiled_mlp import run as run_model
+
+    from grpo_accel.tiling import mlp as tiled_mlp
+
+    def build():
+        torch.manual_seed(0)
+        model = build_tiny_model(model_name, load_tokenizer(model_name))
+        if peft:
+            model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+        return model.train()
+
+    ref = run_model(build())
+    model = build()
+    assert tiled_mlp.install(model, TOKENS) == 2  # both decoder layers' MoE blocks
+    out, d_emb, grads = run_model(model)
+    assert rel(out, ref[0]) <= 1e-5 and rel(d_emb, ref[1]) <= 1e-5
+    assert grads.keys() == ref[2].keys() and any("experts" in n for n in grads) == (not peft or "qwen3" in model_name)
+    for name, g in grads.items():
+        assert rel(g, ref[2][name]) <= 1e-5, name

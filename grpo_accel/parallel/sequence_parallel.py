@@ -124,6 +124,8 @@ def unsupported_reason(config, sp: int, attn_implementation: str | None = None) 
         return f"{heads} attention heads are not divisible by sequence_parallel_size={sp}"
     if kv % sp and sp % kv:
         return f"{kv} key/value heads and sequence_parallel_size={sp}: neither divides the other"
+    if getattr(cfg, "model_type", None) == "gpt_oss":
+        return "gpt-oss's attention sinks (one logit per head) are not sharded with their heads here yet"
     impl = attn_implementation or config._attn_implementation or "sdpa"
     if impl not in _CORES:
         return f"attn_implementation={impl!r} (Ulysses is wired here for 'sdpa')"

@@ -138,6 +138,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         self.sequence_parallel = self._install_sequence_parallel()
         if self.sequence_parallel is not None:
             self.patches.add(self.sequence_parallel.remove)
+            self._refuse_router_loss_pairs()
         # SP shards carry their own positions through Ulysses' SDPA: no packed rows under it
         self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
         self.share_prompt = self._install_share_prompt()
@@ -163,7 +164,7 @@ class GRPOAccelTrainer(GRPOTrainer):
             raise ConfigError("--offload_activations cannot run with the MoE router loss: the offloaded re-run does "
                               f"not return the router logits that loss differentiates. {fix}, or "
                               "--offload_activations false.")
-        if (getattr(self.args, "sequence_parallel_size", 1) or 1) > 1:
+        if getattr(self, "sequence_parallel", None) is not None:
             raise ConfigError("--sequence_parallel_size > 1 cannot run with the MoE router loss: each rank holds "
                               f"part of each row's router logits. {fix}.")
 
