@@ -181,3 +181,15 @@ def test_tiled_mlp_over_experts_equals_whole(model_name, peft):
     assert grads.keys() == ref[2].keys() and any("experts" in n for n in grads) == (not peft or "qwen3" in model_name)
     for name, g in grads.items():
         assert rel(g, ref[2][name]) <= 1e-5, name
+
+
+def test_mxfp4_checkpoints_load_dequantized_and_refuse_bitsandbytes():
+    """openai/gpt-oss-*'s config.json says MXFP4: loaded dequantized (trainable bf16), and --quantization 4bit stops
+    with the fix (transformers would refuse a second quantization config at load)."""
+    from grpo_accel.data.models import ModelLoadError, mxfp4_load_kwargs
+
+    mxfp4 = {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}
+    assert mxfp4_load_kwargs({"model_type": "qwen3_moe"}, "4bit") == {}
+    assert mxfp4_load_kwargs(mxfp4, "none")["quantization_config"].dequantize is True
+    with pytest.raises(ModelLoadError, match="Fix: --quantization none"):
+        mxfp4_load_kwargs(mxfp4, "4bit")

@@ -14,7 +14,8 @@ gpt-oss's two extras, in every path above (each segment has its own softmax, so 
   sinks     a learned logit per head in each softmax's denominator (eager: cat(scores, sink), softmax, drop the
             sink's column). Here one more key whose value is 0: the query gets a last column sink/scale
             (`with_sink_column`, inside the layer's graph so d(sink) flows back through it), every key a 0 there,
-            and the sink key is 0 but a 1 there. Cost: head_dim + 1 for q and k, one more key per softmax.
+            and the sink key is 0 but a 1 there. Cost: head_dim + 8 for q, k, v (multiples of 8 keep CUDA's
+            memory-linear kernels), one more key per softmax.
   window    a sliding layer's query sees its own key and the W - 1 before it. Here the keys before the band are
             cut off (a tile's keys start where its first query's window does) and a [Tq, Tq + W - 1] band mask
             covers the rest: the scores of a sliding tile are Tq x (Tq + W - 1), whatever the row's length.
@@ -48,11 +49,15 @@ def segments_of(lengths) -> tuple[Segment, ...]:
     return tuple(Segment(a, b) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
+SINK_PAD = 8  # q/k head dims stay multiples of 8: CUDA's memory-linear SDPA kernels need it (else the math kernel)
+
+
 def with_sink_column(query, sinks, scale):
-    """[B, heads, T, D + 1]: the query with sink/scale as its last column (module docstring), for `_attend(...,
-    sink=True)`; differentiable in both."""
-    col = (sinks.to(query.dtype) / scale).view(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1)
-    return torch.cat([query, col], dim=-1)
+    """[B, heads, T, D + 8]: the query with sink/scale in column D and zeros after it (module docstring), for
+    `_attend(..., sink=True)`; differentiable in both."""
+    B, _, T, _ = query.shape
+    col = (sinks.to(query.dtype) / scale).view(1, -1, 1, 1).expand(B, -1, T, 1)
+    return torch.cat([query, col, query.new_zeros(B, query.shape[1], T, SINK_PAD - 1)], dim=-1)
 
 
 def _attend(q, k, v, mask, start: int, dropout: float, scale, segments=None, window=None, sink=False):
@@ -112,22 +117,27 @@ def _attend_banded(q, k, v, mask, start: int, dropout: float, scale, window, sin
         i = torch.arange(Tq, device=q.device)[:, None] + (Tk - Tq)
         j = torch.arange(first, Tk, device=q.device)[None]
         mask = (j <= i) & (j > i - window) if window else j <= i
-    if sink:  # a zero column on every key, then the sink key (0, ..., 0, 1) with value 0, seen by every query
-        k = F.pad(k, (0, 1))
+    Dv = v.shape[-1]
+    if sink:  # zero columns on every key, then the sink key (0, .., 0, 1, 0, ..) with value 0, seen by every query
+        D = k.shape[-1]
+        k, v = F.pad(k, (0, SINK_PAD)), F.pad(v, (0, q.shape[-1] - Dv))  # v as wide as q, k: one kernel for all
         sink_key = k.new_zeros(*k.shape[:2], 1, k.shape[3])
-        sink_key[..., -1] = 1
+        sink_key[..., D] = 1
         k, v = torch.cat([sink_key, k], 2), torch.cat([v.new_zeros(*v.shape[:2], 1, v.shape[3]), v], 2)
         if mask is not None:
             seen = (torch.ones if mask.dtype == torch.bool else torch.zeros)(
                 *mask.shape[:-1], 1, dtype=mask.dtype, device=mask.device)
             mask = torch.cat([seen, mask], -1)
     gqa = q.shape[1] != k.shape[1]
-    if gqa and q.is_cuda:  # masks reach CUDA's memory-linear kernels without GQA (as in `_attend`)
+    # a mask reaches CUDA's memory-linear kernels without GQA (as in `_attend`); a full layer's lower-right bias
+    # through flash keeps GQA (repeating a 380K-token K, V to 64 heads would cost GBs)
+    if gqa and q.is_cuda and (mask is not None or not _flash_usable(q, k, v, dropout)):
         rep = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
     if mask is None:  # full layer with a sink: lower-right causal over [sink ; keys] keeps the sink visible
         mask = causal_lower_right(Tq, k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    return out[..., :Dv]
 
 
 def _flash_usable(q, k, v, dropout: float) -> bool:
