@@ -4,7 +4,7 @@ process, no SP); then, over gloo, the same with Ulysses SP = 2 (the group-shared
 between the two). The SP grads are averaged over the ranks, as the data-parallel engine does. Both are measured again
 under bf16 and fp16 CPU autocast (`half`). Each rank writes OUT.rankR.
 
-    python tests/sequence_parallel_worker.py --out /tmp/sp.pt [--offload]
+    python tests/sequence_parallel_worker.py --out /tmp/sp.pt [--offload] [--model tiny-qwen3-moe]
 """
 
 import argparse
@@ -19,7 +19,7 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
-def rank_main(rank, world, out, port, offload):
+def rank_main(rank, world, out, port, offload, model):
     torch.set_num_threads(1)
     import tempfile
 
@@ -36,7 +36,9 @@ def rank_main(rank, world, out, port, offload):
     # tiles of 8 tokens on each shard
     extra = dict(offload_activations="true", gradient_checkpointing=True, offload_recompute_tokens=8) if offload \
         else {}
-    trainer = make_trainer(Path(tempfile.mkdtemp()), "chunked", **extra)
+    if model != "tiny-llama":  # a MoE twin: without the router loss, which SP refuses (trainer.py)
+        extra["router_aux_loss_coef"] = 0.0
+    trainer = make_trainer(Path(tempfile.mkdtemp()), "chunked", model_name=model, **extra)
     torch.manual_seed(2)  # LoRA B starts at 0 (A's grads would be 0): give every adapter weight a value
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
@@ -107,8 +109,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--port", type=int, default=29523)
     ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--model", default="tiny-llama")
     a = ap.parse_args()
-    mp.spawn(rank_main, args=(2, a.out, a.port, a.offload), nprocs=2)
+    mp.spawn(rank_main, args=(2, a.out, a.port, a.offload, a.model), nprocs=2)
 
 
 if __name__ == "__main__":
