@@ -238,3 +238,17 @@ def test_vllm_cpu_refuses_moe_lora_with_the_fix():
         assert moe_lora_refusal(get_architecture(twin), 0, cuda=False) is None
         assert moe_lora_refusal(get_architecture(twin), 16, cuda=True) is None
     assert moe_lora_refusal(get_architecture("tiny-llama"), 16, cuda=False) is None
+
+
+def test_sliding_queries_run_in_blocks_with_the_same_result(monkeypatch):
+    """A sliding layer's long query run (no-grad passes run whole rows) goes in WINDOW_BLOCK blocks, each with its
+    own band of keys: the same float64 result as one block, sink and GQA included."""
+    from grpo_accel.tiling import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, 40, 8, dtype=torch.float64) for h in (4, 2, 2))
+    qs = attention.with_sink_column(q, torch.randn(4, dtype=torch.float64), 8 ** -0.5)[:, :, 10:]  # a tile at 10
+    whole = attention._attend(qs, k, v, None, 10, 0.0, 8 ** -0.5, None, 5, sink=True)
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", 7)
+    blocks = attention._attend(qs, k, v, None, 10, 0.0, 8 ** -0.5, None, 5, sink=True)
+    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-12)

@@ -105,10 +105,22 @@ def _attend(q, k, v, mask, start: int, dropout: float, scale, segments=None, win
                                           dropout_p=dropout, scale=scale, enable_gqa=gqa)
 
 
+WINDOW_BLOCK = 4096  # queries per band of a sliding layer: its mask is [4096, 4096 + W - 1], not [Tq, Tq + W - 1]
+
+
 def _attend_banded(q, k, v, mask, start: int, dropout: float, scale, window, sink: bool):
     """`_attend` with a sliding window (no `mask`) and / or a sink key (module docstring). Keys are lower-right
-    aligned with the queries (the last query sees the last key), as in `_attend`."""
+    aligned with the queries (the last query sees the last key), as in `_attend`. A sliding layer's queries run in
+    blocks of WINDOW_BLOCK: a whole 380K-token row (the no-grad passes do not tile) would otherwise build a
+    [380K, 380K + W] band mask."""
     Tq, Tk = q.shape[2], k.shape[2]
+    if window and mask is None and Tq > WINDOW_BLOCK:
+        outs = []
+        for a in range(0, Tq, WINDOW_BLOCK):  # block [a, b) of the queries sees keys up to Tk - Tq + b
+            b = min(a + WINDOW_BLOCK, Tq)
+            outs.append(_attend_banded(q[:, :, a:b], k[:, :, :Tk - Tq + b], v[:, :, :Tk - Tq + b], None, 0,
+                                       dropout, scale, window, sink))
+        return torch.cat(outs, dim=2)
     first = max(0, Tk - Tq - window + 1) if window else 0  # keys before every query's window: not computed
     k, v = k[:, :, first:], v[:, :, first:]
     if mask is not None:
