@@ -4,7 +4,7 @@ process, no SP); then, over gloo, the same with Ulysses SP = 2 (the group-shared
 between the two). The SP grads are averaged over the ranks, as the data-parallel engine does. Both are measured again
 under bf16 and fp16 CPU autocast (`half`). Each rank writes OUT.rankR.
 
-    python tests/sequence_parallel_worker.py --out /tmp/sp.pt [--offload]
+    python tests/sequence_parallel_worker.py --out /tmp/sp.pt [--offload] [--model tiny-qwen3-moe] [--full]
 """
 
 import argparse
@@ -19,7 +19,12 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
-def rank_main(rank, world, out, port, offload):
+def base_model(trainer):
+    """The causal LM under PEFT's wrapper (the model itself under full fine-tuning)."""
+    return getattr(trainer.model, "get_base_model", lambda: trainer.model)()
+
+
+def rank_main(rank, world, out, port, offload, model, full):
     torch.set_num_threads(1)
     import tempfile
 
@@ -36,7 +41,9 @@ def rank_main(rank, world, out, port, offload):
     # tiles of 8 tokens on each shard
     extra = dict(offload_activations="true", gradient_checkpointing=True, offload_recompute_tokens=8) if offload \
         else {}
-    trainer = make_trainer(Path(tempfile.mkdtemp()), "chunked", **extra)
+    if model != "tiny-llama":  # a MoE twin: without the router loss, which SP refuses (trainer.py)
+        extra["router_aux_loss_coef"] = 0.0
+    trainer = make_trainer(Path(tempfile.mkdtemp()), "chunked", peft=not full, model_name=model, **extra)
     torch.manual_seed(2)  # LoRA B starts at 0 (A's grads would be 0): give every adapter weight a value
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
@@ -88,11 +95,11 @@ def rank_main(rank, world, out, port, offload):
     sp["layer_tiles"] = list(layer_tiles)
     sp["half"] = {name: measure(dtype) for name, dtype in HALF.items()}  # after the counts above: they are fp32's
     sp["sdpa_patched"] = dict(ALL_ATTENTION_FUNCTIONS._local_mapping) != registry_before
-    sp["sp_head_installed"] = getattr(trainer.model.get_base_model().forward, "accel_labels_kwarg", None) == \
+    sp["sp_head_installed"] = getattr(base_model(trainer).forward, "accel_labels_kwarg", None) == \
         "accel_sp_targets"
     sp_obj.remove()  # what the trainer's close() runs: transformers' registry and the models' forwards as before
     sp["sdpa_after_remove"] = dict(ALL_ATTENTION_FUNCTIONS._local_mapping) == registry_before
-    sp["sp_head_after_remove"] = getattr(trainer.model.get_base_model().forward, "accel_labels_kwarg", None) == \
+    sp["sp_head_after_remove"] = getattr(base_model(trainer).forward, "accel_labels_kwarg", None) == \
         "accel_sp_targets"
     for g in [*sp["grads"].values(), *(g for h in sp["half"].values() for g in h["grads"].values())]:
         torch.distributed.all_reduce(g)  # the data-parallel engine's mean over the ranks
@@ -107,8 +114,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--port", type=int, default=29523)
     ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--full", action="store_true", help="full fine-tuning (gpt-oss: its sinks get gradients)")
     a = ap.parse_args()
-    mp.spawn(rank_main, args=(2, a.out, a.port, a.offload), nprocs=2)
+    mp.spawn(rank_main, args=(2, a.out, a.port, a.offload, a.model, a.full), nprocs=2)
 
 
 if __name__ == "__main__":

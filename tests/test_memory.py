@@ -27,7 +27,11 @@ MIB = 1 << 20
 
 # Parameter counts the model cards publish (rounded as they print them)
 PUBLISHED_PARAMS = {"llama-3.1-8b": 8.03e9, "qwen3-8b": 8.2e9, "qwen2.5-1.5b": 1.54e9, "qwen2.5-7b": 7.61e9,
-                    "llama-3.2-1b": 1.23e9, "smollm2-135m": 135e6}
+                    "llama-3.2-1b": 1.23e9, "smollm2-135m": 135e6, "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9,
+                    "qwen3-30b-a3b": 30.5e9}
+# Active parameters per token as the cards print them: gpt-oss's model card counts them without the input embedding
+# (a lookup, not a matmul), Qwen's with it
+PUBLISHED_ACTIVE = {"gpt-oss-20b": (3.6e9, True), "gpt-oss-120b": (5.1e9, True), "qwen3-30b-a3b": (3.3e9, False)}
 
 
 # ---------------------------------------------------------------------------------------------- architectures
@@ -65,6 +69,47 @@ def test_tiny_architectures_match_the_test_models():
         assert (s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.tied) == (
             spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"],
             spec["num_attention_heads"], spec["num_key_value_heads"], spec["tie_word_embeddings"])
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE))
+def test_moe_active_params_match_the_cards(name):
+    s = model_shape(name)
+    published, without_embedding = PUBLISHED_ACTIVE[name]
+    active = s.active_params - (s.vocab * s.hidden if without_embedding else 0)
+    assert active == pytest.approx(published, rel=0.02)
+    assert model_shape(name.replace("gpt-oss", "openai/gpt-oss").replace("qwen3-30b", "Qwen/Qwen3-30B")) == s
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-qwen3-moe"])
+def test_moe_shape_counts_the_built_model_per_kind(name):
+    """Experts, routers, sinks and the trainable set under LoRA, each against the built tiny twin's parameters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    s, model = model_shape(name), AutoModelForCausalLM.from_config(get_architecture(name))
+    params = dict(model.named_parameters())
+    assert s.moe_layers * s.expert_params == sum(p.numel() for n, p in params.items() if ".experts." in n)
+    router = ".router." if s.sinks else ".gate."
+    assert s.moe_layers * s.router_params == sum(p.numel() for n, p in params.items() if router in n)
+    assert s.sinks == any(n.endswith("sinks") for n in params)
+    layer_types = getattr(model.config, "layer_types", None) or []
+    assert s.sliding_layers == sum(t == "sliding_attention" for t in layer_types)
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    assert s.lora_params(4) == sum(p.numel() for p in lora.parameters() if p.requires_grad)  # as PEFT places them
+
+
+def test_moe_planner_terms():
+    """gpt-oss-20b: experts are not quantized by QLoRA, full FT pays the expert-gradient transient, a sliding
+    layer's KV cache holds its window only."""
+    s = model_shape("gpt-oss-20b")
+    q = plan_memory(s, dtype="bf16", quantization="4bit", lora_r=16)
+    assert q.device["weights"] > s.moe_layers * s.expert_params * 2  # the experts alone, in bf16
+    lora, full = (plan_memory(s, dtype="bf16", lora_r=r, max_completion_length=1024) for r in (16, 0))
+    assert lora.device["gradients"] == s.lora_params(16) * 4
+    assert full.device["gradients"] == s.n_params * 2 + 2 * s.expert_params * 2
+    kv_full = 2 * s.layers * s.kv_dim * 2 * 8192
+    assert s.kv_cache_bytes(8192, 2) == kv_full // 2 + 2 * s.sliding_layers * s.kv_dim * 2 * 128
+    assert model_shape("qwen3-30b-a3b").kv_cache_bytes(8192, 2) == 2 * 48 * 4 * 128 * 2 * 8192  # no sliding layers
 
 
 def test_model_shape_from_local_dir_and_clear_offline_error(tmp_path):

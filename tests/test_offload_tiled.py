@@ -197,9 +197,10 @@ def test_tiled_dropout_replays_each_tile(replay, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_untileable_attention_runs_the_layer_whole(monkeypatch):
-    """Mistral with a sliding window passes `sliding_window` to the attention call: the tiled path does not model it,
-    so the layer runs whole (same gradients as plain training)."""
+def test_sliding_window_attention_is_tiled_exactly(monkeypatch):
+    """Mistral with a sliding window passes `sliding_window` to the attention call: the tiles run it (a tile's keys
+    start where its window does, tiling/attention.py), with plain training's gradients. (Before gpt-oss's windows,
+    issue 36, this layer ran whole.)"""
     calls = spy(monkeypatch)
     torch.manual_seed(0)
     cfg = transformers.MistralConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
@@ -210,7 +211,7 @@ def test_untileable_attention_runs_the_layer_whole(monkeypatch):
     torch.manual_seed(0)
     _, got = step(transformers.MistralForCausalLM(cfg).train(), ids, forced(8))
     assert_close_rel(ref, got)
-    assert not calls
+    assert len(calls) == 2 and all(len(t) == T // 8 for t in calls)  # both layers in 4 tiles
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -235,3 +235,22 @@ def test_lora_rank_on_a_full_finetuning_preset_gets_a_working_alpha(capsys):
     kept = types.SimpleNamespace(lora_r=8, lora_alpha=8, lora_target_modules="all-linear")
     settle_lora_alpha(kept)
     assert kept.lora_alpha == 8
+
+
+def test_gpt_oss_presets_plan_their_lengths():
+    """b200_380k trains gpt-oss-20b at Unsloth's 380K; the H200 preset's length is the planner's longest on 130 GiB
+    of GPU and 115 GiB of host, capped by its rope's 524,288 positions less the prompt (>= 380K, the goal)."""
+    from grpo_accel.app.presets import H200_GPT_OSS_COMPLETION, H200_GPT_OSS_PLAN
+    from grpo_accel.app.startup_checks import context_tokens
+    from grpo_accel.planning.architectures import get_architecture
+    from grpo_accel.planning.memory import GIB, find_max_completion_length
+
+    b200, h200 = get_preset("b200_380k"), get_preset("h200_gpt_oss_512k")
+    assert b200.architecture == h200.architecture == "gpt-oss-20b" and b200.max_completion_length == 380_000
+    c = H200_GPT_OSS_PLAN
+    longest, _ = find_max_completion_length(h200.plan(), c["gpu_gib"] * GIB, c["host_gib"] * GIB, step=c["step"])
+    config = get_architecture("gpt-oss-20b")
+    config.rope_parameters = h200.model_init_kwargs["rope_parameters"]
+    cap = context_tokens(config) - h200.max_prompt_length
+    assert H200_GPT_OSS_COMPLETION == min(longest, cap) >= 380_000
+    assert h200.recipe["router_aux_loss_coef"] == 0.0  # offload refuses the router loss (tests/test_moe.py)

@@ -75,6 +75,30 @@ def test_sp2_equals_one_process(sp_results):
             assert g.norm() > 0 and rel(sp["grads"][name], g) <= 1e-5, name
 
 
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-gpt-oss"])
+def test_sp2_moe_equals_one_process(tmp_path, model):
+    """SP x MoE: the MoE twins (router loss off: SP refuses it) through the same worker with offload on each shard:
+    log-probs, entropies, loss and grads equal one process's. Qwen3-MoE: LoRA (PEFT's adapters on q, v and every
+    expert's down_proj), its layers re-run in shard tiles. gpt-oss: full fine-tuning, so its sinks, sharded with
+    their heads after the all-to-all, get gradients; its layers re-run whole (Ulysses' tiles take no sinks)."""
+    out = tmp_path / "sp.pt"
+    qwen = model == "tiny-qwen3-moe"
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "sequence_parallel_worker.py"), "--offload", "--model",
+           model, *([] if qwen else ["--full"]), "--out", str(out), "--port", str(free_port())]
+    result = run_process_group(cmd, 300, cwd=ROOT, env=child_env())
+    assert result.returncode == 0, result.stderr[-4000:]
+    for r in (torch.load(f"{out}.rank{rank}") for rank in (0, 1)):
+        ref, sp, scored = r["ref"], r["sp"], r["mask"].bool()
+        assert sp["sp_calls"] == 2 and bool(sp["layer_tiles"]) == qwen
+        assert qwen or any(n.endswith("sinks") for n in ref["grads"])
+        assert rel(sp["logps"][scored], ref["logps"][scored]) <= 1e-5
+        assert rel(sp["entropy"][scored], ref["entropy"][scored]) <= 1e-5
+        assert sp["loss"].item() == pytest.approx(ref["loss"].item(), rel=1e-5) and ref["loss"].abs() > 1e-3
+        assert ref["grads"].keys() == sp["grads"].keys() and any("experts" in n for n in ref["grads"])
+        for name, g in ref["grads"].items():
+            assert g.norm() > 0 and rel(sp["grads"][name], g) <= 1e-5, name
+
+
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 LAUNCH_ARGS = ["--eval_size", "2", "--eval_max_new_tokens", "4", "--max_steps", "2", "--save_steps", "100",
                "--rewards", "rewards_for_tests:length_reward", "--gradient_checkpointing", "true",

@@ -28,9 +28,9 @@ def test_trl_hook_signature_is_the_one_we_override():
     assert "_get_per_token_logps_and_entropies" in inspect.getsource(GRPOTrainer._compute_loss)
 
 
-def make_trainer(tmp_path, impl, peft=True, **overrides):
+def make_trainer(tmp_path, impl, peft=True, model_name="tiny-llama", **overrides):
     torch.manual_seed(0)
-    model, tokenizer = load_model("tiny-llama")
+    model, tokenizer = load_model(model_name)
     args = GRPOAccelConfig(output_dir=str(tmp_path / impl), per_device_train_batch_size=4, num_generations=4,
                            max_completion_length=10, report_to="none", logprob_impl=impl, seed=0,
                            beta=0.04 if peft else 0.0,  # full FT + beta loads a reference by hub id; tiny has none

@@ -89,8 +89,10 @@ def cmd_plan(args, train_flags: list[str]) -> int:
     else:
         gpu_bytes, where = int(preset.min_gpu_mem_gib * GIB), f"{preset.name}'s minimum"
     inp, shape = plan.inputs, plan.shape
+    moe = (f", {shape.active_params / 1e9:.2f}B active: {shape.experts} experts, {shape.experts_per_token} per token"
+           if shape.experts else "")
     print(f"preset {preset.name} ({spec.preset_why}), generation route {route}, "
-          f"model {shape.name} ({shape.n_params / 1e9:.2f}B params, "
+          f"model {shape.name} ({shape.n_params / 1e9:.2f}B params{moe}, "
           f"L={shape.layers} H={shape.hidden} V={shape.vocab}), {inp['dtype']}"
           f"{'+nf4' if inp['quantization'] == '4bit' else ''}, LoRA r={inp['lora_r'] or 'full'}, "
           f"{inp['per_device_train_batch_size']} x ({inp['max_prompt_length']} + {inp['max_completion_length']}) "

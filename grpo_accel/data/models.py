@@ -187,6 +187,32 @@ def _keep_4bit_trainable_on_cpu(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def mxfp4_load_kwargs(checkpoint_config: dict, quantization: str) -> dict:
+    """from_pretrained kwargs for a checkpoint whose config.json says its weights are MXFP4 (openai/gpt-oss-*: the
+    experts ship as 4-bit blocks + scales). Training needs them dequantized: transformers' MXFP4 quantizer is not
+    trainable (its is_trainable is False) and dequantizes on its own only where its triton / `kernels` packages are
+    missing, so this asks for it always: bf16 weights in memory (gpt-oss-20b: 41.8 GB). bitsandbytes cannot
+    re-quantize them at load (transformers refuses two quantization configs): one error naming the fix."""
+    if (checkpoint_config.get("quantization_config") or {}).get("quant_method") != "mxfp4":
+        return {}
+    if quantization == "4bit":
+        raise ModelLoadError("this checkpoint ships MXFP4 weights (gpt-oss), which bitsandbytes cannot quantize again "
+                             "at load. Fix: --quantization none (the weights load dequantized to bf16; LoRA trains).")
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+def _checkpoint_config(path: str) -> dict:
+    import json
+
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            return json.load(f)
+    return {}
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32, quantization: str = "none",
                **kwargs):
     """(model, tokenizer) for a hub name, a local dir, the embedded default or a tiny test model."""
@@ -201,9 +227,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float
                                  f"Fix: --quantization none, or a saved model directory.")
         tiny_kwargs = {k: v for k, v in kwargs.items() if k in ("rope_parameters", "attn_implementation")}
         return build_tiny_model(name, tokenizer, dtype=dtype, **tiny_kwargs), tokenizer
+    path = resolve_model_path(name)
+    kwargs.update(mxfp4_load_kwargs(_checkpoint_config(path), quantization))
     if quant is not None:
         kwargs["quantization_config"] = quant
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     if quant is not None:
         _keep_4bit_trainable_on_cpu(model)
     return model, tokenizer

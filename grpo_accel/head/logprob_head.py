@@ -32,6 +32,7 @@ from grpo_accel.ops.select import token_logprobs
 class HeadOutput(ModelOutput):  # a ModelOutput, so ZeRO-3's hooks can see the tensors inside
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    router_logits: tuple | None = None  # a MoE model's, per router call, when the call asked output_router_logits
 
 
 def head_unsupported_reason(causal_lm) -> str | None:
@@ -70,22 +71,33 @@ def install_logprob_head(model, *, temperature: float, impl: str = "auto", chunk
         if labels is None:
             return previous(*args, **kwargs)
         entropy = kwargs.pop("accel_entropy", False)
-        hidden = backbone_hidden(causal_lm, args, kwargs)
+        router = kwargs.get("output_router_logits")
+        out = backbone_output(causal_lm, args, kwargs)
+        hidden = out.last_hidden_state
         if shift:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
-        return score_hidden(causal_lm, hidden, labels, impl=impl, temperature=temperature, softcap=softcap,
-                            compute_entropy=entropy, chunk_size=chunk_size, vocab_tile=vocab_tile, offload=offload)
+        scored = score_hidden(causal_lm, hidden, labels, impl=impl, temperature=temperature, softcap=softcap,
+                              compute_entropy=entropy, chunk_size=chunk_size, vocab_tile=vocab_tile, offload=offload)
+        if router:
+            scored.router_logits = out.router_logits
+        return scored
 
     forward.accel_labels_kwarg = labels_kwarg
     return set_attr(causal_lm, "forward", forward)
 
 
-def backbone_hidden(causal_lm, args, kwargs):
-    """The backbone's last hidden states [B, T, H] for a forward call's arguments, without the LM head."""
+def backbone_output(causal_lm, args, kwargs):
+    """The backbone's output (last hidden states [B, T, H]; a MoE's router logits when asked) for a forward call's
+    arguments, without the LM head."""
     kwargs["use_cache"] = False
     for key in ("labels", "return_dict", "logits_to_keep", "num_items_in_batch"):  # PEFT passes these as None
         kwargs.pop(key, None)
-    return causal_lm.base_model(*args, **kwargs).last_hidden_state
+    return causal_lm.base_model(*args, **kwargs)
+
+
+def backbone_hidden(causal_lm, args, kwargs):
+    """The backbone's last hidden states [B, T, H] for a forward call's arguments, without the LM head."""
+    return backbone_output(causal_lm, args, kwargs).last_hidden_state
 
 
 def score_hidden(causal_lm, hidden, labels, *, impl, temperature, softcap, compute_entropy, chunk_size, vocab_tile,

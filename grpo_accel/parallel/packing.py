@@ -14,8 +14,11 @@ thread, forward): padded 10.3 s; transformers' own packed path (positions restar
 [1, 1, N, N] boolean mask for SDPA) 5.9 s; SDPA run once per sequence 5.0 s, no N x N mask. So:
   sdpa                  `segment_sdpa`: our attention function, SDPA with is_causal per segment (cost:
                         one kernel call per sequence per layer; memory: no mask at all).
+  eager (gpt-oss)       `segment_sdpa` too, its sinks and sliding windows per segment (tiling/attention.py); unpacked
+                        calls (generation) keep gpt-oss's eager attention and mask.
   flash_attention_2/3   transformers' varlen path from the restarting position ids (not run here: no GPU).
-  anything else         padded, with one log line saying why (eager, flex, sliding windows, no RoPE).
+  anything else         padded, with one log line saying why (other eager models, flex, sliding windows elsewhere,
+                        no RoPE).
 Gotcha: transformers only detects packed position ids when `use_cache=False` (a DynamicCache made by
 use_cache=True silently turns the mask into one causal mask over all N tokens); our head sets it.
 """
@@ -24,15 +27,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from grpo_accel.core.patches import Patches, register, set_attr
 from grpo_accel.tiling.attention import PACKED_ATTN as ATTN_NAME
-from grpo_accel.tiling.attention import SEGMENTS_KWARG, Segment, _attend, segments_of
+from grpo_accel.tiling.attention import SEGMENTS_KWARG, Segment, _attend, segments_of, with_sink_column
 
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")
+# Models whose attention modules hand `sliding_window` (and gpt-oss its sinks, `s_aux`) to the attention function,
+# which `segment_sdpa` then runs per segment (tiling/attention.py); their stock implementation is eager (gpt-oss
+# has no SDPA path in transformers: the sinks), which unpacked calls (generation) keep. Tested: tests/test_moe.py.
+SLIDING_KWARG_MODELS = ("gpt_oss",)
+UNPACKED_ATTN = "_accel_unpacked_attn"  # config attribute: the implementation unpacked calls go to
 # RoPE variants whose result depends only on relative positions within one call (dynamic / longrope pick
 # their scaling from the longest position seen, which packing changes).
 _ROPE_TYPES_OK = (None, "default", "linear", "llama3", "yarn")
@@ -47,17 +56,27 @@ def segment_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
 
     segments = kwargs.pop(SEGMENTS_KWARG, None)
     if segments is None:
+        if getattr(module.config, UNPACKED_ATTN, "sdpa") == "eager":  # gpt-oss: its own eager (sinks)
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    out = _attend(query, key, value, None, 0, dropout, scaling, segments)
+    window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
+    if sinks is not None:
+        query = with_sink_column(query, sinks, scaling)
+    out = _attend(query, key, value, None, 0, dropout, scaling, segments, window, sinks is not None)
     return out.transpose(1, 2), None  # [1, N, heads, head_dim], as sdpa_attention_forward returns
 
 
 def _segment_sdpa_mask(*args, **kwargs):
-    """SDPA's mask, except in a packed forward: `segment_sdpa` needs none, and the [1, 1, N, N] one costs N^2."""
-    from transformers.masking_utils import sdpa_mask
+    """SDPA's mask (eager's for an eager model), except in a packed forward: `segment_sdpa` needs none, and the
+    [1, 1, N, N] one costs N^2."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
 
-    return None if _PACKED.get() else sdpa_mask(*args, **kwargs)
+    if _PACKED.get():
+        return None
+    eager = getattr(kwargs.get("config"), UNPACKED_ATTN, "sdpa") == "eager"
+    return (eager_mask if eager else sdpa_mask)(*args, **kwargs)
 
 
 def packing_unsupported_reason(model_or_config) -> str | None:
@@ -65,7 +84,8 @@ def packing_unsupported_reason(model_or_config) -> str | None:
     weights load, its config (no attention implementation chosen yet reads as transformers' default, sdpa)."""
     cfg = getattr(model_or_config, "config", model_or_config).get_text_config()
     impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
-    if impl not in ("sdpa", ATTN_NAME, *NATIVE_VARLEN):
+    sinks_model = getattr(cfg, "model_type", None) in SLIDING_KWARG_MODELS
+    if impl not in ("sdpa", ATTN_NAME, *NATIVE_VARLEN) and not (impl == "eager" and sinks_model):
         return f"attention implementation {impl!r} has no packed path here (sdpa or flash_attention_2/3 do)"
     rope = getattr(cfg, "rope_parameters", None)
     if rope is None and getattr(cfg, "rope_theta", None) is None:
@@ -76,7 +96,7 @@ def packing_unsupported_reason(model_or_config) -> str | None:
     # Models with layer_types (Qwen2/3, Gemma) say which layers slide; older ones (Mistral) only set sliding_window,
     # which SDPA's mask applies and `segment_sdpa`'s is_causal would not.
     layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None and set(layer_types) != {"full_attention"}:
+    if layer_types is not None and set(layer_types) != {"full_attention"} and not sinks_model:
         return f"layers with {sorted(set(layer_types) - {'full_attention'})} attention"
     if layer_types is None and getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         return f"a sliding attention window ({cfg.sliding_window} tokens)"
@@ -100,7 +120,9 @@ def enable_packed_attention(causal_lm) -> Patches:
     done.add(register(AttentionInterface._global_mapping, ATTN_NAME, segment_sdpa))
     done.add(register(type(ALL_MASK_ATTENTION_FUNCTIONS)._global_mapping, ATTN_NAME, _segment_sdpa_mask))
     for cfg in {id(c): c for c in (causal_lm.config, causal_lm.config.get_text_config())}.values():
-        if getattr(cfg, "_attn_implementation", None) == "sdpa":
+        impl = getattr(cfg, "_attn_implementation", None)
+        if impl == "sdpa" or (impl == "eager" and getattr(cfg, "model_type", None) in SLIDING_KWARG_MODELS):
+            done.add(set_attr(cfg, UNPACKED_ATTN, impl))
             done.add(set_attr(cfg, "_attn_implementation", ATTN_NAME))
     return done
 

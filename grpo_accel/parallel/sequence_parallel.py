@@ -31,7 +31,8 @@ that padding.
 
 Cost per layer: 4 all-to-alls of T/sp·(q + 2·kv + o dims) activations forward (again in backward and in the
 checkpoint re-run); the core attention holds whole sequences of heads/sp heads. Needs: attention heads and kv
-heads divisible by sp (or sp by kv heads), SDPA attention, our log-prob head (logprob_impl != "trl"). The layer
+heads divisible by sp (or sp by kv heads), SDPA attention (gpt-oss: its eager attention, whose sinks each rank
+takes for its own heads after the all-to-all, `_sink_core`), our log-prob head (logprob_impl != "trl"). The layer
 offload works on each shard, and a shard longer than its re-run piece runs in sequence tiles whose attention
 reaches the other ranks' keys (parallel/ulysses_tiles.py); with offload on, each layer's MLP also runs in tiles wherever
 the layer runs whole (the no-grad passes; tiling/mlp.py).
@@ -56,11 +57,20 @@ from grpo_accel.parallel.ulysses_tiles import (  # the forward kwarg that marks 
 )
 from grpo_accel.tiling import layer as tiled
 from grpo_accel.tiling import mlp as tiled_mlp
+from grpo_accel.tiling.attention import _attend, with_sink_column
 
 # a call with this kwarg ([B, L] targets aligned with the shard's positions, -100 = unscored) runs the backbone on
 # the shard and our head on every scored position (the head installed again, without its next-token shift)
 SP_TARGETS_KWARG = "accel_sp_targets"
 _CORES = ("sdpa", "grpo_accel_sdpa")  # stock SDPA, or packing.py's (stock SDPA on unpacked calls)
+SINK_MODELS = ("gpt_oss",)  # eager attention with sinks and sliding windows: `_sink_core` after the all-to-all
+
+
+def _module_eager(module, *args, **kwargs):
+    """The module's own eager attention (gpt-oss's handles its sinks), for calls Ulysses does not shard."""
+    import sys
+
+    return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -125,6 +135,8 @@ def unsupported_reason(config, sp: int, attn_implementation: str | None = None) 
     if kv % sp and sp % kv:
         return f"{kv} key/value heads and sequence_parallel_size={sp}: neither divides the other"
     impl = attn_implementation or config._attn_implementation or "sdpa"
+    if getattr(cfg, "model_type", None) in SINK_MODELS:
+        return None if impl in ("eager", *_CORES) else f"attn_implementation={impl!r} on gpt-oss (eager here)"
     if impl not in _CORES:
         return f"attn_implementation={impl!r} (Ulysses is wired here for 'sdpa')"
     return None
@@ -185,14 +197,17 @@ class SequenceParallel:
             raise ValueError(f"sequence_parallel_size={sp} but the SP group has {dist.get_world_size(group)} ranks")
         self.sp, self.group, self.rank = sp, group, dist.get_rank(group)
         cfg = causal_lm_of(models[0]).config.get_text_config()
+        sinks = getattr(cfg, "model_type", None) in SINK_MODELS
         self.uattn = UlyssesSPAttentionHF(
-            attn=sdpa_attention_forward, batch_size=1, attn_head_count=cfg.num_attention_heads,
+            attn=self._sink_core if sinks else sdpa_attention_forward, batch_size=1,
+            attn_head_count=cfg.num_attention_heads,
             attn_head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             kv_head_count=cfg.num_key_value_heads, num_hidden_layers=cfg.num_hidden_layers, process_group=group,
             seq_length_is_variable=True)
         self.uattn.core_attn_implementation = "sdpa"
         core = causal_lm_of(models[0]).config._attn_implementation
-        plain = sdpa_attention_forward if core == "sdpa" else ALL_ATTENTION_FUNCTIONS[core]
+        plain = (sdpa_attention_forward if core == "sdpa" else _module_eager if core == "eager"
+                 else ALL_ATTENTION_FUNCTIONS[core])
 
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
             if not kwargs.pop(SP_KWARG, False):  # generation, evaluation: each rank holds whole rows
@@ -211,6 +226,19 @@ class SequenceParallel:
             if offload is not None and offload.recompute_tokens:  # the long-sequence setup: MLP in sequence tiles
                 tiled_mlp.install(m, offload.recompute_tokens)
                 self.patches.add(lambda m=m: tiled_mlp.uninstall(m))
+
+    def _sink_core(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        """gpt-oss's attention on whole sequences of this rank's heads after Ulysses' all-to-all: its sinks sharded
+        with their heads (rank r holds query heads [r·H/sp, (r+1)·H/sp), so the sinks of those), sliding windows
+        as they are (positions are whole again), through tiling/attention.py's sink key. d(sinks) of a rank's heads
+        comes from that rank alone, as each rank's share of the other parameters' gradients does."""
+        sinks = kwargs.get("s_aux")
+        heads = query.shape[1]
+        if sinks is not None:
+            query = with_sink_column(query, sinks[self.rank * heads:(self.rank + 1) * heads], scaling)
+        out = _attend(query, key, value, None, 0, dropout, scaling, None, kwargs.get("sliding_window"),
+                      sinks is not None)
+        return out.transpose(1, 2), None
 
     def remove(self) -> None:
         """Undo what __init__ patched (the attention registry, the models' forwards); the SP group stays."""

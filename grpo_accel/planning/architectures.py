@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,24 @@ TINY_CONFIGS = {
         model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
     ),
+    # gpt-oss's layer kinds at test size: attention sinks, a sliding layer (window 4, so short test rows slide)
+    # then a full one, YaRN rope, biased q/k/v/o, 4 experts with biases (2 active), a biased router
+    "tiny-gpt-oss": dict(
+        model_type="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        attention_bias=True, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=4096),
+    ),
+    # Qwen3-MoE's: q/k norms, 4 experts (2 active, top-k renormalized), an unbiased router, every layer sparse
+    "tiny-qwen3-moe": dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+    ),
 }
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                   "gpt_oss": "GptOssConfig", "qwen3_moe": "Qwen3MoeConfig"}
 
 # name -> (transformers config class name, kwargs, the hub checkpoint the shape is taken from)
 # Values are the published config.json files of the base checkpoints (Instruct variants share the shapes;
@@ -94,6 +111,33 @@ _SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
         ),
         "Qwen/Qwen2.5-7B",
     ),
+    # gpt-oss: openai/gpt-oss-20b's config.json (its experts ship as MXFP4: quantization_config, left out here since
+    # a config built in code has no weights; the shapes are the bf16 model's). 20.9B total, 3.6B active.
+    "gpt-oss-20b": (
+        "GptOssConfig",
+        dict(
+            vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True, sliding_window=128,
+            num_local_experts=32, num_experts_per_tok=4, swiglu_limit=7.0,
+            pad_token_id=199999, eos_token_id=200002,
+            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                 truncate=False, original_max_position_embeddings=4096),
+        ),
+        "openai/gpt-oss-20b",
+    ),
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+            max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            use_sliding_window=False, router_aux_loss_coef=0.001, bos_token_id=151643, eos_token_id=151645,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        "Qwen/Qwen3-30B-A3B",
+    ),
     "smollm2-135m": (
         "LlamaConfig",
         dict(
@@ -112,13 +156,18 @@ _SPECS["qwen2.5-7b-1m"] = ("Qwen2Config", {
     "eos_token_id": 151645, "rope_parameters": dict(rope_type="default", rope_theta=10000000.0),
 }, "Qwen/Qwen2.5-7B-Instruct-1M")
 
+# gpt-oss-120b: the 20b's layer with 36 layers and 128 experts (116.8B total, 5.1B active)
+_SPECS["gpt-oss-120b"] = ("GptOssConfig", {**_SPECS["gpt-oss-20b"][1], "num_hidden_layers": 36,
+                                           "num_local_experts": 128}, "openai/gpt-oss-120b")
+
 # The tiny random test models (TINY_CONFIGS above, built by grpo_accel.data.models); they get SmolLM2's tokenizer ids.
 _SMOLLM2_TOKENS = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 for _name, _spec in TINY_CONFIGS.items():
     _kwargs = {k: v for k, v in _spec.items() if k != "model_type"}
-    _SPECS[_name] = ({"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[_spec["model_type"]],
-                     {**_kwargs, **_SMOLLM2_TOKENS}, "(random init, TINY_CONFIGS)")
+    _SPECS[_name] = (_CONFIG_CLASSES[_spec["model_type"]], {**_kwargs, **_SMOLLM2_TOKENS},
+                     "(random init, TINY_CONFIGS)")
 
+_MODEL_TYPES = {cls: model_type for model_type, cls in _CONFIG_CLASSES.items()}  # "GptOssConfig" -> "gpt_oss"
 ARCHITECTURES: dict[str, str] = {name: spec[2] for name, spec in _SPECS.items()}  # name -> source checkpoint
 
 # Names that resolve offline to a named shape: hub checkpoints (base and Instruct share shapes) and the embedded
@@ -132,6 +181,8 @@ ALIASES: dict[str, str] = {
     "qwen/qwen2.5-7b-instruct-1m": "qwen2.5-7b-1m",
     "huggingfacetb/smollm2-135m": "smollm2-135m", "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
+    "openai/gpt-oss-20b": "gpt-oss-20b", "openai/gpt-oss-120b": "gpt-oss-120b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b", "qwen/qwen3-30b-a3b-base": "qwen3-30b-a3b",
 }
 
 
@@ -167,6 +218,19 @@ class ModelShape:
     n_params: int
     name: str = ""
     qk_norm: bool = False  # Qwen3 normalizes q and k per head (one more RMSNorm on [T, heads, head_dim])
+    # mixture of experts (gpt-oss, Qwen3-MoE): moe_layers of the L layers replace the MLP [I] by `experts` MLPs
+    # [expert_intermediate] of which `experts_per_token` run per token, picked by a router ([experts, H] weight)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    moe_layers: int = 0
+    expert_bias: bool = False  # gpt-oss: biases on each expert's gate_up / down and on the router
+    sinks: bool = False  # gpt-oss: a learned per-head logit in each softmax's denominator ([heads] per layer)
+    sliding_window: int = 0  # keys a sliding layer's query sees (itself included); 0: no sliding layers
+    sliding_layers: int = 0
+    # PEFT's "all-linear" also adapts the fused experts (gate_up at rank 2r, down at r, per expert) and the router
+    # when PEFT knows the model's pre-fusion names (peft.utils.transformers_weight_conversion: Qwen3-MoE, not gpt-oss)
+    lora_experts: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -177,10 +241,43 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     @property
+    def attention_linear_params(self) -> int:
+        """Weights of q, k, v, o in one layer."""
+        return 2 * self.hidden * (self.q_dim + self.kv_dim)
+
+    @property
+    def expert_params(self) -> int:
+        """Weights (and biases) of every expert of one MoE layer: gate_up [E, H, 2 I_e] and down [E, I_e, H]."""
+        H, Ie = self.hidden, self.expert_intermediate
+        return self.experts * (3 * H * Ie + ((2 * Ie + H) if self.expert_bias else 0))
+
+    @property
+    def router_params(self) -> int:
+        return self.experts * (self.hidden + (1 if self.expert_bias else 0))
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: all but the experts it was not routed to (= n_params when dense)."""
+        unused = self.experts - self.experts_per_token
+        return self.n_params - self.moe_layers * (self.expert_params // self.experts * unused if self.experts else 0)
+
+    @property
+    def dense_mlp_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+    @property
+    def linear_params(self) -> int:
+        """nn.Linear weights of all decoder layers (q, k, v, o; gate, up, down of dense MLPs): what bitsandbytes
+        quantizes under QLoRA. MoE experts are 3-D parameters, which it leaves in the compute dtype
+        (transformers.integrations.bitsandbytes replaces `type(module) is nn.Linear` only)."""
+        return self.layers * self.attention_linear_params + self.dense_mlp_layers * 3 * self.hidden * self.intermediate
+
+    @property
     def layer_linear_params(self) -> int:
-        """Weights of q, k, v, o and gate, up, down in one layer (what QLoRA quantizes)."""
-        H, I = self.hidden, self.intermediate
-        return H * self.q_dim + 2 * H * self.kv_dim + self.q_dim * H + 3 * H * I
+        """Weights of q, k, v, o and the MLP (gate, up, down, or every expert) of one layer, the mean over layers
+        (what ZeRO-3 gathers per layer)."""
+        mlp = self.dense_mlp_layers * 3 * self.hidden * self.intermediate + self.moe_layers * self.expert_params
+        return self.attention_linear_params + mlp // self.layers
 
     @property
     def embedding_params(self) -> int:
@@ -188,19 +285,57 @@ class ModelShape:
         return self.vocab * self.hidden * (1 if self.tied else 2)
 
     def lora_params(self, r: int) -> int:
-        """LoRA A and B on all seven linear layers of every layer: r * (in + out) each."""
+        """LoRA A and B as PEFT's "all-linear" places them, r * (in + out) each: q, k, v, o and a dense MLP's gate,
+        up, down; with `lora_experts` every expert's gate_up (rank 2r) and down and the router, else experts and
+        router stay frozen (not nn.Linear)."""
         H, I, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
-        per_layer = (H + q) + 2 * (H + kv) + (q + H) + 2 * (H + I) + (I + H)
-        return self.layers * r * per_layer
+        attention, mlp = (H + q) + 2 * (H + kv) + (q + H), 2 * (H + I) + (I + H)
+        E, Ie = self.experts, self.expert_intermediate
+        experts = E * (2 * (H + 2 * Ie) + (Ie + H)) + (H + E) if self.lora_experts else 0
+        return r * (self.layers * attention + self.dense_mlp_layers * mlp + self.moe_layers * experts)
+
+    def kv_cache_bytes(self, tokens: int, act_bytes: int) -> int:
+        """K and V of one `tokens`-long sequence in every layer; a sliding layer keeps only its window's."""
+        full = self.layers - self.sliding_layers
+        kept = full * tokens + self.sliding_layers * min(tokens, self.sliding_window or tokens)
+        return 2 * kept * self.kv_dim * act_bytes
 
 
-def _count_params(L, H, I, heads, kv_heads, head_dim, V, tied, qkv_bias, o_bias, qk_norm) -> int:
+def _count_params(L, H, I, heads, kv_heads, head_dim, V, tied, qkv_bias, o_bias, qk_norm, moe=None) -> int:
+    """All parameters; `moe` (a ModelShape with the MoE fields) swaps moe_layers' MLPs for experts + router and adds
+    the sinks ([heads] per layer)."""
     q, kv = heads * head_dim, kv_heads * head_dim
     per_layer = H * q + 2 * H * kv + q * H + 3 * H * I + 2 * H  # linears + two RMSNorm weights
     per_layer += (q + 2 * kv) if qkv_bias else 0
     per_layer += H if o_bias else 0
     per_layer += 2 * head_dim if qk_norm else 0
-    return L * per_layer + V * H * (1 if tied else 2) + H  # + final norm
+    total = L * per_layer + V * H * (1 if tied else 2) + H  # + final norm
+    if moe is not None:
+        total += moe.moe_layers * (moe.expert_params + moe.router_params - 3 * H * I) + (L * heads if moe.sinks else 0)
+    return total
+
+
+def _moe_fields(cfg, L: int) -> dict:
+    """ModelShape's MoE / sinks / sliding fields from a gpt_oss or qwen3_moe config ({} for a dense model)."""
+    experts = _get(cfg, "num_local_experts") or _get(cfg, "num_experts") or 0
+    layer_types = _get(cfg, "layer_types") or []
+    if not layer_types and _get(cfg, "model_type") == "gpt_oss":  # GptOssConfig's default: sliding, full, ...
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
+    window = _get(cfg, "sliding_window") or 0
+    sliding = sum(t == "sliding_attention" for t in layer_types) if window else 0
+    fields = dict(sliding_window=window if sliding else 0, sliding_layers=sliding)
+    if not experts:
+        return fields
+    model_type = _get(cfg, "model_type", "")
+    if model_type == "gpt_oss":  # every layer sparse; the expert width is intermediate_size
+        moe_layers, Ie = L, _get(cfg, "intermediate_size")
+    else:  # qwen3_moe: layers in mlp_only_layers, and off the decoder_sparse_step, keep a dense MLP
+        step, dense = _get(cfg, "decoder_sparse_step", 1) or 1, set(_get(cfg, "mlp_only_layers") or [])
+        moe_layers = sum(i not in dense and (i + 1) % step == 0 for i in range(L))
+        Ie = _get(cfg, "moe_intermediate_size")
+    return dict(fields, experts=experts, experts_per_token=_get(cfg, "num_experts_per_tok"), expert_intermediate=Ie,
+                moe_layers=moe_layers, expert_bias=model_type == "gpt_oss", sinks=model_type == "gpt_oss",
+                lora_experts=model_type == "qwen3_moe")
 
 
 def _get(cfg, key, default=None):
@@ -224,8 +359,10 @@ def _shape_from_config(cfg, name: str = "") -> ModelShape:
     qkv_bias = model_type == "qwen2" or bool(_get(cfg, "attention_bias", False))  # Qwen2 hard-codes q/k/v bias
     o_bias = model_type != "qwen2" and bool(_get(cfg, "attention_bias", False))
     qk_norm = model_type.startswith("qwen3")
-    n = _count_params(L, H, I, heads, kv_heads, head_dim, V, tied, qkv_bias, o_bias, qk_norm)
-    return ModelShape(L, H, I, heads, kv_heads, head_dim, V, tied, n, name or model_type, qk_norm)
+    moe = _moe_fields(cfg, L)
+    shape = ModelShape(L, H, I, heads, kv_heads, head_dim, V, tied, 0, name or model_type, qk_norm, **moe)
+    n = _count_params(L, H, I, heads, kv_heads, head_dim, V, tied, qkv_bias, o_bias, qk_norm, shape)
+    return replace(shape, n_params=n)
 
 
 def model_shape(model) -> ModelShape:
@@ -242,7 +379,7 @@ def model_shape(model) -> ModelShape:
     key = ALIASES.get(name.lower(), name.lower())
     if key in _SPECS:  # from the spec itself: planning needs no transformers import (tested equal to the config's)
         cls_name, kwargs, _ = _SPECS[key]
-        return _shape_from_config({"model_type": cls_name[: -len("Config")].lower(), **kwargs}, name=key)
+        return _shape_from_config({"model_type": _MODEL_TYPES[cls_name], **kwargs}, name=key)
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"

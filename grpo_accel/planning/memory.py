@@ -61,17 +61,40 @@ def layer_saved_bytes_per_token(shape: ModelShape, act_bytes: int, lora_r: int) 
       LoRA on the 7 linears: each lora_B saves lora_A's output (r); inputs are shared with the base layer.
     Measured on CPU (fp32, SmolLM2-135M shape, no checkpointing): 51.6 KB vs 53.5 KB predicted per token-layer.
     """
-    H, I, q, kv, a = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, act_bytes
+    H, q, kv, a = shape.hidden, shape.q_dim, shape.kv_dim, act_bytes
     norms = 2 * (4 * H + 2 * a * H)
     attention = a * (5 * q + 4 * kv) + 4 * shape.heads
-    mlp = a * 4 * I
+    mlp = mlp_saved_bytes_per_token(shape, a)
     qk_norm = (4 + 2 * a) * (q + kv) if shape.qk_norm else 0
     return norms + attention + mlp + qk_norm + 7 * lora_r * a
 
 
+def mlp_saved_bytes_per_token(shape: ModelShape, a: int) -> float:
+    """What one layer's MLP saves per token, the mean over layers. Dense: gate, silu(gate), up, their product (4I).
+    MoE (counted from transformers' GptOssExperts / Qwen3MoeExperts loops, not measured): the router's logits [E]
+    and its fp32 softmax [E], the top-k weights and indices, and per routed copy (k per token) the gathered input and
+    the weighted output [H each] plus gate_up, the activation's inputs and output [5 I_e]."""
+    dense = a * 4 * shape.intermediate
+    if not shape.moe_layers:
+        return dense
+    E, k, Ie = shape.experts, shape.experts_per_token, shape.expert_intermediate
+    moe = (a + 4) * E + k * (a + 8) + k * a * (2 * shape.hidden + 5 * Ie)
+    return (shape.dense_mlp_layers * dense + shape.moe_layers * moe) / shape.layers
+
+
 def layer_backward_transient_per_token(shape: ModelShape, act_bytes: int) -> int:
-    """Gradients alive while one layer runs backward: d(out), d(in) [H each] and two MLP-sized grads [I each]."""
-    return act_bytes * (2 * shape.hidden + 2 * shape.intermediate)
+    """Gradients alive while one layer runs backward: d(out), d(in) [H each] and two MLP-sized grads [I each, or
+    I_e for each of a MoE token's k experts]."""
+    width = shape.experts_per_token * shape.expert_intermediate if shape.moe_layers else shape.intermediate
+    return act_bytes * (2 * shape.hidden + 2 * max(width, shape.intermediate if shape.dense_mlp_layers else 0))
+
+
+def expert_grad_transient_bytes(shape: ModelShape, grad_bytes: int, lora_r: int) -> int:
+    """Full fine-tuning of a MoE layer: each expert's slice of the 3-D weight (`gate_up_proj[e]`) back-propagates
+    through select_backward, a zero tensor the size of the whole parameter, and autograd sums those per use before
+    accumulating: one layer's expert weights twice, in the gradient dtype (from autograd's rules, not measured).
+    LoRA: none (PEFT's expert adapters on Qwen3-MoE add a per-layer delta of the experts' size, not modeled here)."""
+    return 2 * shape.expert_params * grad_bytes if lora_r <= 0 and shape.moe_layers else 0
 
 
 def auto_logprob_block(n_tokens: int, vocab: int, device: str, act_bytes: int, chunk: int | None = None):
@@ -105,7 +128,7 @@ def _logprob_workspace(impl, shape, n_c, a, device, chunk_tokens, head_trainable
 
 def _weights_bytes(shape: ModelShape, dtype_bytes: int, quantization: str) -> float:
     if quantization == "4bit":  # QLoRA: decoder linears in NF4; embeddings, lm_head, norms in the compute dtype
-        linear = shape.layers * shape.layer_linear_params
+        linear = shape.linear_params  # MoE experts stay in the compute dtype (ModelShape.linear_params)
         return linear * NF4_BYTES_PER_PARAM + (shape.n_params - linear) * dtype_bytes
     return shape.n_params * dtype_bytes
 
@@ -128,7 +151,9 @@ def reward_model_bytes(shape: ModelShape, rows: int, T: int, a: int) -> int:
 
 
 def kv_bytes_per_token(shape: ModelShape, a: int) -> int:
-    return 2 * shape.layers * shape.kv_dim * a  # K and V, every layer
+    """K and V of every layer per token: exact without sliding layers, an upper bound with them
+    (`ModelShape.kv_cache_bytes` keeps a sliding layer's window only)."""
+    return 2 * shape.layers * shape.kv_dim * a
 
 
 def _fp8_weights_bytes(shape: ModelShape, a: int) -> float:
@@ -154,8 +179,8 @@ def _generate_terms(shape: ModelShape, a: int, seqs: int, prompt: int, T: int) -
     Working set: the decode step's growing cache (torch.cat writes one layer's K and V anew beside the old ones),
     the sampler's fp32 logits, processed scores and probabilities [seqs, V], and the prefill of one layer (K and V
     repeated to every head for SDPA with a mask, q, the MLP's gate/up and output)."""
-    kv = seqs * T * kv_bytes_per_token(shape, a)
-    one_layer_kv = kv / shape.layers
+    kv = seqs * shape.kv_cache_bytes(T, a)  # a sliding layer's cache holds its window only
+    one_layer_kv = seqs * T * kv_bytes_per_token(shape, a) / shape.layers
     sampler = 3 * seqs * shape.vocab * 4
     prefill = seqs * prompt * (shape.q_dim + 2 * shape.heads * shape.head_dim + 2 * shape.intermediate
                                + shape.hidden) * a
@@ -289,7 +314,8 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     trainable = shape.lora_params(lora_r) if lora_r > 0 else shape.n_params
     dev["lora_weights"] = trainable * 4 if lora_r > 0 else 0
     grad_bytes = 4 if lora_r > 0 else a
-    dev["gradients"] = trainable * grad_bytes / (world if deepspeed_stage >= 2 else 1)
+    dev["gradients"] = (trainable * grad_bytes / (world if deepspeed_stage >= 2 else 1)
+                        + expert_grad_transient_bytes(shape, grad_bytes, lora_r))
     # optimizer: fp32 master copy when the trained weights are not fp32, then Adam m and v (fp32, or 1 byte each
     # for 8-bit Adam); ZeRO-1+ shards them, offload_optimizer moves them to host
     master = 4 if (lora_r <= 0 and a != 4) else 0
@@ -331,7 +357,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     # generation batch's cache; a vLLM server nothing here
     dev["vllm_weights"] = {"vllm_4bit": _weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
                            "vllm_copy": _weights_bytes(shape, a, "none")}.get(generation, 0)
-    dev["vllm_kv_cache"] = vllm_kv_seqs * T * kv_bytes_per_token(shape, a) if use_vllm else 0
+    dev["vllm_kv_cache"] = vllm_kv_seqs * shape.kv_cache_bytes(T, a) if use_vllm else 0
     dev["vllm_runtime"] = VLLM_RUNTIME_BYTES if use_vllm else 0
     dev["generate_kv_cache"], dev["generate_working_set"] = (
         _generate_terms(shape, a, generation_batch, max_prompt_length, T) if generation == "generate" else (0, 0))
@@ -512,8 +538,8 @@ def vllm_memory_fraction(plan: MemoryPlan, gpu_bytes: int, cap: float = 0.95) ->
 def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
     """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
     inp = plan.inputs
-    per_seq = (inp["max_prompt_length"] + inp["max_completion_length"]) * kv_bytes_per_token(
-        plan.shape, dtype_bytes(inp["dtype"]))
+    per_seq = plan.shape.kv_cache_bytes(inp["max_prompt_length"] + inp["max_completion_length"],
+                                        dtype_bytes(inp["dtype"]))
     budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
     return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
 

@@ -22,10 +22,12 @@ forward, ~4% of its forward + backward); full-length tensors left in the re-run:
 fp32 dK, dV [kv_dim each] per token, instead of the whole layer's saved tensors. Dropout: each tile's RNG state is
 recorded in the forward and replayed, so the re-run draws the forward's masks (the masks differ from an untiled
 layer's: a tiled layer is its own, exactly differentiated, function). Ulysses SP shards: parallel/ulysses_tiles.py
-(the same tiles, keys from the other ranks). Not tiled (whole re-run instead): attention other than sdpa / eager (flash
+(the same tiles, keys from the other ranks). gpt-oss's sinks and sliding windows: tiling/attention.py (a sliding
+tile's keys start where its window does; the sink joins the query inside the layer's graph, so d(sink) comes back
+through the tile's q backward). Not tiled (whole re-run instead): attention other than sdpa / eager (flash
 varlen reads packed sequences from position ids; grpo_accel.parallel.packing's segments), calls this hook does not
-understand (sliding windows, soft-capping, sinks, caches, BlockMasks, 2-D masks), ZeRO-3 partitions (each tile
-would gather them again), rows of <= the tile. Several processes (DDP, ZeRO-1/2): tiled, each parameter's grad
+understand (soft-capping, caches, BlockMasks, 2-D masks), ZeRO-3 partitions (each tile would gather them again),
+rows of <= the tile. Several processes (DDP, ZeRO-1/2): tiled, each parameter's grad
 summed over the tiles and returned once by the checkpoint Function (rerun.param_aliases).
 """
 
@@ -38,11 +40,12 @@ import functools
 import torch
 
 from grpo_accel.core import rng as rng_state
-from grpo_accel.tiling.attention import PACKED_ATTN, SEGMENTS_KWARG, _attend
+from grpo_accel.tiling.attention import PACKED_ATTN, SEGMENTS_KWARG, _attend, with_sink_column
 
 # attention-interface kwargs a tiled call may ignore; any other kwarg with a value makes the layer untileable
 _IGNORED_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values"}
 _MUST_BE_NONE = {"sliding_window", "softcap", "s_aux", "sinks"}
+GPT_OSS_KWARGS = ("sliding_window", "s_aux")  # what `_attend` runs (tiling/attention.py); Ulysses' tiles do not
 # implementations whose result SDPA with the same mask reproduces; grpo_accel.parallel.packing's packed attention
 # (`accel_segments`, no mask) is reproduced segment by segment
 _SAME_AS_SDPA = ("sdpa", "eager", None, PACKED_ATTN)
@@ -68,12 +71,12 @@ def _attention_hook(hook):
         registry.__dict__.pop("get_interface", None)
 
 
-def unsupported_attention(impl, module, kwargs) -> list[str]:
+def unsupported_attention(impl, module, kwargs, allow=()) -> list[str]:
     """What in one attention-interface call the tiled paths do not reproduce (empty: they reproduce it): kwargs
-    with values beyond the ignorable ones, the ones that must be None, an implementation other than SDPA's result,
-    a non-causal module. One list for this module's hook and parallel/ulysses_tiles.py's."""
-    bad = [k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS
-           and not (k == "is_causal" and v)] + [k for k in _MUST_BE_NONE if kwargs.get(k) is not None]
+    with values beyond the ignorable ones and `allow`, the ones that must be None, an implementation other than
+    SDPA's result, a non-causal module. One list for this module's hook and parallel/ulysses_tiles.py's."""
+    bad = [k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS and k not in allow
+           and not (k == "is_causal" and v)] + [k for k in _MUST_BE_NONE - set(allow) if kwargs.get(k) is not None]
     if impl not in _SAME_AS_SDPA:  # flash varlen reads packed sequences from position ids; custom ones: unknown
         bad.append(f"attn_implementation={impl!r}")
     if not getattr(module, "is_causal", True):
@@ -92,10 +95,14 @@ class _Tiling:
     def hook(self, impl, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         self.calls += 1
         segments = kwargs.pop(SEGMENTS_KWARG, None) if impl == PACKED_ATTN else None
-        bad = unsupported_attention(impl, module, kwargs)
+        bad = unsupported_attention(impl, module, kwargs, allow=GPT_OSS_KWARGS)
         if bad or self.calls > 1 or query.shape[2] != self.sl.stop - self.sl.start or key.shape[2] != query.shape[2]:
             raise Untileable(f"attention call with {bad or 'an unexpected shape'}")
         s, e = self.sl.start, self.sl.stop
+        window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
+        if sinks is not None:  # in the layer's graph: the "grad" pass's q backward carries d(sinks)
+            query = with_sink_column(query, sinks, scaling)
+        extras = (window, sinks is not None)
         if self.mode != "grad":  # the forward and the key/value pass fill K, V
             if self.K is None:
                 self.K = key.new_empty(*key.shape[:2], self.T, key.shape[3])
@@ -103,12 +110,13 @@ class _Tiling:
             self.K[:, :, s:e], self.V[:, :, s:e] = key, value
             if self.mode == "kv":
                 raise _Stop
-            out = _attend(query, self.K[:, :, :e], self.V[:, :, :e], attention_mask, s, dropout, scaling, segments)
+            out = _attend(query, self.K[:, :, :e], self.V[:, :, :e], attention_mask, s, dropout, scaling, segments,
+                          *extras)
             return out.transpose(1, 2), None
         q_leaf = query.detach().requires_grad_()
         k_leaf = self.K[:, :, :e].detach().requires_grad_()
         v_leaf = self.V[:, :, :e].detach().requires_grad_()
-        out = _attend(q_leaf, k_leaf, v_leaf, attention_mask, s, dropout, scaling, segments)
+        out = _attend(q_leaf, k_leaf, v_leaf, attention_mask, s, dropout, scaling, segments, *extras)
         o_leaf = out.detach().transpose(1, 2).requires_grad_()
         self.saved = (query, key, value, q_leaf, k_leaf, v_leaf, out, o_leaf)
         return o_leaf, None

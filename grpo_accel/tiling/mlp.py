@@ -69,12 +69,34 @@ class _TiledMLP(torch.autograd.Function):
         return (None, None, None, dx, *dps)
 
 
+# MLP classes run in tiles: dense MLPs (Llama, Qwen, Mistral, Gemma) and MoE blocks (gpt-oss's GptOssMLP, Qwen3-MoE's
+# SparseMoeBlock), whose router picks experts per token: token-local too (tests/test_moe.py)
+_MLP_CLASSES = ("MLP", "SparseMoeBlock")
+
+
+def _first_tensor(run):
+    """`run` on a contiguous tile (Qwen3-MoE's block views it as [tokens, H]; a copy of one tile) returning its output
+    tensor; gpt-oss's MoE MLP returns (out, router scores), the scores unused by its layer: the box says a tuple came
+    back (the tiled forward then returns (out, None))."""
+    box = []
+
+    def call(x):
+        y = run(x.contiguous())
+        if isinstance(y, tuple):
+            box.append(True)
+            return y[0]
+        return y
+
+    return call, box
+
+
 def install(model: torch.nn.Module, tokens: int) -> int:
-    """Run each decoder layer's MLP (a submodule named `mlp` whose class name ends in "MLP": Llama, Qwen, Mistral,
-    Gemma; not MoE blocks) in tiles of `tokens` tokens when its input is longer. Returns how many were patched."""
+    """Run each decoder layer's MLP (a submodule named `mlp` whose class name ends in one of _MLP_CLASSES) in tiles
+    of `tokens` tokens when its input is longer. Returns how many were patched."""
     patched = 0
     for name, module in model.named_modules():
-        if not name.endswith("mlp") or not type(module).__name__.endswith("MLP") or getattr(module, _FLAG, False):
+        if (not name.endswith("mlp") or not type(module).__name__.endswith(_MLP_CLASSES)
+                or getattr(module, _FLAG, False)):
             continue
         run = module.forward
 
@@ -83,9 +105,12 @@ def install(model: torch.nn.Module, tokens: int) -> int:
                     or any(hasattr(p, "ds_tensor") for p in _module.parameters())):
                 return _run(x, *args, **kwargs)
             tiles = [slice(s, min(s + tokens, x.shape[1])) for s in range(0, x.shape[1], tokens)]
+            call, was_tuple = _first_tensor(_run)
             if not torch.is_grad_enabled():
-                return torch.cat([_run(x[:, sl]) for sl in tiles], dim=1)
-            return _TiledMLP.apply(_module, _run, tiles, x, *_trainable(_module))
+                out = torch.cat([call(x[:, sl]) for sl in tiles], dim=1)
+            else:
+                out = _TiledMLP.apply(_module, call, tiles, x, *_trainable(_module))
+            return (out, None) if was_tuple else out
 
         module.forward = forward
         setattr(module, _FLAG, True)

@@ -41,6 +41,7 @@ from grpo_accel.generation.vllm_colocate import (
 )
 from grpo_accel.generation.vllm_setup import colocated_route, start_colocated_engine
 from grpo_accel.head.logprob_head import head_unsupported_reason, install_logprob_head
+from grpo_accel.head.router_loss import load_balancing_loss, token_weights
 from grpo_accel.offload import OffloadConfig, install_activation_offload, remove_activation_offload, resolve_offload
 from grpo_accel.offload.residency import host_budget_per_process
 from grpo_accel.ops.select import triton_usable
@@ -134,6 +135,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         (run when train() ends, however it ends) leaves the models and transformers' registries as they were."""
         self.offload_config = self._offload_config()
         self.offload_enabled = self.offload_config is not None
+        self._refuse_router_loss_pairs()
         if self.offload_enabled:
             install_activation_offload(self.model, self.offload_config)
             self.patches.add(lambda model=self.model: remove_activation_offload(model))
@@ -141,6 +143,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         self.sequence_parallel = self._install_sequence_parallel()
         if self.sequence_parallel is not None:
             self.patches.add(self.sequence_parallel.remove)
+            self._refuse_router_loss_pairs()
         # SP shards carry their own positions through Ulysses' SDPA: no packed rows under it
         self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
         self.share_prompt = self._install_share_prompt()
@@ -149,6 +152,26 @@ class GRPOAccelTrainer(GRPOTrainer):
             log("sequence parallelism: each pass runs the group's rows in one forward, unpadded and split along "
                 "their length; padding_free does not apply")
         self.savers_installed = True
+
+    def _refuse_router_loss_pairs(self) -> None:
+        """A MoE's router loss (TRL adds it when the config has router_aux_loss_coef) back-propagates through each
+        layer's router logits, a side output. The offloaded checkpoint re-runs a layer from its input for its output
+        only (measured: the step's gradients then differ from TRL's), and Ulysses shards would each see part of
+        the tokens: both refused here, before any step."""
+        if not getattr(self, "aux_loss_enabled", False):
+            return
+        fix = "Fix: --router_aux_loss_coef 0 (GRPOConfig's: no router loss)"
+        if self.offload_enabled and getattr(self.args, "offload_activations", "false") == "auto":
+            log("offload_activations=auto: off, the MoE router loss needs each layer's router logits "
+                "(--router_aux_loss_coef 0 turns the loss off and offload back on)")
+            self.offload_config, self.offload_enabled = None, False
+        if self.offload_enabled:
+            raise ConfigError("--offload_activations cannot run with the MoE router loss: the offloaded re-run does "
+                              f"not return the router logits that loss differentiates. {fix}, or "
+                              "--offload_activations false.")
+        if getattr(self, "sequence_parallel", None) is not None:
+            raise ConfigError("--sequence_parallel_size > 1 cannot run with the MoE router loss: each rank holds "
+                              f"part of each row's router logits. {fix}.")
 
     def close(self) -> None:
         """Undo the savers' patches. The trainer then runs TRL's own paths (its attributes still say which savers it
@@ -351,36 +374,44 @@ class GRPOAccelTrainer(GRPOTrainer):
         multimodal_inputs = any(v is not None for v in multimodal.values())
         trl_head = self.logprob_impl == "trl"
         sequence_parallel = getattr(self, "sequence_parallel", None)
-        if self.padding_free and sequence_parallel is None and not (compute_aux_loss or multimodal_inputs):
+        # a MoE's router loss (compute_aux_loss) is ours to return on our head's paths (head/router_loss.py)
+        theirs_aux = compute_aux_loss and (trl_head or sequence_parallel is not None)
+        if self.padding_free and sequence_parallel is None and not (theirs_aux or multimodal_inputs):
             packed = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                                      compute_entropy, trl_head)
+                                                      compute_entropy, trl_head, compute_aux_loss)
             if packed is not None:
                 return packed
-        if trl_head or compute_aux_loss or multimodal_inputs:
+        if trl_head or theirs_aux or multimodal_inputs:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
         if sequence_parallel is not None:
             return (*sequence_parallel.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                            compute_entropy, self.accelerator.autocast), None)
-        all_logps, all_entropies = [], []
+        all_logps, all_entropies, routers = [], [], []
+        router = {"output_router_logits": True} if compute_aux_loss else {}
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
             # Only the completion tokens are scored (same labels as TRL's hook)
             labels = ids.masked_fill(mask == 0, -100)
             labels[:, :-logits_to_keep] = -100
             with self.accelerator.autocast():
-                out = model(input_ids=ids, attention_mask=mask, accel_labels=labels, accel_entropy=compute_entropy)
+                out = model(input_ids=ids, attention_mask=mask, accel_labels=labels, accel_entropy=compute_entropy,
+                            **router)
             all_logps.append(out.log_probs[:, -logits_to_keep:])
             if compute_entropy:
                 all_entropies.append(out.entropy[:, -logits_to_keep:])
+            if compute_aux_loss:
+                routers.append((out.router_logits, mask.reshape(-1).float()))
         entropies = torch.cat(all_entropies) if compute_entropy else None
-        return torch.cat(all_logps), entropies, None
+        aux = load_balancing_loss(causal_lm_of(model), routers) if compute_aux_loss else None
+        return torch.cat(all_logps), entropies, aux
 
     def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, rows_per_forward,
-                                    compute_entropy, trl_head=False):
+                                    compute_entropy, trl_head=False, compute_aux_loss=False):
         """As the padded loop, one packed row of real tokens per forward, <= logprob_token_budget tokens each,
-        through our head or TRL's (`trl_head`: same label shift, same [1, N-1] outputs); None (padded) when a
+        through our head or TRL's (`trl_head`: same label shift, same [1, N-1] outputs; not with
+        `compute_aux_loss`, the MoE router loss, taken over all forwards: head/router_loss.py); None (padded) when a
         row's tokens are not one block."""
         lengths, ok = packable_lengths(attention_mask)
         recompute_tokens = self.offload_config.recompute_tokens if self.offload_enabled else None
@@ -412,20 +443,25 @@ class GRPOAccelTrainer(GRPOTrainer):
                 log("padding_free: a batch has a row whose attention mask has holes or no tokens; it runs padded.")
                 self._padding_free_warned = True
             return None
-        outs = []
+        outs, routers = [], []
         for group in groups:
             p = (pack_units(input_ids, attention_mask, logits_to_keep, group) if units is not None
                  else pack_rows(input_ids, attention_mask, logits_to_keep, group))
             extra = {SEGMENTS_KWARG: p.segments} if segment_kwarg else {}
             extra.update(dict(labels=p.labels, fused_lm_head=True) if trl_head
                          else dict(accel_labels=p.labels, accel_entropy=compute_entropy))
+            if compute_aux_loss:
+                extra["output_router_logits"] = True
             with self.accelerator.autocast(), packed_forward_context():
                 out = model(input_ids=p.input_ids, position_ids=p.position_ids, **extra)
             outs.append((p, out.log_probs, out.entropy))
+            if compute_aux_loss:
+                routers.append((out.router_logits, token_weights(p.input_ids.size(1), p.segments, p.input_ids.device)))
         rows = input_ids.size(0)
         logps = unpack([(p, lp) for p, lp, _ in outs], rows, logits_to_keep)
         entropies = unpack([(p, e) for p, _, e in outs], rows, logits_to_keep) if compute_entropy else None
-        return logps, entropies, None
+        aux = load_balancing_loss(causal_lm_of(model), routers) if compute_aux_loss else None
+        return logps, entropies, aux
 
 
 def attach_shared_vllm(trainer, engine: SharedVLLM) -> SharedVLLMGeneration:

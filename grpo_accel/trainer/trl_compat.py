@@ -28,8 +28,10 @@ _IS = ("on by default: every colocated run of the vLLM tier corrects with the sh
 FIELDS: dict[str, tuple[str, str]] = {
     "model_init_kwargs": ("compared", "kl_full_reference; TRL loads the model (and its reference) by path with them"),
     "trust_remote_code": ("not affected", "model loading: TRL's own code"),
-    "router_aux_loss_coef": ("not affected", "MoE router loss: a pass that computes it goes through TRL's own "
-                                             "log-prob code (our override steps aside for compute_aux_loss)"),
+    "router_aux_loss_coef": ("refused", "MoE router loss with activation offload (the offloaded re-run drops the "
+                                        "router logits' gradient): stops naming --router_aux_loss_coef 0; with "
+                                        "offload off our head, packing and shared prompt compute it and equal "
+                                        "TRL's step (tests/test_moe.py)"),
     "disable_dropout": ("compared", "sampling"),
     "cast_lm_head_to_fp32": ("compared", "chat_kwargs_fp32_head; fp32 model (a bf16 model's case is a GPU row)"),
     "num_generations": ("compared", "default; 2 per prompt in every case"),

