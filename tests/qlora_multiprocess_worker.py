@@ -99,7 +99,7 @@ def sp_run(model_dir, world, reference_only=False):
     # the tiny model's rewards tie within a group (advantages 0): fixed non-zero advantages instead
     inputs["advantages"] = torch.linspace(-1.0, 1.5, inputs["advantages"].numel()).view_as(inputs["advantages"])
     ref = run_hook(trainer, inputs, padding_free=False)
-    trainer.sequence_parallel = sequence_parallel.enable(trainer, world)
+    trainer.sequence_parallel = sequence_parallel.enable(world, **trainer.sequence_parallel_arguments())
     calls, real = [], trainer.sequence_parallel.logps_and_entropies
     trainer.sequence_parallel.logps_and_entropies = lambda *a, **k: calls.append(1) or real(*a, **k)
     lp, ent, loss, grads = run_hook(trainer, inputs, padding_free=False)
