@@ -97,7 +97,7 @@ def rank_main(rank, world, a, port, out_dir):
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             prepare_cpu_processes()
             torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-            trainer.sequence_parallel = sequence_parallel.enable(trainer, world)
+            trainer.sequence_parallel = sequence_parallel.enable(world, **trainer.sequence_parallel_arguments())
     base = mem.records[-1].end_bytes
     model = trainer.model
     model.train()
