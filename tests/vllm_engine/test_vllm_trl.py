@@ -9,6 +9,7 @@ pytestmark = pytest.mark.vllm
 from conftest import report  # noqa: E402
 
 from grpo_accel.generation import vllm_colocate as vc  # noqa: E402
+from grpo_accel.trainer.trainer import attach_shared_vllm  # noqa: E402  (it writes TRL state: trainer/)
 
 
 def test_grpo_step_generates_through_shared_engine(engine, tokenizer, tmp_path):
@@ -31,7 +32,7 @@ def test_grpo_step_generates_through_shared_engine(engine, tokenizer, tmp_path):
         return [float(len(c[0]["content"]) % 5) for c in completions]  # any non-constant reward
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer)
-    generation = vc.attach_shared_vllm(trainer, engine)
+    generation = attach_shared_vllm(trainer, engine)
     pushes = []
     original_push = engine.push_adapter
     engine.push_adapter = lambda m, **kw: (pushes.append(trainer.state.global_step), original_push(m, **kw))[1]
