@@ -20,7 +20,8 @@ from grpo_accel.app.presets import PRESETS
 from grpo_accel.app.run_spec import resolve_run_spec
 from grpo_accel.app.runner import run
 
-FAMILY = {"llama": "tiny-llama", "smollm2": "tiny-llama", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3"}
+FAMILY = {"llama": "tiny-llama", "smollm2": "tiny-llama", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
+          "gpt-oss": "tiny-gpt-oss"}
 GPU_PRESETS = [n for n, p in PRESETS.items() if p.is_gpu]
 
 

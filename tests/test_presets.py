@@ -240,7 +240,7 @@ def test_lora_rank_on_a_full_finetuning_preset_gets_a_working_alpha(capsys):
 def test_gpt_oss_presets_plan_their_lengths():
     """b200_380k trains gpt-oss-20b at Unsloth's 380K; the H200 preset's length is the planner's longest on 130 GiB
     of GPU and 115 GiB of host, capped by its rope's 524,288 positions less the prompt (>= 380K, the goal)."""
-    from grpo_accel.app.presets import H200_GPT_OSS_COMPLETION, H200_GPT_OSS_PLAN
+    from grpo_accel.app.presets.table import H200_GPT_OSS_COMPLETION, H200_GPT_OSS_PLAN
     from grpo_accel.app.startup_checks import context_tokens
     from grpo_accel.planning.architectures import get_architecture
     from grpo_accel.planning.memory import GIB, find_max_completion_length
