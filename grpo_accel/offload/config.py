@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, offload_activations_on
+
 
 @dataclass(frozen=True)
 class OffloadConfig:
@@ -23,7 +25,7 @@ class OffloadConfig:
     # (attention is per row), so the FLOPs are the same. Llama-3.1-8B, G=8, T=8192: one layer's re-run saves
     # ~15 GB for the whole batch. None = the whole batch at once. See `_row_groups` for when it stays whole.
     # A row longer than this runs in sequence tiles of this many tokens (tiling/layer.py), forward and re-run.
-    recompute_tokens: int | None = 16384
+    recompute_tokens: int | None = OFFLOAD_RECOMPUTE_TOKENS
     # Residency (residency.py): layer inputs stay on the device while those kept there total <= this many bytes,
     # the rest go to host memory; 0 = all but the newest go. The planner sizes it from what the step leaves free.
     device_budget_bytes: int = 0
@@ -43,13 +45,6 @@ class OffloadConfig:
 
 def resolve_offload(setting: bool | str, device: torch.device | str, gradient_checkpointing: bool = True) -> bool:
     """`True`/`False` as given (also as strings); `"auto"`: on when `device` is CUDA and gradient
-    checkpointing is on (offload only moves what checkpointing saves)."""
-    if isinstance(setting, bool):
-        return setting
-    key = setting.strip().lower() if isinstance(setting, str) else None
-    if key not in ("auto", "true", "false"):
-        raise ValueError(f"activation offload must be True, False or 'auto', got {setting!r}")
-    if key == "auto":
-        return torch.device(device).type == "cuda" and bool(gradient_checkpointing)
-    return key == "true"
+    checkpointing is on (core.settings.offload_activations_on: the one rule, the planner's too)."""
+    return offload_activations_on(setting, torch.device(device).type == "cuda", gradient_checkpointing)
 

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from grpo_accel.core.dtypes import dtype_bytes
+from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import ModelShape, model_shape
 from grpo_accel.planning.routes import COLOCATED, ROUTES
@@ -32,7 +33,7 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 FRAGMENTATION = 0.05
 # vLLM's own working memory besides weights and KV cache (CUDA graphs, sampler, prefill activations): assumed.
 VLLM_RUNTIME_BYTES = 1 * GIB
-RECOMPUTE_TOKENS = 16384  # grpo_accel.offload.OffloadConfig.recompute_tokens (test_memory checks they agree)
+RECOMPUTE_TOKENS = OFFLOAD_RECOMPUTE_TOKENS  # the offload's re-run piece (core.settings: one home)
 TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py, trl/trainer/utils.py (TRL 1.16)
 LOGPROB_IMPLS = ("trl", "chunked", "triton", "auto")  # what --logprob_impl takes (GRPOAccelConfig)
 PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the naive baseline (benchmarks)

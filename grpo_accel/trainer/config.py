@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.processes import launched_processes
+from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS
 from grpo_accel.parallel.shared_prompt import SHARE_PROMPT_MODES
 from grpo_accel.planning.memory import LOGPROB_IMPLS
 
@@ -69,7 +70,7 @@ class GRPOAccelConfig(GRPOConfig):
                           "(on with a CUDA device and gradient checkpointing)."},
     )
     offload_recompute_tokens: int = field(
-        default=16384,
+        default=OFFLOAD_RECOMPUTE_TOKENS,
         metadata={"help": "Offload's backward re-run (and checkpointed forward) in pieces of at most this many tokens: "
                           "row groups, and sequence tiles within a longer row. Smaller: less memory, more launches."},
     )

@@ -32,6 +32,7 @@ from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.patches import Patches
 from grpo_accel.core.processes import several_processes
+from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS
 from grpo_accel.data.rewards import guarded
 from grpo_accel.generation.vllm_colocate import (
     SharedVLLM,
@@ -314,7 +315,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         device = self.accelerator.device
         if not resolve_offload(setting, device, gradient_checkpointing=self.args.gradient_checkpointing):
             return None
-        sizing = dict(recompute_tokens=getattr(self.args, "offload_recompute_tokens", 16384),
+        sizing = dict(recompute_tokens=getattr(self.args, "offload_recompute_tokens", OFFLOAD_RECOMPUTE_TOKENS),
                       device_budget_bytes=int(getattr(self.args, "offload_device_budget_gib", 0) * 2**30))
         if os.environ.get(FORCE_OFFLOAD_COPIES_ENV) == "1":
             return OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, **sizing)

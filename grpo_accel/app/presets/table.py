@@ -15,6 +15,7 @@ from pathlib import Path
 
 from grpo_accel.core import dtypes
 from grpo_accel.core.errors import UserError
+from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, offload_activations_on
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape
 from grpo_accel.planning.memory import MemoryPlan, plan_memory
@@ -105,14 +106,14 @@ class Preset:
             max_completion_length=f["max_completion_length"],
             per_device_train_batch_size=f["per_device_train_batch_size"],
             gradient_checkpointing=bool(f["gradient_checkpointing"]),
-            offload_activations=offload == "true" or (offload == "auto" and cuda and bool(f["gradient_checkpointing"])),
+            offload_activations=offload_activations_on(offload, cuda, bool(f["gradient_checkpointing"])),
             logprob_impl=f["logprob_impl"], logprob_chunk_size=f["logprob_chunk_size"], generation=route,
             generation_batch=self.generation_batch(f, processes),
             # vLLM needs one full-length sequence of KV cache to start; what is left over goes to more of them
             vllm_kv_seqs=1, vllm_sleep=route == "vllm_copy" and f["lora_r"] == 0 and cuda,
             deepspeed_stage=self.deepspeed_stage, num_processes=processes,
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-            recompute_tokens=f.get("offload_recompute_tokens") or 16384,
+            recompute_tokens=f.get("offload_recompute_tokens") or OFFLOAD_RECOMPUTE_TOKENS,
             sequence_parallel_size=int(f.get("sequence_parallel_size") or 1),
             share_prompt=str(f.get("share_prompt", "auto")).lower() if f.get("padding_free", True) else "false",
             offload_device_budget_bytes=int((f.get("offload_device_budget_gib") or 0) * GIB),
