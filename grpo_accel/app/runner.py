@@ -158,7 +158,9 @@ def load_training_model(spec, tokenizer, longest_prompt: int):
 
     script, config = spec.script, spec.config
     init_kwargs = {k: v for k, v in (config.model_init_kwargs or {}).items() if k not in ("dtype", "device_map")}
-    action, route = colocated_route(script.model, config, script.quantization, lora_r=script.lora_r)
+    # the stack the start-up line and the plan used: one decision per run
+    action, route = colocated_route(script.model, config, script.quantization, lora_r=script.lora_r,
+                                    stack=spec.stack)
     if action == "fallback":  # generate(): startup() said so in its route line; the trainer need not again
         config.use_vllm = False
     if action == "from_path":
