@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 
@@ -70,6 +71,8 @@ def cmd_plan(args, train_flags: list[str]) -> int:
         from grpo_accel.planning.routes import PINNED_STACK
 
         spec.stack = PINNED_STACK
+    elif spec.preset.is_gpu and not spec.stack.cuda:  # this machine's vLLM and plugin, on the preset's GPU
+        spec.stack = dataclasses.replace(spec.stack, cuda=True)
     preset, gpu = spec.preset, current_gpu_props()
     plan = spec.plan()
     route, route_why = spec.route()

@@ -203,13 +203,11 @@ class RunSpec:
 
     @functools.cached_property
     def stack(self):
-        """What generates on the run's machine (planning.routes.Stack): this machine's vLLM and vllm-bnb-plugin
-        (`--stack pinned` in `grpo-accel plan`: the preset's machine with the vllm extra), CUDA where the preset
-        is a GPU preset (one plans a GPU run on any machine)."""
+        """What generates on this machine (planning.routes.Stack: vLLM, vllm-bnb-plugin, CUDA); `grpo-accel plan`
+        sets the machine it plans for (a GPU preset's CUDA, or `--stack pinned`)."""
         from grpo_accel.generation.vllm_setup import local_stack
 
-        stack = local_stack()
-        return dataclasses.replace(stack, cuda=True) if self.preset.is_gpu and not stack.cuda else stack
+        return local_stack()
 
     def route(self) -> tuple[str, str]:
         """(generation route, why) this run takes on its machine: the route the plan sizes."""
