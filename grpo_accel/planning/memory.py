@@ -22,7 +22,7 @@ from grpo_accel.core.dtypes import dtype_bytes
 from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import ModelShape, model_shape
-from grpo_accel.planning.routes import COLOCATED, ROUTES
+from grpo_accel.planning.routes import COLOCATED, PINNED_STACK, ROUTES, choose_route
 
 # bitsandbytes NF4 with double quantization: 4 bits per weight, an 8-bit absmax per 64-weight block, and an fp32
 # scale per 256 blocks.
@@ -164,16 +164,6 @@ def _fp8_weights_bytes(shape: ModelShape, a: int) -> float:
     return linear + (shape.n_params - linear) * a
 
 
-def legacy_route(use_vllm: bool, lora_r: int, quantization: str, vllm_share_weights: bool = True) -> str:
-    """The route plan_memory assumed before it took `generation`: use_vllm off = generate(); a colocated engine
-    shares with LoRA on unquantized weights, quantizes its own copy for QLoRA, else keeps a copy."""
-    if not use_vllm:
-        return "generate"
-    if quantization == "4bit":
-        return "vllm_4bit"
-    return "vllm_shared" if engine_shares_weights(True, lora_r, quantization, vllm_share_weights) else "vllm_copy"
-
-
 def _generate_terms(shape: ModelShape, a: int, seqs: int, prompt: int, T: int) -> tuple[float, float]:
     """(KV cache, working set) of transformers' generate() over `seqs` sequences of T tokens, as TRL's non-vLLM path
     calls it (the whole generation batch in one call, padded to the longest prompt, DynamicCache).
@@ -186,12 +176,6 @@ def _generate_terms(shape: ModelShape, a: int, seqs: int, prompt: int, T: int) -
     prefill = seqs * prompt * (shape.q_dim + 2 * shape.heads * shape.head_dim + 2 * shape.intermediate
                                + shape.hidden) * a
     return kv, one_layer_kv + sampler + prefill
-
-
-def engine_shares_weights(use_vllm: bool, lora_r: int, quantization: str, vllm_share_weights: bool = True) -> bool:
-    """The colocated engine's base weights are the trainer's only with LoRA on unquantized weights: a 4-bit engine
-    quantizes its own copy, and full fine-tuning keeps a copy the optimizer cannot move under a generation."""
-    return bool(use_vllm and lora_r > 0 and quantization == "none" and vllm_share_weights)
 
 
 def _rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pieces: bool, tokens) -> float:
@@ -263,12 +247,13 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
 
     generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
-    quantization imply, `legacy_route`: use_vllm off is TRL's generate()); it decides use_vllm and
-    vllm_share_weights (given beside it, they must agree). generation_batch: sequences
+    quantization imply with vLLM installed, routes.choose_route; use_vllm off is TRL's generate()); it decides
+    use_vllm and vllm_share_weights (given beside it, they must agree). generation_batch: sequences
     one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former).
     reward_models: (shape, rows) of each reward model (`reward_model_bytes`)."""
     if generation is None:
-        generation = legacy_route(bool(use_vllm), lora_r, quantization, vllm_share_weights is not False)
+        generation = choose_route(use_vllm=bool(use_vllm), quantization=quantization, lora_r=lora_r,
+                                  vllm_share_weights=vllm_share_weights is not False, stack=PINNED_STACK)[0]
     if generation not in ROUTES:
         raise ValueError(f"generation={generation!r}: use one of {tuple(ROUTES)}")
     if use_vllm is not None and bool(use_vllm) != (generation in COLOCATED) or \
@@ -546,5 +531,5 @@ def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
 
 
 __all__ = ["GIB", "MemoryPlan", "Verdict", "auto_logprob_block", "kv_bytes_per_token", "kv_cache_sequences",
-           "layer_saved_bytes_per_token", "legacy_route", "plan_memory", "vllm_memory_fraction",
+           "layer_saved_bytes_per_token", "plan_memory", "vllm_memory_fraction",
            "find_max_completion_length", "fit_host"]
