@@ -111,9 +111,10 @@ def synthetic_tokenizer():
                                    padding_side="left")
 
 
-def build_model(arch, device, dtype, quant, ckpt_cache, layers: int = 0):
+def build_model(arch, device, dtype, quant, ckpt_cache, layers: int = 0, config_fields: dict | None = None):
     """Random weights of a named architecture; `layers` > 0 keeps only that many of its layers (a CPU step in
-    seconds with the real width, heads and vocabulary)."""
+    seconds with the real width, heads and vocabulary); `config_fields`: what a preset's model_init_kwargs set
+    (gpt-oss's YaRN factor 128 for 524,288 positions)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -121,6 +122,8 @@ def build_model(arch, device, dtype, quant, ckpt_cache, layers: int = 0):
 
     config = get_architecture(arch)
     config.use_cache = False
+    for key, value in (config_fields or {}).items():
+        setattr(config, key, value)
     if layers:
         config.num_hidden_layers = layers
         if getattr(config, "layer_types", None):
@@ -140,7 +143,19 @@ def build_model(arch, device, dtype, quant, ckpt_cache, layers: int = 0):
                                                 device_map={"": torch.cuda.current_device()})
 
 
-def make_trainer(impl, model, G, T, device, outdir):
+def preset_settings(name: str | None) -> tuple[dict, dict]:
+    """(config fields, GRPOConfig fields) a preset sets beyond the architecture: its model_init_kwargs (rope
+    scaling) and its recipe's router_aux_loss_coef (gpt-oss presets: 0, offload cannot carry the router loss)."""
+    if not name:
+        return {}, {}
+    from grpo_accel.app.presets.table import get_preset
+
+    preset = get_preset(name)
+    trainer_fields = {k: preset.recipe[k] for k in ("router_aux_loss_coef",) if k in preset.recipe}
+    return dict(preset.model_init_kwargs), trainer_fields
+
+
+def make_trainer(impl, model, G, T, device, outdir, trainer_fields: dict | None = None):
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -172,7 +187,7 @@ def make_trainer(impl, model, G, T, device, outdir):
     batch = dict(per_device_train_batch_size=1, gradient_accumulation_steps=G) if mb1 else dict(
         per_device_train_batch_size=G)
     common = dict(output_dir=outdir, **batch, num_generations=G, max_completion_length=T,
-                  report_to="none", bf16=cuda, use_cpu=not cuda, seed=0)
+                  report_to="none", bf16=cuda, use_cpu=not cuda, seed=0, **(trainer_fields or {}))
     if kind == "trl_tuned":
         common.update(tuned_checkpointing(cuda))
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -264,8 +279,9 @@ def worker(a):
     mem = PhaseMemory(a.device)
     out = {"impl": a.impl}
     with tempfile.TemporaryDirectory() as tmp, mem.phase("load"):
-        model = build_model(a.arch, a.device, dtype, a.quant, a.ckpt_cache)
-        trainer = make_trainer(a.impl, model, a.num_generations, a.completion_length, a.device, tmp)
+        config_fields, trainer_fields = preset_settings(a.preset)
+        model = build_model(a.arch, a.device, dtype, a.quant, a.ckpt_cache, config_fields=config_fields)
+        trainer = make_trainer(a.impl, model, a.num_generations, a.completion_length, a.device, tmp, trainer_fields)
         out["checkpointing"] = enable_checkpointing_like_train(trainer)
     base = mem.records[-1].end_bytes  # model + adapters (+ the trainer's bookkeeping) in memory
     out.update(base_mib=base / MIB, logprob_impl=getattr(trainer, "logprob_impl", "trl"),
@@ -336,7 +352,8 @@ def run_worker(args, impl, T, reps):
     cmd = [sys.executable, __file__, "--worker", impl, "--arch", args.arch, "--quant", args.quant,
            "--num-generations", str(args.num_generations), "--prompt-length", str(args.prompt_length),
            "--completion-length", str(T), "--reps", str(reps), "--device", args.device,
-           "--ckpt-cache", str(args.ckpt_cache)] + (["--equal-lengths"] if args.equal_lengths else [])
+           "--ckpt-cache", str(args.ckpt_cache)] + (["--equal-lengths"] if args.equal_lengths else []) + (
+               ["--preset", args.preset] if args.preset else [])
     t0 = time.perf_counter()
     run = run_worker_process(cmd, env, ROOT)
     lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
@@ -358,7 +375,8 @@ def _shape(args, T=None):
     dtype = "bf16" if args.device == "cuda" else "fp32"
     t = f"T={T}" if T is not None else f"T<=max,step={args.t_step}"
     padded = "" if args.equal_lengths else ",padded"  # completions T/2..T right-padded (default)
-    return f"{args.arch},{adapter},G={args.num_generations},P={args.prompt_length},{t},{dtype}{padded}"
+    preset = f",preset={args.preset}" if args.preset else ""  # its rope scaling and router loss coefficient
+    return f"{args.arch},{adapter},G={args.num_generations},P={args.prompt_length},{t},{dtype}{padded}{preset}"
 
 
 def _meta(device):
@@ -533,6 +551,8 @@ def parse_args():
     p.add_argument("--arch", default="smollm2-135m",
                    help="a name from grpo_accel.planning.architectures (tiny-llama for tests)")
     p.add_argument("--quant", default="none", choices=["none", "4bit"], help="4bit = QLoRA (CUDA + bitsandbytes)")
+    p.add_argument("--preset", default=None, help="take a preset's model config fields (rope scaling) and router "
+                   "loss coefficient, e.g. h200_gpt_oss_512k with --arch gpt-oss-20b")
     p.add_argument("--num-generations", type=int, default=4, help="G: rows in the step")
     p.add_argument("--prompt-length", type=int, default=64, help="P: prompt tokens per row")
     p.add_argument("--completion-length", type=int, default=256, help="T: completion tokens per row "

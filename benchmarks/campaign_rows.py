@@ -67,11 +67,13 @@ class Row:
 
 # ------------------------------------------------------------------------------------------------------ estimates
 def step_flops(arch: str, rows: list[int]) -> float:
-    """FLOPs of one LoRA step over rows of these token counts (module docstring)."""
+    """FLOPs of one LoRA step over rows of these token counts (module docstring). A MoE runs its active parameters
+    per token; a sliding layer's attention is T x window, so only the full layers count T^2."""
     from grpo_accel.planning.architectures import model_shape
 
     s = model_shape(arch)
-    return sum(6 * s.n_params * t + 9 * s.layers * t * t * s.q_dim for t in rows)
+    full = s.layers - s.sliding_layers
+    return sum(6 * s.active_params * t + 9 * full * t * t * s.q_dim for t in rows)
 
 
 def spread(G: int, T: int) -> list[int]:
@@ -186,6 +188,27 @@ def _later() -> list[Row]:
     ]
 
 
+def gpt_oss_rows() -> list[Row]:
+    """Issue 36's GPU step: gpt-oss-20b (random weights of the real shape) with the h200_gpt_oss_512k preset's
+    settings (YaRN factor 128, no router loss, offload, tiles), one step at micro-batch 1 against the planner. 128K
+    first (a minute of attention; fits an H100), then the preset's own 523,776 tokens (the H200 preset's length)."""
+    rows = []
+    for name, T, limit in (("gpt_oss_128k", 131072, 150), ("gpt_oss_512k", 523776, 600)):
+        sizes = dict(arch="gpt-oss-20b", num_generations=2, prompt_length=512, completion_length=T)
+        rows.append(Row(
+            name, f"one GRPO step of gpt-oss-20b (random weights, real shape) at T={T}, the h200_gpt_oss_512k "
+            "preset's settings, ours at micro-batch 1", "fits; planner within 10% of reserved", limit,
+            "bench_step_memory.py", "step_memory.csv", "grpo_step_fwd_bwd", summary.judge_step_fits,
+            ("--impls", "ours_mb1", "--reps", "0", "--preset", "h200_gpt_oss_512k"), sizes,
+            dict(arch="tiny-gpt-oss", num_generations=2, prompt_length=4, completion_length=16), _STEP,
+            estimate=estimate("gpt-oss-20b", "none", {"ours_mb1": [512 + c for c in spread(2, T)]}, 1),
+            cpu_args=None if T == 131072 else "skip",
+            note="G=2 at micro-batch 1: the peak is one row's (the preset runs G=8 the same way, 8x the time); "
+                 "--reps 0: the first step's peak. Training only: generation at this length needs the colocated "
+                 "engine, absent on the GPU hosts."))
+    return rows
+
+
 def preset_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]]]:
     """A row per single-GPU preset this GPU can run (the cpu preset for the CPU check), h100_110k first; and the
     ones it cannot, with why."""
@@ -222,5 +245,5 @@ def campaign_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]
     """Headline rows first (the h100_110k preset leading: it also saves the Qwen3-8B checkpoint the 4-bit rows load),
     then the longer rows, then the other presets. --cpu-check leaves out the rows marked cpu_args="skip"."""
     presets, skipped = preset_rows(cpu, gpu_props)
-    rows = presets[:1] + _headline() + _later() + presets[1:]
+    rows = presets[:1] + _headline() + gpt_oss_rows() + _later() + presets[1:]
     return [r for r in rows if not (cpu and r.cpu_args == "skip")], skipped

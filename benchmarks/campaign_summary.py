@@ -144,6 +144,19 @@ def judge_max_t_ours(v: RowView):
     return text, "met (>= 256K)" if fits and T >= 256 * 1024 else "missed"
 
 
+def judge_step_fits(v: RowView):
+    """A step at the row's T fits (issue 36's gpt-oss rows); the planner's error is the planner table's row."""
+    got, T = v.m("ours_mb1"), v.sizes["completion_length"]
+    if not got:
+        return "", ""
+    fits = got.get("oom") == 0
+    text = f"ours_mb1 step at T={T}: " + (f"fits, peak reserved with weights {_fmt(got.get('peak_reserved_with_weights_mib', _peak(got, v.cpu)), 0)} MiB" if fits
+                                           else "out of memory")
+    if v.cpu:
+        return text, NO_GOAL
+    return text, "met (fits)" if fits else "missed"
+
+
 def judge_max_t_trl(v: RowView):
     got = v.m("trl_tuned", op="grpo_max_completion_length")
     if "max_completion_length" not in got:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on a lent GPU host (docs/gpu-campaign.md): install the carried wheels, preflight, run the campaign rows
+# given (default: the headline set, then whatever fits) within the call, and pack every result into $OUT as ONE
+# archive (a loan returns at most 8 files): results.tgz holds benchmarks/results (CSVs, PNGs, ledger, summary,
+# failed rows' tails) and the per-row logs; campaign.log beside it.
+#
+#   GRPO_ACCEL_GIT_SHA=<sha> bash benchmarks/gpu_loan.sh [CALL_S] [campaign flags...]
+#
+# CALL_S (default 590): the seconds this call may take in all. The campaign gets what is left after the install
+# and the preflight, less 20 s for packing; a hard `timeout` stops it 10 s before CALL_S so the archive is always
+# written (a row cut short is recorded as timed out by the ledger's next call; its finished variants are in the CSV).
+set -uo pipefail
+call_s=${1:-590}; shift || true
+out=${OUT:-/tmp/grpo_accel_loan}; mkdir -p "$out"
+log=$out/campaign.log
+{
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PWD:/tmp/site
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 benchmarks/gpu_campaign.py --preflight
+  budget=$((call_s - SECONDS - 30))
+  echo "[loan] campaign budget ${budget} s (call ${call_s} s, ${SECONDS} s used)"
+  timeout --kill-after=5 $((call_s - SECONDS - 15)) \
+    python3 benchmarks/gpu_campaign.py --budget-s "$budget" --mirror /tmp/loan_results --logs /tmp/loan_logs "$@"
+  echo "[loan] campaign exit $?, ${SECONDS} s"
+} 2>&1 | tee "$log"
+mkdir -p /tmp/loan_results /tmp/loan_logs
+tar czf "$out/results.tgz" -C /tmp loan_results loan_logs
+ls -la "$out"
