@@ -13,6 +13,10 @@ set -uo pipefail
 call_s=${1:-590}; shift || true
 out=${OUT:-/tmp/grpo_accel_loan}; mkdir -p "$out"
 log=$out/campaign.log
+mkdir -p /tmp/loan_results /tmp/loan_logs
+pack() { tar czf "$out/.results.tgz" -C /tmp loan_results loan_logs 2>/dev/null && mv "$out/.results.tgz" "$out/results.tgz"; }
+# every 20 s, so a call cut short by the loan's end still returns what was measured
+( while sleep 20; do pack; done ) & packer=$!
 {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site
@@ -24,6 +28,5 @@ log=$out/campaign.log
     python3 benchmarks/gpu_campaign.py --budget-s "$budget" --mirror /tmp/loan_results --logs /tmp/loan_logs "$@"
   echo "[loan] campaign exit $?, ${SECONDS} s"
 } 2>&1 | tee "$log"
-mkdir -p /tmp/loan_results /tmp/loan_logs
-tar czf "$out/results.tgz" -C /tmp loan_results loan_logs
+kill $packer 2>/dev/null; pack
 ls -la "$out"
