@@ -1,6 +1,6 @@
 """gpu_campaign.py's rows: what each measures, its goal, its sizes (GPU and --cpu-check), its time limit and the
-estimate that limit covers. The headline rows come first and fit one 9-minute call on an H100, model builds included;
-the longer rows follow, for later loans.
+estimate that limit covers. The headline rows come first and fit one 15-minute loan (a start, two calls), model
+builds included; the longer rows follow, for later loans.
 
 Estimates (no GPU time of these rows is measured yet; the one GPU point is the h100_110k preset: 2 steps in 62 s on
 an H200 including its random checkpoint, issue 35): per worker process START_S (imports, CUDA context), plus the
@@ -21,10 +21,14 @@ import campaign_summary as summary
 
 BENCH = Path(__file__).resolve().parent
 CPU_LIMIT_S = 240  # a CPU check row: tiny sizes, but each process imports torch + transformers + TRL (~10 s here)
-HEADLINE_BUDGET_S = 540  # one call: a command may run 10 minutes, less the wheels' install and the campaign's own
+# one 15-minute loan: a start (0.5-2 min) and two calls on the warm machine (gpu_loan.sh: ~25 s of install and
+# preflight each); the first loan (H200, 2026-11-26) measured 22-28 s of start + build per worker, not 15
+HEADLINE_BUDGET_S = 680
 TFLOPS = 300e12  # assumed sustained bf16 rate of a LoRA step on an H100 (dense peak 989); not measured yet
-START_S = 10  # python + torch + transformers + TRL imports and the CUDA context, per worker (16-core host)
+START_S = 17  # python + torch + transformers + TRL imports and the CUDA context, per worker (16-core host)
 BUILD_S = {"bf16": 5, "4bit": 10}  # random init on the GPU; 4-bit load + quantize of the saved 16 GB checkpoint
+CKPT_SAVE_S = 30  # the random Qwen3-8B checkpoint, made and written once (19 s of writing on the first loan)
+# measured on the first loan (H200): a bf16 worker's wall less its step 22.5 s, a 4-bit one's 27.7 s
 
 
 @dataclass(frozen=True)
@@ -108,10 +112,11 @@ def _headline() -> list[Row]:
     padded = lambda s: [s["prompt_length"] + s["completion_length"]] * s["num_generations"]  # noqa: E731
     return [
         Row("step_32k", "one GRPO step, Qwen3-8B QLoRA, G=2, T=32K: ours at micro-batch 1 vs tuned TRL, side by "
-            "side", "peak reserved <= 0.5x trl_tuned's, time per token <= 1.1x", 150, "bench_step_memory.py",
+            "side", "peak reserved <= 0.5x trl_tuned's, time per token <= 1.1x", 200, "bench_step_memory.py",
             "step_memory.csv", "grpo_step_fwd_bwd", summary.judge_step_32k,
             ("--impls", "trl_tuned", "ours_mb1", "--reps", "1"), step32, dict(_TINY, completion_length=8), _STEP,
-            headline=True, estimate=estimate(*_QWEN_4BIT, {"trl_tuned": padded(step32), "ours_mb1": real(step32)}, 2),
+            headline=True, estimate=(lambda e: (e[0] + CKPT_SAVE_S, e[1] + f" + {CKPT_SAVE_S} s checkpoint save"))(
+                estimate(*_QWEN_4BIT, {"trl_tuned": padded(step32), "ours_mb1": real(step32)}, 2)),
             needs=Row.needs + ("bitsandbytes", "triton"),
             note=_MB1_G2 + " --reps 1: a warm-up and one measured step. trl_tuned is the fair baseline only with "
                  "transformers >= 5.20 (its activation offload); the GPU hosts have 5.17: bring a newer "
@@ -126,13 +131,13 @@ def _headline() -> list[Row]:
             note=_MB1_G2 + " The seeds' table is at G=8: the same peak. --reps 0: the first step's peak (a memory "
                  "goal; no time is compared)."),
         Row("long_t_64k", "one long completion, Qwen3-8B QLoRA, T=64K: does a step fit, ours at micro-batch 1",
-            "fits (a probe on the way to 256K; the planner's error at long T)", 80, "bench_step_memory.py",
+            "fits (a probe on the way to 256K; the planner's error at long T)", 130, "bench_step_memory.py",
             "step_memory.csv", "grpo_step_fwd_bwd", summary.judge_max_t_ours, ("--impls", "ours_mb1", "--reps", "0"),
             long_t, dict(_TINY, completion_length=16), _STEP, headline=True,
             estimate=estimate(*_QWEN_4BIT, {"ours_mb1": real(long_t)}, 1), needs=Row.needs + ("bitsandbytes", "triton"),
             note=_MB1_G2 + " One probe at 65536 (a step at 262144 is ~7 minutes of attention: a later row)."),
         Row("packing", "padded vs packed rows, uniform completion lengths, Llama-3.1-8B LoRA bf16, G=8, T=8192",
-            ">= 1.5x faster, <= 0.7x peak", 90, "bench_packing.py", "packing.csv", "grpo_step_fwd_bwd",
+            ">= 1.5x faster, <= 0.7x peak", 130, "bench_packing.py", "packing.csv", "grpo_step_fwd_bwd",
             summary.judge_packing, ("--mixes", "uniform", "--reps", "1", "--offload", "true"), pack,
             dict(_TINY, num_generations=4, completion_length=8),
             "{arch},lora-r16,G={num_generations},P<={prompt_length},T<={completion_length},uniform,", headline=True,
@@ -140,7 +145,7 @@ def _headline() -> list[Row]:
             estimate=estimate("llama-3.1-8b", "none", {"padded": padded(pack), "packed": [4500] * 8}, 2),
             needs=Row.needs + ("triton",), note="G=8: the padding a batch carries depends on its spread of lengths."),
         Row("shared_prompt", "the prompt once per group vs G times, Qwen3-8B LoRA bf16, P=4K, C=512, G=8: shared vs "
-            "packed", ">= 3x faster, <= 1/3 peak of packed (issue 28's goal, at G=8)", 80, "bench_shared_prompt.py",
+            "packed", ">= 3x faster, <= 1/3 peak of packed (issue 28's goal, at G=8)", 110, "bench_shared_prompt.py",
             "shared_prompt.csv", "grpo_policy_step", summary.judge_shared_prompt,
             ("--impls", "shared", "packed", "--reps", "1"), shared,
             dict(arch="tiny-llama", prompt_lengths=16, completion_lengths=8, generations_grid=2),
@@ -191,9 +196,10 @@ def _later() -> list[Row]:
 def gpt_oss_rows() -> list[Row]:
     """Issue 36's GPU step: gpt-oss-20b (random weights of the real shape) with the h200_gpt_oss_512k preset's
     settings (YaRN factor 128, no router loss, offload, tiles), one step at micro-batch 1 against the planner. 128K
-    first (a minute of attention; fits an H100), then the preset's own 523,776 tokens (the H200 preset's length)."""
+    first (a minute of attention; fits an H100), then 384K: past the seeds' 380K and what one call can hold (the
+    preset's own 523,776 is ~1.8x the attention of 384K, ~9 minutes of steps at 300 TFLOP/s: past a call)."""
     rows = []
-    for name, T, limit in (("gpt_oss_128k", 131072, 150), ("gpt_oss_512k", 523776, 600)):
+    for name, T, limit in (("gpt_oss_128k", 131072, 150), ("gpt_oss_384k", 393216, 520)):
         sizes = dict(arch="gpt-oss-20b", num_generations=2, prompt_length=512, completion_length=T)
         rows.append(Row(
             name, f"one GRPO step of gpt-oss-20b (random weights, real shape) at T={T}, the h200_gpt_oss_512k "
@@ -203,9 +209,8 @@ def gpt_oss_rows() -> list[Row]:
             dict(arch="tiny-gpt-oss", num_generations=2, prompt_length=4, completion_length=16), _STEP,
             estimate=estimate("gpt-oss-20b", "none", {"ours_mb1": [512 + c for c in spread(2, T)]}, 1),
             cpu_args=None if T == 131072 else "skip",
-            note="G=2 at micro-batch 1: the peak is one row's (the preset runs G=8 the same way, 8x the time); "
-                 "--reps 0: the first step's peak. Training only: generation at this length needs the colocated "
-                 "engine, absent on the GPU hosts."))
+            note=_MB1_G2 + " The preset runs G=8 the same way. --reps 0: the first step's peak. Training only: "
+                 "generation at this length needs the colocated engine, absent on the GPU hosts."))
     return rows
 
 
@@ -229,12 +234,12 @@ def preset_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]]]
             ("bitsandbytes",) if PRESETS[name].quantization == "4bit" else ())
         rows.append(Row(
             f"preset_{name}", f"preset {name}: 2 GRPO steps through accelerate launch, vs the planner",
-            "completes; planner within 10% of measured reserved", 100 if first else 420, "gpu_presets.py",
+            "completes; planner within 10% of measured reserved", 170 if first else 420, "gpu_presets.py",
             "presets_gpu.csv", "preset_2_steps", summary.judge_preset,
             ("--presets", name, "--completion-length", "8" if cpu else "128" if first else "1024")
-            + (("--cpu-check",) if cpu else ()), headline=first, needs=needs,
-            estimate=(78.0, "62 s measured on an H200 (2026-11-26, random checkpoint included); its 39 s of "
-                      "generate() x 1.4 for the H100's memory bandwidth (3.35 vs 4.8 TB/s)") if first else (0.0, ""),
+            + (("--cpu-check",) if cpu else ()), needs=needs,
+            estimate=(140.0, "the first loan (H200): past 100 s, its first step 31.5 s after a 19 s checkpoint "
+                      "write; 62 s on the first GPU point") if first else (0.0, ""),
             note="128-token completions, as the first GPU point (issue 35), so the planner's error is compared at "
                  "the same completion length (prompts are longer: a byte-level tokenizer, random_models.py)."
                  if name == "h100_110k" else ""))
@@ -242,8 +247,9 @@ def preset_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]]]
 
 
 def campaign_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]]]:
-    """Headline rows first (the h100_110k preset leading: it also saves the Qwen3-8B checkpoint the 4-bit rows load),
-    then the longer rows, then the other presets. --cpu-check leaves out the rows marked cpu_args="skip"."""
+    """Headline rows first (step_32k saves the Qwen3-8B checkpoint the other 4-bit rows and the presets load), then
+    the h100_110k preset (a GPU point before the campaign; on the first loan it ran past its limit), the gpt-oss rows,
+    the longer rows, the other presets. --cpu-check leaves out the rows marked cpu_args="skip"."""
     presets, skipped = preset_rows(cpu, gpu_props)
-    rows = presets[:1] + _headline() + gpt_oss_rows() + _later() + presets[1:]
+    rows = _headline() + presets[:1] + gpt_oss_rows() + _later() + presets[1:]
     return [r for r in rows if not (cpu and r.cpu_args == "skip")], skipped

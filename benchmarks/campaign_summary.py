@@ -150,7 +150,8 @@ def judge_step_fits(v: RowView):
     if not got:
         return "", ""
     fits = got.get("oom") == 0
-    text = f"ours_mb1 step at T={T}: " + (f"fits, peak reserved with weights {_fmt(got.get('peak_reserved_with_weights_mib', _peak(got, v.cpu)), 0)} MiB" if fits
+    peak = got.get("peak_reserved_with_weights_mib", _peak(got, v.cpu))
+    text = f"ours_mb1 step at T={T}: " + (f"fits, peak reserved with weights {_fmt(peak, 0)} MiB" if fits
                                            else "out of memory")
     if v.cpu:
         return text, NO_GOAL

@@ -3,11 +3,11 @@
 On a lent GPU host (set up as ../shared/gpu/README.md says), from the project root:
 
     python benchmarks/gpu_campaign.py --preflight            # seconds: every import the rows need, what to bring
-    GRPO_ACCEL_GIT_SHA=<sha of the code> python benchmarks/gpu_campaign.py --budget-s 540 2>&1 | tee campaign.log
+    GRPO_ACCEL_GIT_SHA=<sha of the code> bash benchmarks/gpu_loan.sh 580   # a call: install, preflight, rows
     python benchmarks/gpu_campaign.py --list                 # the rows, their order, limits (headline total), goals
     python benchmarks/gpu_campaign.py --cpu-check            # no GPU: the same plumbing, tiny model and sizes
 
-The headline rows (campaign_rows.py) fit one 9-minute call on an H100, model builds included; the longer rows follow
+The headline rows (campaign_rows.py) fit one 15-minute loan (a start, two calls: gpu_loan.sh); the longer rows follow
 for later loans. Each row runs an existing benchmark script in its own process group with its own time limit (a hang
 is killed with its workers, and the next row runs), offline (HF_HUB_OFFLINE: nothing on this path downloads; the
 random checkpoints and their tokenizer are made in code, random_models.py), appends long-format CSVs under --results
@@ -193,6 +193,33 @@ def run_campaign(rows, skipped, meta, results: Path, logs: Path, models: Path, b
     return entries
 
 
+# total memory torch reports for the GPUs we are lent (the ledger records the name only)
+KNOWN_GPU_GIB = {"H200": 139.8, "H100": 79.1, "B200": 178.4}
+
+
+def last_gpu_call(results: Path):
+    """(GPUProps, meta) of the last GPU call the ledger holds, or None: --summary-only off the GPU rewrites that
+    campaign's page (its device, versions, sha, date), e.g. after merging the archives of several calls."""
+    import csv
+
+    from grpo_accel.app.presets import GPUProps
+
+    ledger = results / "gpu_campaign.csv"
+    if not ledger.exists():
+        return None
+    with ledger.open(newline="") as f:
+        gpu_rows = [r for r in csv.DictReader(f) if not r["device"].startswith("cpu")]
+    if not gpu_rows:
+        return None
+    last = gpu_rows[-1]
+    gib = next((v for k, v in KNOWN_GPU_GIB.items() if k in last["device"]), None)
+    if gib is None:
+        return None
+    props = GPUProps(last["device"], int(gib * 2**30), 9, 0, 1)
+    return props, dict(cpu=False, versions=last["versions"], sha=last["git_sha"], device=last["device"],
+                       date=last["date"])
+
+
 def assumed_h100():
     """What --list, --preflight and --summary-only assume without a GPU: the headline rows are sized for an H100."""
     from grpo_accel.app.presets import GPUProps
@@ -208,7 +235,8 @@ def list_rows(rows, skipped) -> None:
         print(f"{i:2d}. {tag} {r.name:<22} limit {r.limit_s:>3d} s" + (f" (est. {est:.0f} s: {how})" if est else "")
               + f"\n      goal: {r.goal}")
     total = sum(r.limit_s for r in rows if r.headline)
-    print(f"headline total: {total} s of limits (<= {HEADLINE_BUDGET_S} s: one call of 9 minutes on an H100)")
+    print(f"headline total: {total} s of limits (<= {HEADLINE_BUDGET_S} s: one 15-minute loan, two calls on the warm "
+          "machine: benchmarks/gpu_loan.sh)")
     for name, why in skipped:
         print(f"    {name:<22} not on this GPU: {why}")
 
@@ -233,7 +261,7 @@ def main(argv=None) -> int:
                     "GPU loan returns; never by default for --cpu-check, whose figures are not results)")
     ap.add_argument("--list", action="store_true", help="print the rows in order and exit (no GPU: as on an H100)")
     ap.add_argument("--summary-only", action="store_true", help="rewrite the summary from the CSVs, run nothing "
-                    "(no GPU: every row pending on an assumed H100, and the planner against the GPU rows there are)")
+                    "(no GPU: as the ledger's last GPU call, else every row pending on an assumed H100)")
     args = ap.parse_args(argv)
 
     import torch
@@ -244,7 +272,9 @@ def main(argv=None) -> int:
     if not cuda and not cpu and not (args.list or args.summary_only or args.preflight):
         print("error: no CUDA GPU here. Fix: run on a GPU host, or --cpu-check to test the plumbing.", file=sys.stderr)
         return 2
-    gpu = current_gpu_props() or assumed_h100()
+    gpu = current_gpu_props()
+    ledger_call = last_gpu_call(args.results or BENCH / "results") if args.summary_only and not cuda else None
+    gpu = gpu or (ledger_call[0] if ledger_call else assumed_h100())
     rows, skipped = campaign_rows(cpu, None if cpu else gpu)
     if args.rows:
         unknown = set(args.rows) - {r.name for r in rows}
@@ -260,6 +290,8 @@ def main(argv=None) -> int:
     if not (cpu or cuda):  # --summary-only here: this machine's versions would read as the GPU run's
         versions, device = "n/a (written without a GPU: nothing measured here)", gpu.name
     meta = dict(cpu=cpu, versions=versions, sha=sha, device=device, date=datetime.date.today().isoformat())
+    if ledger_call:
+        meta = ledger_call[1]
     results = args.results or (Path("/tmp/grpo_accel_campaign_cpu/results") if cpu else BENCH / "results")
     scratch = results.parent if cpu else Path(os.environ.get("OUT", "/tmp"))
     logs = args.logs or scratch / "campaign_logs"
