@@ -21,7 +21,12 @@ the queries go:
 Cost against a whole-shard re-run: the pre-attention part (norm, q/k/v projections) runs twice more (~8% of an 8B
 layer's FLOPs in forward + backward), 3 more all-to-alls of q/k/v-sized tiles per pass (the same bytes as Ulysses'
 own); memory: K, V, one tile's d(K), d(V) and the fp32 dK, dV sums for the whole sequence but heads/sp of them
-(2·T·kv/sp·d·(2a+4) bytes), dq and d(x) for the shard, and one tile's layer. Not tiled (Untileable, whole-shard
+(2·T·kv/sp·d·(2a+4) bytes), dq and d(x) for the shard, and one tile's layer.
+
+gpt-oss: the sink column joins each tile's query in the tokens layout, all heads, before the all-to-all
+(tiling/attention.with_sink_column), so each rank receives the sinks of its own heads with them; in pass 3 it is in
+the pre-attention graph, so dq carries d(sinks) back. Sliding windows need nothing more: positions in K, V are
+global, and `_attend` cuts each query tile's keys to its window. Not tiled (Untileable, whole-shard
 re-run, as in tiling/layer.py): live dropout, attention dropout, attention calls the hook does not understand. Every
 rank decides alike (same shapes, same model), so the collectives stay in step.
 """
@@ -33,8 +38,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from grpo_accel.tiling.attention import _attend
+from grpo_accel.tiling.attention import _attend, with_sink_column
 from grpo_accel.tiling.layer import (
+    GPT_OSS_KWARGS,
     Untileable,
     _attention_hook,
     _backward,
@@ -60,6 +66,7 @@ class _SPTiling:
         self.mode, self.sl, self.calls = mode, None, 0
         self.K = self.V = self.dK = self.dV = None
         self.rep = 1  # kv heads repeated up to sp when there are fewer (DeepSpeed's Ulysses does the same)
+        self.extras = (None, False)  # gpt-oss: (sliding window, sinks joined the query), for `_attend`
         self.saved = None  # "grad": (q leaf, K leaf, V leaf, attention output in heads, o leaf)
         self.pre = None  # "pre": (q, k, v) with their graphs
 
@@ -91,7 +98,8 @@ class _SPTiling:
     def hook(self, impl, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         self.calls += 1
         kwargs.pop(SP_KWARG, None)
-        bad = unsupported_attention(impl, module, kwargs)  # packed segments (accel_segments) included: not here
+        # packed segments (accel_segments) included: not here
+        bad = unsupported_attention(impl, module, kwargs, allow=GPT_OSS_KWARGS)
         if dropout:
             bad.append("attention dropout")
         t = self.sl.stop - self.sl.start
@@ -99,6 +107,11 @@ class _SPTiling:
                 key.shape[1] % self.sp and self.sp % key.shape[1]:
             raise Untileable(f"attention call with {bad or 'an unexpected shape'} on an SP shard")
         # the attention mask (if the model built one for the shard) is ignored: Ulysses attends causally by position
+        window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
+        self.extras = (window, sinks is not None)
+        if sinks is not None and self.mode != "kv":  # the graph through the sinks is pass 3's ("pre") alone
+            query = with_sink_column(query, sinks, scaling) if self.mode == "pre" else \
+                with_sink_column(query.detach(), sinks.detach(), scaling)
         if self.mode == "pre":
             self.pre = (query, key, value)
             raise _Stop
@@ -125,7 +138,8 @@ class _SPTiling:
     def attend(self, qh, K, V, scaling):
         """Each source rank's query tile against the keys up to its own end (causal, lower-right aligned)."""
         t = qh.shape[2] // self.sp
-        return torch.cat([_attend(qh[:, :, s * t:(s + 1) * t], K[:, :, :b], V[:, :, :b], None, a, 0.0, scaling)
+        return torch.cat([_attend(qh[:, :, s * t:(s + 1) * t], K[:, :, :b], V[:, :, :b], None, a, 0.0, scaling,
+                                  None, *self.extras)
                           for s, (a, b) in enumerate(self.positions())], dim=2)
 
     def kv_grads(self):

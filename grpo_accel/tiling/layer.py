@@ -45,7 +45,7 @@ from grpo_accel.tiling.attention import PACKED_ATTN, SEGMENTS_KWARG, _attend, wi
 # attention-interface kwargs a tiled call may ignore; any other kwarg with a value makes the layer untileable
 _IGNORED_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values"}
 _MUST_BE_NONE = {"sliding_window", "softcap", "s_aux", "sinks"}
-GPT_OSS_KWARGS = ("sliding_window", "s_aux")  # what `_attend` runs (tiling/attention.py); Ulysses' tiles do not
+GPT_OSS_KWARGS = ("sliding_window", "s_aux")  # what `_attend` runs (tiling/attention.py), here and in Ulysses' tiles
 # implementations whose result SDPA with the same mask reproduces; grpo_accel.parallel.packing's packed attention
 # (`accel_segments`, no mask) is reproduced segment by segment
 _SAME_AS_SDPA = ("sdpa", "eager", None, PACKED_ATTN)
