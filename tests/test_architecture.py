@@ -81,3 +81,25 @@ def test_examples_import_only_the_public_api():
             bad += [f"{page.name}: {line.strip()}" for line in block.splitlines()
                     if re.match(r"\s*(from grpo_accel\.|import grpo_accel\.)", line)]
     assert not bad, bad
+
+
+def private_imports(package: Path) -> list[str]:
+    """`from grpo_accel.X import _name` in a module other than X's own package `__init__` re-exporting it: a private
+    name used across modules (issue 37: what one module needs of another is public, named for what it does)."""
+    import ast
+
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("grpo_accel"):
+                bad += [f"{path.relative_to(package.parent)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    return bad
+
+
+def test_no_module_imports_another_modules_private_name(tmp_path):
+    assert private_imports(ROOT / "grpo_accel") == []
+    # the check itself catches one
+    (tmp_path / "grpo_accel").mkdir()
+    (tmp_path / "grpo_accel" / "m.py").write_text("from grpo_accel.tiling.layer import _hidden\n")
+    assert private_imports(tmp_path / "grpo_accel") == ["grpo_accel/m.py: grpo_accel.tiling.layer._hidden"]

@@ -126,12 +126,12 @@ def test_offload_with_the_router_loss_is_refused(setting, tmp_path, monkeypatch,
 @pytest.mark.parametrize("window", [None, 4], ids=["full", "sliding"])
 @pytest.mark.parametrize("tile", [(0, 24), (9, 15)], ids=["whole", "tile"])
 def test_sink_and_window_attention_equals_gpt_oss_eager_float64(window, tile):
-    """`_attend` with a sink key and a window (no mask, as packed rows and tiles run it) against transformers'
+    """`attend_tile` with a sink key and a window (no mask, as packed rows and tiles run it) against transformers'
     gpt-oss eager attention with its own causal / sliding mask, all in float64: outputs and d(q, k, v, sinks) to
     1e-10. A query tile (rows 9..23 against keys 0..23) as the tiled layer runs it."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from grpo_accel.tiling.attention import _attend, with_sink_column
+    from grpo_accel.tiling.attention import attend_tile, with_sink_column
 
     torch.manual_seed(0)
     B, Hq, Hkv, T, D, scale = 2, 4, 2, 24, 8, 8 ** -0.5
@@ -144,7 +144,7 @@ def test_sink_and_window_attention_equals_gpt_oss_eager_float64(window, tile):
     mask = torch.zeros(T, T, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
     ref = eager_attention_forward(module, q, k, v, mask[None, None], scale)[0]  # [B, T, heads, D]
     start, n = tile
-    ours = _attend(with_sink_column(q[:, :, start:], sinks, scale), k, v, None, start, 0.0, scale, None, window,
+    ours = attend_tile(with_sink_column(q[:, :, start:], sinks, scale), k, v, None, start, 0.0, scale, None, window,
                    sink=True).transpose(1, 2)
     torch.testing.assert_close(ours, ref[:, start:], rtol=1e-10, atol=1e-10)
     g = torch.randn_like(ours)
@@ -248,7 +248,7 @@ def test_sliding_queries_run_in_blocks_with_the_same_result(monkeypatch):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, h, 40, 8, dtype=torch.float64) for h in (4, 2, 2))
     qs = attention.with_sink_column(q, torch.randn(4, dtype=torch.float64), 8 ** -0.5)[:, :, 10:]  # a tile at 10
-    whole = attention._attend(qs, k, v, None, 10, 0.0, 8 ** -0.5, None, 5, sink=True)
+    whole = attention.attend_tile(qs, k, v, None, 10, 0.0, 8 ** -0.5, None, 5, sink=True)
     monkeypatch.setattr(attention, "WINDOW_BLOCK", 7)
-    blocks = attention._attend(qs, k, v, None, 10, 0.0, 8 ** -0.5, None, 5, sink=True)
+    blocks = attention.attend_tile(qs, k, v, None, 10, 0.0, 8 ** -0.5, None, 5, sink=True)
     torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-12)

@@ -60,8 +60,9 @@ def test_pinned_copies_count_the_pinned_allocators_power_of_two_blocks(monkeypat
     a budget of 90% of 128 GiB and meet the OOM killer (issue 35: a benchmark worker killed by signal 9)."""
     import grpo_accel.offload.stash as stash_mod
 
-    policy, copy = stash_mod._policy, stash_mod._copy  # pinned as on CUDA; the copy itself unpinned (no GPU here)
-    monkeypatch.setattr(stash_mod, "_policy", lambda t, cfg, m: (policy(t, cfg, m)[0], True, False))
+    # pinned as on CUDA; the copy itself unpinned (no GPU here)
+    policy, copy = stash_mod.offload_policy, stash_mod._copy
+    monkeypatch.setattr(stash_mod, "offload_policy", lambda t, cfg, m: (policy(t, cfg, m)[0], True, False))
     monkeypatch.setattr(stash_mod, "_copy", lambda src, device, pin, stream: copy(src, device, False, stream))
     layer = B * 12 * 32 * 4  # one 12-token input: 3072 bytes, in a 4096-byte pinned block
     with pytest.raises(HostMemoryError):  # the L - 1 offloaded inputs' bytes, not their blocks

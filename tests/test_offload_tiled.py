@@ -102,7 +102,7 @@ def test_half_autocast_tiled_error_is_the_untiled_ones(dtype, monkeypatch):
     tiled run's error against it (all gradients together) must stay within 1.5x of plain half-precision
     training's own error, and its grads must sit closer to plain half training's than plain's error (a re-run in
     fp32, autocast state lost, lands about one plain error away from them; a wrong tile mask is off by O(1)).
-    Before the fix in tile_attention._attend a tile past the first failed here: RoPE leaves q, k fp32 beside a half
+    Before the fix in tile_attention.attend_tile a tile past the first failed here: RoPE leaves q, k fp32 beside a half
     v under autocast."""
     calls = spy(monkeypatch)
     ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(3))
@@ -142,7 +142,7 @@ def test_tiled_dropout_replays_each_tile(replay, monkeypatch):
     agree to 2e-3 relative (RMSNorm's fp32 upcast limits them; a wrong mask is off by O(1))."""
     from grpo_accel.offload import OffloadedCheckpoint
 
-    forward_out, rerun_out, real_forward, real_call = [], [], tiled.forward, tiled._call
+    forward_out, rerun_out, real_forward, real_call = [], [], tiled.forward, tiled.call_tile
 
     def record_forward(*a):
         y, rng = real_forward(*a)
@@ -156,7 +156,7 @@ def test_tiled_dropout_replays_each_tile(replay, monkeypatch):
         return y
 
     monkeypatch.setattr(tiled, "forward", record_forward)
-    monkeypatch.setattr(tiled, "_call", record_call)
+    monkeypatch.setattr(tiled, "call_tile", record_call)
     ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(4))
     model = lora_all(tiny_llama(layers=2, dropout=0.3), dropout=0.2).double()
     if replay:

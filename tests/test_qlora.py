@@ -100,7 +100,7 @@ def test_offload_matches_offload_off(tmp_path, model_dir, batch, monkeypatch, pa
     trainer = make_trainer(tmp_path, model_dir, offload_activations="true", gradient_checkpointing=True,
                            offload_recompute_tokens=2 * row)
     assert trainer.offload_enabled
-    copies, groups = counting(monkeypatch, stash._Entry, "offload"), counting(monkeypatch, rerun, "_grouped_rerun")
+    copies, groups = counting(monkeypatch, stash.StashEntry, "offload"), counting(monkeypatch, rerun, "_grouped_rerun")
     assert_same(run_hook(trainer, inputs, padding_free), ref[padding_free], inputs["completion_mask"].bool())
     assert copies, "nothing went through the offload stash"
     assert bool(groups) == (not padding_free)  # 2 layers re-run in 4 row groups each

@@ -102,16 +102,16 @@ def test_head_hidden_offload_keeps_grads(tmp_path, monkeypatch):
     import grpo_accel.offload as offload
 
     packed = []
-    real_hooks, real_offload = head.offload_saved_tensors, offload._Entry.offload
+    real_hooks, real_offload = head.offload_saved_tensors, offload.StashEntry.offload
 
     @contextlib.contextmanager
     def counting_hooks(**kw):  # count what goes to the stash while the head's saved-tensor hooks are active
-        offload._Entry.offload = lambda self: packed.append(1) or real_offload(self)
+        offload.StashEntry.offload = lambda self: packed.append(1) or real_offload(self)
         try:
             with real_hooks(**kw):
                 yield
         finally:
-            offload._Entry.offload = real_offload
+            offload.StashEntry.offload = real_offload
 
     monkeypatch.setattr(head, "offload_saved_tensors", counting_hooks)
     loss, grads = grads_of(ours, inputs)

@@ -44,11 +44,11 @@ transformers model), saved_tensors.py (the head's saved tensors), tracker.py (wh
 Tests: `OMP_NUM_THREADS=1 pytest tests/test_offload.py tests/test_offload_tiled.py tests/test_offload_residency.py`.
 """
 
-from grpo_accel.offload.checkpoint import OffloadedCheckpoint, _OffloadedCheckpointFn, offloaded_checkpoint  # noqa: F401 (tests patch)
+from grpo_accel.offload.checkpoint import OffloadedCheckpoint, OffloadedCheckpointFunction, offloaded_checkpoint  # noqa: F401 (tests patch)
 from grpo_accel.offload.config import OffloadConfig, resolve_offload
 from grpo_accel.offload.install import install_activation_offload, remove_activation_offload
 from grpo_accel.offload.saved_tensors import offload_saved_tensors
-from grpo_accel.offload.stash import ActivationStash, _Entry  # noqa: F401 (_Entry: the trainer parity test patches it)
+from grpo_accel.offload.stash import ActivationStash, StashEntry  # noqa: F401 (StashEntry: the trainer parity test patches it)
 from grpo_accel.offload.tracker import SavedActivationTracker
 
 __all__ = [

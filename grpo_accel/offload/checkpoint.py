@@ -18,14 +18,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from grpo_accel.offload import rerun
 from grpo_accel.offload.config import OffloadConfig
-from grpo_accel.offload.replay import _forward_state, _restore_rng
+from grpo_accel.offload.replay import forward_state, restore_rng
 from grpo_accel.offload.stash import ActivationStash
 from grpo_accel.tiling import layer as tiled
 
 _TENSOR = object()  # marks where the tensor outputs go back into the output pytree
 
 
-class _OffloadedCheckpointFn(torch.autograd.Function):
+class OffloadedCheckpointFunction(torch.autograd.Function):
     """Reentrant-style checkpoint whose saved inputs live in an `ActivationStash`. After `dummy`: the layer's
     `n_params` trainable parameters, then the pytree leaves of (args, kwargs). `dummy` requires grad so the output
     does too when no input does (LoRA on a frozen embedding, module unknown), without enable_input_require_grads."""
@@ -40,7 +40,7 @@ class _OffloadedCheckpointFn(torch.autograd.Function):
         tensors = [flat[i] for i in ctx.idx]
         ctx.flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
         ctx.requires = [t.requires_grad for t in tensors]
-        _forward_state(ctx, tensors, preserve_rng)
+        forward_state(ctx, tensors, preserve_rng)
         ctx.entry = stash.save(tensors)  # before running: the previous layer's D2H overlaps this compute
         args, kwargs = tree_unflatten(list(flat), spec)
         with torch.no_grad():
@@ -93,7 +93,7 @@ def _run_forward(ctx, run, args, kwargs, preserve_rng: bool):
                                     lambda r, x: tiled.forward(r, x, ctx.tiles, False, ctx.shard)[0])
         except tiled.Untileable:
             ctx.tiles = None
-            _restore_rng(ctx)  # the first tile may have drawn dropout masks
+            restore_rng(ctx)  # the first tile may have drawn dropout masks
     if groups:
         out = _grouped_forward(run, args[0], groups, lambda r, x: r(x))
         if out is not None:
@@ -133,7 +133,7 @@ class OffloadedCheckpoint:
                 return function(*args, **kwargs)  # nothing to differentiate: autograd saves nothing
         box: list = []
         params = rerun.trainable_params(rerun._module_of(function))
-        outs = _OffloadedCheckpointFn.apply(function, self.stash, preserve_rng_state, spec, box, len(params),
+        outs = OffloadedCheckpointFunction.apply(function, self.stash, preserve_rng_state, spec, box, len(params),
                                             torch.empty(0, requires_grad=True), *params, *flat)
         out_spec, leaves = box[0]
         it = iter(outs)

@@ -12,7 +12,7 @@ from grpo_accel.core import rng as rng_state
 
 
 @contextlib.contextmanager
-def _replay(ctx):
+def replay_forward(ctx):
     """RNG, grad mode and autocast as they were in the forward, as torch's checkpoint does."""
     device_type = ctx.device_type or "cuda"  # CPU RNG is always forked; devices=[] touches no GPU
     with torch.random.fork_rng(devices=ctx.rng[1] if ctx.rng else [], enabled=bool(ctx.rng), device_type=device_type):
@@ -26,7 +26,7 @@ def _replay(ctx):
             yield
 
 
-def _forward_state(ctx, tensors, preserve_rng: bool) -> None:
+def forward_state(ctx, tensors, preserve_rng: bool) -> None:
     ctx.device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), None)
     ctx.autocast = {d: dict(enabled=torch.is_autocast_enabled(d), dtype=torch.get_autocast_dtype(d),
                             cache_enabled=torch.is_autocast_cache_enabled())
@@ -34,7 +34,7 @@ def _forward_state(ctx, tensors, preserve_rng: bool) -> None:
     ctx.rng = rng_state.capture(*tensors) if preserve_rng else None  # device RNG only once initialized
 
 
-def _restore_rng(ctx) -> None:
+def restore_rng(ctx) -> None:
     """Back to the RNG state recorded at the forward's start (after an abandoned attempt that may have drawn)."""
     if ctx.rng:
         rng_state.restore(ctx.rng, ctx.device_type or "cuda")

@@ -11,7 +11,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from grpo_accel.offload.replay import _replay
+from grpo_accel.offload.replay import replay_forward
 from grpo_accel.tiling import layer as tiled
 
 
@@ -29,7 +29,7 @@ def _rerun(ctx, inputs, grads, run=None) -> None:
     in sequence tiles when the forward ran in tiles (tiling/layer.py)."""
     if getattr(ctx, "tiles", None):
         if grads[0] is not None:
-            with _replay(ctx):
+            with replay_forward(ctx):
                 tiled.backward(run or ctx.run, inputs[0], grads[0], ctx.tiles, ctx.tile_rng,
                                getattr(ctx, "shard", None))
         return
@@ -37,7 +37,7 @@ def _rerun(ctx, inputs, grads, run=None) -> None:
     for i, t in zip(ctx.idx, inputs):
         flat[i] = t
     args, kwargs = tree_unflatten(flat, ctx.spec)
-    with _replay(ctx):
+    with replay_forward(ctx):
         out = (run or ctx.run)(*args, **kwargs)
     outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]

@@ -1,5 +1,5 @@
 """Saved-tensor offload for code that is not a checkpointed layer (the head's hidden states): an asynchronous
-`torch.autograd.graph.save_on_cpu` built on the stash's `_Entry`."""
+`torch.autograd.graph.save_on_cpu` built on the stash's `StashEntry`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from grpo_accel.offload.config import OffloadConfig
-from grpo_accel.offload.stash import _Entry, _policy
+from grpo_accel.offload.stash import StashEntry, offload_policy
 
 
 @contextlib.contextmanager
@@ -25,19 +25,19 @@ def offload_saved_tensors(min_bytes: int = 1 << 20, config: OffloadConfig | None
     seen: dict[int, tuple] = {}  # id(tensor) -> (weakref to the tensor, weakref to its entry)
 
     def pack(t: torch.Tensor):
-        if (not _policy(t, cfg, min_bytes)[0] or isinstance(t, torch.nn.Parameter)
+        if (not offload_policy(t, cfg, min_bytes)[0] or isinstance(t, torch.nn.Parameter)
                 or isinstance(t._base, torch.nn.Parameter) or t.untyped_storage().data_ptr() in keep_ptrs):
             return t
         hit = seen.get(id(t))
         if hit is not None and hit[0]() is t and hit[1]() is not None:
             return hit[1]()
-        entry = _Entry([t], cfg, min_bytes)
+        entry = StashEntry([t], cfg, min_bytes)
         entry.offload()
         seen[id(t)] = (weakref.ref(t), weakref.ref(entry))
         return entry
 
     def unpack(entry):
-        if not isinstance(entry, _Entry):
+        if not isinstance(entry, StashEntry):
             return entry
         entry.fetch()  # H2D on the side stream; the current stream waits in wait()
         return entry.wait()[0]

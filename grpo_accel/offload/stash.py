@@ -1,5 +1,5 @@
 """The stash: each checkpointed call's saved inputs, copied to host memory on a side stream and brought back one
-layer ahead of need in backward (double buffer). `_Entry` is one call's inputs; `ActivationStash` orders them."""
+layer ahead of need in backward (double buffer). `StashEntry` is one call's inputs; `ActivationStash` orders them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from grpo_accel.offload import tracker as _tracker
 from grpo_accel.offload.config import OffloadConfig
 from grpo_accel.offload.residency import BufferPool, host_block_bytes, host_error
-from grpo_accel.offload.tracker import _nbytes
+from grpo_accel.offload.tracker import tensor_nbytes
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -20,9 +20,10 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device] if device in _STREAMS else _STREAMS.setdefault(device, torch.cuda.Stream(device))
 
 
-def _policy(t: torch.Tensor, cfg: OffloadConfig, min_bytes: int) -> tuple[bool, bool, bool]:
+def offload_policy(t: torch.Tensor, cfg: OffloadConfig, min_bytes: int) -> tuple[bool, bool, bool]:
     """(copy to host?, pin?, side stream?) for one tensor."""
-    copy = (t.device.type != "cpu" if cfg.device_copies is None else cfg.device_copies) and _nbytes(t) >= min_bytes
+    on_device = t.device.type != "cpu" if cfg.device_copies is None else cfg.device_copies
+    copy = on_device and tensor_nbytes(t) >= min_bytes
     pin = (t.is_cuda if cfg.pin_memory is None else cfg.pin_memory) and torch.cuda.is_available()
     return copy, pin, t.is_cuda and cfg.use_streams is not False
 
@@ -33,7 +34,7 @@ def _copy(src: torch.Tensor, device, pin: bool, stream) -> torch.Tensor:
         return torch.empty_like(src, device=device, pin_memory=pin and device == "cpu").copy_(src, non_blocking=pin)
 
 
-class _Entry:
+class StashEntry:
     """The saved inputs of one checkpointed call; owned by its autograd ctx, indexed weakly by the
     stash. Per tensor: `dev[i]` (original or reloaded copy), `host[i]` (host copy), `policy[i]`."""
 
@@ -45,7 +46,7 @@ class _Entry:
         self.resident = False  # kept on the device under the stash's device budget
         self.host = [None] * len(tensors)
         self.versions = [t._version for t in tensors]
-        self.policy = [_policy(t, cfg, cfg.min_bytes if min_bytes is None else min_bytes) for t in tensors]
+        self.policy = [offload_policy(t, cfg, cfg.min_bytes if min_bytes is None else min_bytes) for t in tensors]
         self.device = [t.device for t in tensors]
         self.tracker = _tracker._TRACKERS[-1] if _tracker._TRACKERS else None
         self.events: dict[str, torch.cuda.Event] = {}
@@ -54,11 +55,11 @@ class _Entry:
         if cuda:  # the inputs' ready point, so their D2H need not wait for the layer that reads them
             self.events["ready"] = torch.cuda.Event()
             self.events["ready"].record(torch.cuda.current_stream(cuda[0]))
-        self._report(sum(map(_nbytes, tensors)), "device")
+        self._report(sum(map(tensor_nbytes, tensors)), "device")
 
     def device_bytes(self) -> int:
         """Bytes of this entry's copyable inputs that are on the device now."""
-        return sum(_nbytes(t) for t, p, h in zip(self.dev, self.policy, self.host) if p[0] and t is not None
+        return sum(tensor_nbytes(t) for t, p, h in zip(self.dev, self.policy, self.host) if p[0] and t is not None
                    and h is None)
 
     def _report(self, nbytes: int, where: str) -> None:
@@ -77,15 +78,15 @@ class _Entry:
                 self._check_version(i)
                 t, side = self.dev[i], _side_stream(self.device[i]) if streams else None
                 if self.stash is not None:  # the pinned allocator's block, not the tensor's bytes
-                    self.held_host += self.stash.reserve_host(host_block_bytes(_nbytes(t), pin))
+                    self.held_host += self.stash.reserve_host(host_block_bytes(tensor_nbytes(t), pin))
                 if side is not None:
                     side.wait_event(self.events["ready"])
                 self.host[i] = _copy(t, "cpu", pin, side)
                 if side is not None:
                     t.record_stream(side)  # the caching allocator must not reuse t before the copy ran
                 self.dev[i] = None
-                self._report(-_nbytes(t), "device")
-                self._report(_nbytes(t), "host")
+                self._report(-tensor_nbytes(t), "device")
+                self._report(tensor_nbytes(t), "host")
 
     def fetch(self) -> None:
         """Queue the H2D copies (prefetch or on demand); no-op for what is already on the device."""
@@ -104,7 +105,7 @@ class _Entry:
                     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                         self.dev[i] = buf.copy_(self.host[i], non_blocking=pin)
                     self.pooled[i] = True
-                self._report(_nbytes(self.host[i]), "device")
+                self._report(tensor_nbytes(self.host[i]), "device")
         if side is not None:
             self.events["h2d"] = torch.cuda.Event()
             self.events["h2d"].record(side)
@@ -123,8 +124,8 @@ class _Entry:
 
     def release(self) -> None:
         if getattr(self, "dev", None) is not None:
-            self._report(-sum(_nbytes(t) for t in self.dev if t is not None), "device")
-            self._report(-sum(_nbytes(t) for t in self.host if t is not None), "host")
+            self._report(-sum(tensor_nbytes(t) for t in self.dev if t is not None), "device")
+            self._report(-sum(tensor_nbytes(t) for t in self.host if t is not None), "host")
             if self.stash is not None:
                 self.stash.host_bytes -= self.held_host
                 for t, pooled in zip(self.dev, self.pooled):
@@ -148,7 +149,7 @@ class ActivationStash:
         self._entries: list[weakref.ref] = []  # forward order
         self.pool, self.host_bytes = BufferPool(), 0
 
-    def save(self, tensors) -> _Entry:
+    def save(self, tensors) -> StashEntry:
         live = [e for e in (r() for r in self._entries) if e is not None]
         self._entries = [weakref.ref(e) for e in live]
         if live and not live[-1].loaded:  # the previous input: kept under the device budget, else offloaded
@@ -158,11 +159,11 @@ class ActivationStash:
                 prev.resident = True
             else:
                 prev.offload()
-        entry = _Entry(tensors, self.config, stash=self)
+        entry = StashEntry(tensors, self.config, stash=self)
         self._entries.append(weakref.ref(entry))
         return entry
 
-    def load(self, entry: _Entry) -> list[torch.Tensor]:
+    def load(self, entry: StashEntry) -> list[torch.Tensor]:
         if entry.dev is None:
             raise RuntimeError("offloaded checkpoint: backward ran twice through the same forward "
                                "(retain_graph is not supported); run the forward again")
@@ -177,7 +178,7 @@ class ActivationStash:
             prev.fetch()
         return tensors
 
-    def release(self, entry: _Entry) -> None:
+    def release(self, entry: StashEntry) -> None:
         entry.release()
         self._entries = [r for r in self._entries if r() is not None and r() is not entry]
 

@@ -10,7 +10,7 @@ import torch
 _TRACKERS: list[SavedActivationTracker] = []
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 

@@ -324,12 +324,12 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, softcap=None, ign
 
     Block sizes: `plan_blocks` (from free memory) unless chunk_size / vocab_tile are given.
     """
-    return _apply(hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy,
+    return apply_fused_logprobs(hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy,
                   chunk_size, vocab_tile, TorchFolds, weight_ctx)
 
 
-def _apply(hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy, chunk_size, vocab_tile,
-           folds, weight_ctx=None):
+def apply_fused_logprobs(hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy, chunk_size,
+                         vocab_tile, folds, weight_ctx=None):
     if hidden.ndim != 2 or weight.ndim != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(targets.shape)} (token_logprobs flattens [B, T, H])")

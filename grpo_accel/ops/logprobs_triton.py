@@ -31,7 +31,7 @@ except ImportError as err:  # the dispatcher imports this module only for impl="
 
 import torch
 
-from grpo_accel.ops.logprobs import _apply
+from grpo_accel.ops.logprobs import apply_fused_logprobs
 
 _BLOCK_V = 1024
 
@@ -135,5 +135,5 @@ class TritonFolds:
 def triton_logprobs(hidden, weight, targets, temperature=1.0, softcap=None, ignore_index=-100,
                     compute_entropy=False, chunk_size=None, vocab_tile=None, weight_ctx=None):
     """Triton path: (logp [N] fp32, entropy [N] fp32 or None); see `chunked_logprobs` for the arguments."""
-    return _apply(hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy,
+    return apply_fused_logprobs(hidden, weight, targets, temperature, softcap, ignore_index, compute_entropy,
                   chunk_size, vocab_tile, TritonFolds, weight_ctx)

@@ -34,7 +34,7 @@ import torch
 
 from grpo_accel.core.patches import Patches, register, set_attr
 from grpo_accel.tiling.attention import PACKED_ATTN as ATTN_NAME
-from grpo_accel.tiling.attention import SEGMENTS_KWARG, Segment, _attend, segments_of, with_sink_column
+from grpo_accel.tiling.attention import SEGMENTS_KWARG, Segment, attend_tile, segments_of, with_sink_column
 
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")
 # Models whose attention modules hand `sliding_window` (and gpt-oss its sinks, `s_aux`) to the attention function,
@@ -64,7 +64,7 @@ def segment_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
     if sinks is not None:
         query = with_sink_column(query, sinks, scaling)
-    out = _attend(query, key, value, None, 0, dropout, scaling, segments, window, sinks is not None)
+    out = attend_tile(query, key, value, None, 0, dropout, scaling, segments, window, sinks is not None)
     return out.transpose(1, 2), None  # [1, N, heads, head_dim], as sdpa_attention_forward returns
 
 

@@ -57,7 +57,7 @@ from grpo_accel.parallel.ulysses_tiles import (  # the forward kwarg that marks 
 )
 from grpo_accel.tiling import layer as tiled
 from grpo_accel.tiling import mlp as tiled_mlp
-from grpo_accel.tiling.attention import _attend, with_sink_column
+from grpo_accel.tiling.attention import attend_tile, with_sink_column
 
 # a call with this kwarg ([B, L] targets aligned with the shard's positions, -100 = unscored) runs the backbone on
 # the shard and our head on every scored position (the head installed again, without its next-token shift)
@@ -236,7 +236,7 @@ class SequenceParallel:
         heads = query.shape[1]
         if sinks is not None:
             query = with_sink_column(query, sinks[self.rank * heads:(self.rank + 1) * heads], scaling)
-        out = _attend(query, key, value, None, 0, dropout, scaling, None, kwargs.get("sliding_window"),
+        out = attend_tile(query, key, value, None, 0, dropout, scaling, None, kwargs.get("sliding_window"),
                       sinks is not None)
         return out.transpose(1, 2), None
 

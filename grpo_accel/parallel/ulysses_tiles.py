@@ -26,7 +26,7 @@ own); memory: K, V, one tile's d(K), d(V) and the fp32 dK, dV sums for the whole
 gpt-oss: the sink column joins each tile's query in the tokens layout, all heads, before the all-to-all
 (tiling/attention.with_sink_column), so each rank receives the sinks of its own heads with them; in pass 3 it is in
 the pre-attention graph, so dq carries d(sinks) back. Sliding windows need nothing more: positions in K, V are
-global, and `_attend` cuts each query tile's keys to its window. Not tiled (Untileable, whole-shard
+global, and `attend_tile` cuts each query tile's keys to its window. Not tiled (Untileable, whole-shard
 re-run, as in tiling/layer.py): live dropout, attention dropout, attention calls the hook does not understand. Every
 rank decides alike (same shapes, same model), so the collectives stay in step.
 """
@@ -38,15 +38,15 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from grpo_accel.tiling.attention import _attend, with_sink_column
+from grpo_accel.tiling.attention import attend_tile, with_sink_column
 from grpo_accel.tiling.layer import (
     GPT_OSS_KWARGS,
+    StopTile,
     Untileable,
-    _attention_hook,
-    _backward,
-    _call,
-    _Stop,
     add_input_grad,
+    attention_hook,
+    backward_pairs,
+    call_tile,
     forward_tile,
     kv_pass,
     unsupported_attention,
@@ -66,7 +66,7 @@ class _SPTiling:
         self.mode, self.sl, self.calls = mode, None, 0
         self.K = self.V = self.dK = self.dV = None
         self.rep = 1  # kv heads repeated up to sp when there are fewer (DeepSpeed's Ulysses does the same)
-        self.extras = (None, False)  # gpt-oss: (sliding window, sinks joined the query), for `_attend`
+        self.extras = (None, False)  # gpt-oss: (sliding window, sinks joined the query), for `attend_tile`
         self.saved = None  # "grad": (q leaf, K leaf, V leaf, attention output in heads, o leaf)
         self.pre = None  # "pre": (q, k, v) with their graphs
 
@@ -114,7 +114,7 @@ class _SPTiling:
                 with_sink_column(query.detach(), sinks.detach(), scaling)
         if self.mode == "pre":
             self.pre = (query, key, value)
-            raise _Stop
+            raise StopTile
         if self.mode == "kv":
             self.rep = max(1, self.sp // key.shape[1])
             kh, vh = self.to_heads(self._repeat(key)), self.to_heads(self._repeat(value))
@@ -124,7 +124,7 @@ class _SPTiling:
                 self.V = vh.new_empty(B, hs, self.sp * self.L, d)
             for s, (a, b) in enumerate(self.positions()):
                 self.K[:, :, a:b], self.V[:, :, a:b] = kh[:, :, s * t:(s + 1) * t], vh[:, :, s * t:(s + 1) * t]
-            raise _Stop
+            raise StopTile
         if self.mode == "forward":
             out = self.attend(self.to_heads(query), self.K, self.V, scaling)
             return self.to_tokens(out).transpose(1, 2), None
@@ -138,7 +138,7 @@ class _SPTiling:
     def attend(self, qh, K, V, scaling):
         """Each source rank's query tile against the keys up to its own end (causal, lower-right aligned)."""
         t = qh.shape[2] // self.sp
-        return torch.cat([_attend(qh[:, :, s * t:(s + 1) * t], K[:, :, :b], V[:, :, :b], None, a, 0.0, scaling,
+        return torch.cat([attend_tile(qh[:, :, s * t:(s + 1) * t], K[:, :, :b], V[:, :, :b], None, a, 0.0, scaling,
                                   None, *self.extras)
                           for s, (a, b) in enumerate(self.positions())], dim=2)
 
@@ -159,7 +159,7 @@ def forward(run, x: torch.Tensor, tiles, group) -> torch.Tensor:
     before any collective when the first tile's attention call is not one this path reproduces."""
     state = _SPTiling(group, x.shape[1], "kv")
     y = None
-    with _attention_hook(state.hook), torch.no_grad():
+    with attention_hook(state.hook), torch.no_grad():
         kv_pass(state, run, x, tiles)
         state.mode = "forward"
         for sl in tiles:
@@ -172,7 +172,7 @@ def backward(run, x: torch.Tensor, g: torch.Tensor, tiles, group) -> None:
     accumulate, `x.grad` gets d(x) when x requires grad. Call under the forward's autocast."""
     state = _SPTiling(group, x.shape[1], "kv")
     dx = torch.zeros_like(x) if x.requires_grad else None
-    with _attention_hook(state.hook):
+    with attention_hook(state.hook):
         kv_pass(state, run, x, tiles)
         state.dK, state.dV = (torch.zeros_like(t, dtype=torch.float32) for t in (state.K, state.V))
         dq = None
@@ -180,10 +180,10 @@ def backward(run, x: torch.Tensor, g: torch.Tensor, tiles, group) -> None:
         for sl in tiles:  # pass 2: post-attention part and the attention's backward
             state.sl, state.calls = sl, 0
             x_tile = x.detach()[:, sl].requires_grad_(x.requires_grad)
-            y = _call(run, x_tile, sl)
+            y = call_tile(run, x_tile, sl)
             q_leaf, k_leaf, v_leaf, out, o_leaf = state.saved
             state.saved = None
-            _backward([(y, g[:, sl])])  # o_proj, MLP, norms, residual
+            backward_pairs([(y, g[:, sl])])  # o_proj, MLP, norms, residual
             go = o_leaf.grad if o_leaf.grad is not None else torch.zeros_like(o_leaf)  # every rank joins the a2a
             dqh, dk, dv = torch.autograd.grad(out, (q_leaf, k_leaf, v_leaf), state.to_heads(go.transpose(1, 2)))
             state.dK += dk
@@ -198,12 +198,12 @@ def backward(run, x: torch.Tensor, g: torch.Tensor, tiles, group) -> None:
         for sl in tiles:  # pass 3: dK, dV complete; the pre-attention part's backward
             state.sl, state.calls = sl, 0
             x_tile = x.detach()[:, sl].requires_grad_(x.requires_grad)
-            with contextlib.suppress(_Stop):
-                _call(run, x_tile, sl)
+            with contextlib.suppress(StopTile):
+                call_tile(run, x_tile, sl)
             q, k, v = state.pre
             state.pre = None
             dk, dv = state.kv_grads()
-            _backward([(q, dq[:, :, sl].to(q.dtype)), (k, dk.to(k.dtype)), (v, dv.to(v.dtype))])
+            backward_pairs([(q, dq[:, :, sl].to(q.dtype)), (k, dk.to(k.dtype)), (v, dv.to(v.dtype))])
             if dx is not None and x_tile.grad is not None:
                 dx[:, sl] += x_tile.grad
     add_input_grad(x, dx)

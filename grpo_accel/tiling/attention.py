@@ -54,13 +54,13 @@ SINK_PAD = 8  # q/k head dims stay multiples of 8: CUDA's memory-linear SDPA ker
 
 def with_sink_column(query, sinks, scale):
     """[B, heads, T, D + 8]: the query with sink/scale in column D and zeros after it (module docstring), for
-    `_attend(..., sink=True)`; differentiable in both."""
+    `attend_tile(..., sink=True)`; differentiable in both."""
     B, _, T, _ = query.shape
     col = (sinks.to(query.dtype) / scale).view(1, -1, 1, 1).expand(B, -1, T, 1)
     return torch.cat([query, col, query.new_zeros(B, query.shape[1], T, SINK_PAD - 1)], dim=-1)
 
 
-def _attend(q, k, v, mask, start: int, dropout: float, scale, segments=None, window=None, sink=False):
+def attend_tile(q, k, v, mask, start: int, dropout: float, scale, segments=None, window=None, sink=False):
     """softmax(q k^T * scale + causal / `mask` rows start:start+Tq) v for a query tile at `start`; memory-linear:
     no mask is built on CUDA (lower-right causal bias), a [Tq, e] bool mask on CPU (its flash kernel takes one).
     `segments` (Segment, ...): a packed row (module docstring); each query attends within its own segment only.
@@ -76,7 +76,7 @@ def _attend(q, k, v, mask, start: int, dropout: float, scale, segments=None, win
             if seg.prefix_end > seg.prefix_start:  # [prefix ; own]: its gradient flows back to the one prefix
                 pk, pv = k[:, :, seg.prefix_start:seg.prefix_end], v[:, :, seg.prefix_start:seg.prefix_end]
                 ks, vs, offset = torch.cat([pk, ks], 2), torch.cat([pv, vs], 2), offset + pk.shape[2]
-            outs.append(_attend(q[:, :, a - start:b - start], ks, vs, None, offset, dropout, scale, None, window,
+            outs.append(attend_tile(q[:, :, a - start:b - start], ks, vs, None, offset, dropout, scale, None, window,
                                 sink))
         return torch.cat(outs, dim=2)
     device = q.device.type
@@ -109,8 +109,8 @@ WINDOW_BLOCK = 4096  # queries per band of a sliding layer: its mask is [4096, 4
 
 
 def _attend_banded(q, k, v, mask, start: int, dropout: float, scale, window, sink: bool):
-    """`_attend` with a sliding window (no `mask`) and / or a sink key (module docstring). Keys are lower-right
-    aligned with the queries (the last query sees the last key), as in `_attend`. A sliding layer's queries run in
+    """`attend_tile` with a sliding window (no `mask`) and / or a sink key (module docstring). Keys are lower-right
+    aligned with the queries (the last query sees the last key), as in `attend_tile`. A sliding layer's queries run in
     blocks of WINDOW_BLOCK: a whole 380K-token row (the no-grad passes do not tile) would otherwise build a
     [380K, 380K + W] band mask."""
     Tq, Tk = q.shape[2], k.shape[2]
@@ -141,7 +141,7 @@ def _attend_banded(q, k, v, mask, start: int, dropout: float, scale, window, sin
                 *mask.shape[:-1], 1, dtype=mask.dtype, device=mask.device)
             mask = torch.cat([seen, mask], -1)
     gqa = q.shape[1] != k.shape[1]
-    # a mask reaches CUDA's memory-linear kernels without GQA (as in `_attend`); a full layer's lower-right bias
+    # a mask reaches CUDA's memory-linear kernels without GQA (as in `attend_tile`); a full layer's lower-right bias
     # through flash keeps GQA (repeating a 380K-token K, V to 64 heads would cost GBs)
     if gqa and q.is_cuda and (mask is not None or not _flash_usable(q, k, v, dropout)):
         rep = q.shape[1] // k.shape[1]

@@ -12,7 +12,7 @@ interface (`ALL_ATTENTION_FUNCTIONS.get_interface`), routed through `_Tiling.hoo
 Forward (no grad, one pass): tile by tile, the hook stores the tile's keys and values into full-length K, V
 [B, kv_heads, T, d] and attends the tile's queries to K[:e], V[:e].
 Backward (re-run, two passes): 1) no grad, tile by tile up to the attention: K, V again (the rest of the layer is
-skipped by raising `_Stop` in the hook); 2) last tile first, with grad: the tile's layer, backward of its output
+skipped by raising `StopTile` in the hook); 2) last tile first, with grad: the tile's layer, backward of its output
 (post-attention part, parameter grads accumulate), backward of its attention (dq of the tile, dK / dV of every
 key up to the tile's end, accumulated in fp32), then backward of its q/k/v (pre-attention part). Going last tile
 first, a tile's dK / dV are complete when its own q/k/v backward runs.
@@ -40,12 +40,12 @@ import functools
 import torch
 
 from grpo_accel.core import rng as rng_state
-from grpo_accel.tiling.attention import PACKED_ATTN, SEGMENTS_KWARG, _attend, with_sink_column
+from grpo_accel.tiling.attention import PACKED_ATTN, SEGMENTS_KWARG, attend_tile, with_sink_column
 
 # attention-interface kwargs a tiled call may ignore; any other kwarg with a value makes the layer untileable
 _IGNORED_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values"}
 _MUST_BE_NONE = {"sliding_window", "softcap", "s_aux", "sinks"}
-GPT_OSS_KWARGS = ("sliding_window", "s_aux")  # what `_attend` runs (tiling/attention.py), here and in Ulysses' tiles
+GPT_OSS_KWARGS = ("sliding_window", "s_aux")  # what `attend_tile` runs (tiling/attention.py): here and in Ulysses'
 # implementations whose result SDPA with the same mask reproduces; grpo_accel.parallel.packing's packed attention
 # (`accel_segments`, no mask) is reproduced segment by segment
 _SAME_AS_SDPA = ("sdpa", "eager", None, PACKED_ATTN)
@@ -55,12 +55,12 @@ class Untileable(Exception):
     """The layer's attention call is not one the tiled path reproduces; the caller runs the layer whole."""
 
 
-class _Stop(Exception):
+class StopTile(Exception):
     """Raised by the hook in the key/value pass: the rest of the layer is not needed."""
 
 
 @contextlib.contextmanager
-def _attention_hook(hook):
+def attention_hook(hook):
     """Every HF attention-interface lookup returns `partial(hook, name)` (instance attribute over the method)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
 
@@ -109,14 +109,14 @@ class _Tiling:
                 self.V = value.new_empty(*value.shape[:2], self.T, value.shape[3])
             self.K[:, :, s:e], self.V[:, :, s:e] = key, value
             if self.mode == "kv":
-                raise _Stop
-            out = _attend(query, self.K[:, :, :e], self.V[:, :, :e], attention_mask, s, dropout, scaling, segments,
+                raise StopTile
+            out = attend_tile(query, self.K[:, :, :e], self.V[:, :, :e], attention_mask, s, dropout, scaling, segments,
                           *extras)
             return out.transpose(1, 2), None
         q_leaf = query.detach().requires_grad_()
         k_leaf = self.K[:, :, :e].detach().requires_grad_()
         v_leaf = self.V[:, :, :e].detach().requires_grad_()
-        out = _attend(q_leaf, k_leaf, v_leaf, attention_mask, s, dropout, scaling, segments, *extras)
+        out = attend_tile(q_leaf, k_leaf, v_leaf, attention_mask, s, dropout, scaling, segments, *extras)
         o_leaf = out.detach().transpose(1, 2).requires_grad_()
         self.saved = (query, key, value, q_leaf, k_leaf, v_leaf, out, o_leaf)
         return o_leaf, None
@@ -163,14 +163,14 @@ def seq_tiles(function, args, kwargs, recompute_tokens: int | None, module) -> l
     return [slice(s, min(s + recompute_tokens, T)) for s in range(0, T, recompute_tokens)]
 
 
-def _call(run, x_tile, sl: slice):
+def call_tile(run, x_tile, sl: slice):
     """The layer on one tile: RoPE tables sliced to the tile; the mask stays whole (the hook slices it)."""
     bound = dict(run.keywords)
     bound["position_embeddings"] = tuple(t[:, sl] for t in bound["position_embeddings"])
     return run.func(*run.args, x_tile, **bound)
 
 
-def _set_rng(states, i: int) -> None:
+def set_rng(states, i: int) -> None:
     """Tile i's recorded RNG state back (no-op without a record: no live dropout)."""
     if states:
         rng_state.restore(states[i])
@@ -186,7 +186,7 @@ def forward(run, x: torch.Tensor, tiles: list[slice], record_rng: bool, shard=No
         return shard.forward(run, x, tiles), None
     state, rng = _Tiling(x.shape[1], "forward"), [] if record_rng else None
     y = None
-    with _attention_hook(state.hook):
+    with attention_hook(state.hook):
         for sl in tiles:
             if rng is not None:
                 rng.append(rng_state.capture(x))
@@ -199,7 +199,7 @@ def forward_tile(state, run, x: torch.Tensor, sl: slice, y: torch.Tensor | None)
     (this module's or parallel/ulysses_tiles.py's); Untileable when the layer did not call attention once and return
     one tensor."""
     state.sl, state.calls = sl, 0
-    out = _call(run, x[:, sl], sl)
+    out = call_tile(run, x[:, sl], sl)
     if state.calls != 1 or not isinstance(out, torch.Tensor) or out.shape != x[:, sl].shape:
         raise Untileable("the layer did not call attention once and return one [B, T, H] tensor")
     y = x.new_empty(x.shape) if y is None else y
@@ -214,19 +214,19 @@ def backward(run, x: torch.Tensor, g: torch.Tensor, tiles: list[slice], rng, sha
         return shard.backward(run, x, g, tiles)
     state = _Tiling(x.shape[1], "kv")
     dx = torch.zeros_like(x) if x.requires_grad else None
-    with _attention_hook(state.hook):
+    with attention_hook(state.hook):
         kv_pass(state, run, x, tiles, rng)  # pass 1: keys and values of every tile
         # fp32 accumulators: dK[:e] collects one term per query tile at or after the key tile (2 * T * kv_dim * 4 B)
         state.dK, state.dV = (torch.zeros_like(t, dtype=torch.float32) for t in (state.K, state.V))
         state.mode = "grad"
         for i, sl in reversed(list(enumerate(tiles))):  # pass 2: last tile first
-            _set_rng(rng, i)
+            set_rng(rng, i)
             state.sl, state.calls = sl, 0
             x_tile = x.detach()[:, sl].requires_grad_(x.requires_grad)
-            y = _call(run, x_tile, sl)
+            y = call_tile(run, x_tile, sl)
             q, k, v, q_leaf, k_leaf, v_leaf, out, o_leaf = state.saved
             state.saved = None
-            _backward([(y, g[:, sl])])  # post-attention part: o_proj, MLP, norms, residuals
+            backward_pairs([(y, g[:, sl])])  # post-attention part: o_proj, MLP, norms, residuals
             if o_leaf.grad is None:
                 continue
             dq, dk, dv = torch.autograd.grad(out, (q_leaf, k_leaf, v_leaf), o_leaf.grad.transpose(1, 2))
@@ -234,7 +234,7 @@ def backward(run, x: torch.Tensor, g: torch.Tensor, tiles: list[slice], rng, sha
             state.dK[:, :, :e] += dk
             state.dV[:, :, :e] += dv
             del out, dk, dv, o_leaf
-            _backward([(q, dq), (k, state.dK[:, :, sl].to(k.dtype)), (v, state.dV[:, :, sl].to(v.dtype))])
+            backward_pairs([(q, dq), (k, state.dK[:, :, sl].to(k.dtype)), (v, state.dV[:, :, sl].to(v.dtype))])
             if dx is not None and x_tile.grad is not None:
                 dx[:, sl] = x_tile.grad
     add_input_grad(x, dx)
@@ -242,14 +242,14 @@ def backward(run, x: torch.Tensor, g: torch.Tensor, tiles: list[slice], rng, sha
 
 def kv_pass(state, run, x: torch.Tensor, tiles: list[slice], rng=None) -> None:
     """A re-run's first pass: every tile up to its attention call under no_grad, replaying tile i's RNG state when
-    recorded; the state's hook ("kv" mode) stores the keys and values and stops the layer there (_Stop)."""
+    recorded; the state's hook ("kv" mode) stores the keys and values and stops the layer there (StopTile)."""
     state.mode = "kv"
     with torch.no_grad():
         for i, sl in enumerate(tiles):
-            _set_rng(rng, i)
+            set_rng(rng, i)
             state.sl, state.calls = sl, 0
-            with contextlib.suppress(_Stop):
-                _call(run, x.detach()[:, sl], sl)
+            with contextlib.suppress(StopTile):
+                call_tile(run, x.detach()[:, sl], sl)
 
 
 def add_input_grad(x: torch.Tensor, dx: torch.Tensor | None) -> None:
@@ -258,7 +258,7 @@ def add_input_grad(x: torch.Tensor, dx: torch.Tensor | None) -> None:
         x.grad = dx if x.grad is None else x.grad + dx
 
 
-def _backward(pairs) -> None:
+def backward_pairs(pairs) -> None:
     pairs = [(t, g) for t, g in pairs if t.requires_grad]
     if pairs:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

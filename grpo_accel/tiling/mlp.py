@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from grpo_accel.core import rng as rng_state
-from grpo_accel.tiling.layer import _set_rng
+from grpo_accel.tiling.layer import set_rng
 
 _FLAG = "_accel_tiled_mlp"
 
@@ -58,7 +58,7 @@ class _TiledMLP(torch.autograd.Function):
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []), torch.enable_grad(), \
                 torch.autocast(dev, enabled=enabled, dtype=dtype):
             for i, sl in enumerate(ctx.tiles):
-                _set_rng(ctx.rng, i)
+                set_rng(ctx.rng, i)
                 xt = x.detach()[:, sl].requires_grad_(dx is not None)
                 y = ctx.run(xt)
                 wrt = ([xt] if dx is not None else []) + params
