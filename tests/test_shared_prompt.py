@@ -248,7 +248,8 @@ def test_planner_counts_the_layouts_tokens(mode, shares):
 @pytest.mark.parametrize("C,G", [(40, 8), (256, 8), (110_000, 8), (1024, 16), (12, 4), (5, 2), (1, 2)])
 def test_the_start_up_lines_shortest_shared_prompt_is_the_rules(C, G):
     """The closed form the start-up line quotes equals the first prompt length the per-batch rule shares."""
-    from grpo_accel.planning.memory import share_prompt_pays, shortest_shared_prompt
+    from grpo_accel.core.settings import share_prompt_pays
+    from grpo_accel.planning.memory import shortest_shared_prompt
 
     first = next(p for p in range(2, 10 * C + 10) if share_prompt_pays(p, [C] * G, "auto"))
     assert shortest_shared_prompt(C, G) == first

@@ -215,7 +215,7 @@ def startup(spec, tokenizer, train_ds) -> int:
 
 def log_share_prompt(config, longest_prompt: int) -> None:
     """What share_prompt does at this dataset's longest prompt and the longest completion (one line)."""
-    from grpo_accel.planning.memory import share_prompt_pays, shared_group_tokens
+    from grpo_accel.core.settings import share_prompt_pays, shared_group_tokens
 
     mode, G, C = config.share_prompt, config.num_generations, config.max_completion_length
     if mode == "false" or not config.padding_free or config.sequence_parallel_size > 1:

@@ -23,4 +23,30 @@ def offload_activations_on(setting, cuda: bool, gradient_checkpointing: bool) ->
     return bool(cuda and gradient_checkpointing) if key == "auto" else key == "true"
 
 
-__all__ = ["OFFLOAD_RECOMPUTE_TOKENS", "offload_activations_on"]
+# --logprob_impl: TRL's head, our chunked one, the Triton kernel, or "auto" (Triton on CUDA, else chunked)
+LOGPROB_IMPLS = ("trl", "chunked", "triton", "auto")
+
+
+SHARE_PROMPT_MIN_SAVED = 0.25  # share_prompt="auto": share a group when it removes >= this share of its tokens
+
+
+def shared_group_tokens(prompt_len: int, completion_lens: list[int]) -> int:
+    """Tokens of one group in the shared-prompt layout (grpo_accel.parallel.shared_prompt): the prompt but its last
+    token once, then each completion after a copy of that last token."""
+    return prompt_len - 1 + sum(c + 1 for c in completion_lens)
+
+
+def share_prompt_pays(prompt_len: int, completion_lens: list[int], mode: str) -> bool:
+    """Whether a group of rows with this prompt shares it: never for one row or a one-token prompt (nothing saved);
+    "true": otherwise always; "auto": when it removes >= SHARE_PROMPT_MIN_SAVED of the group's tokens (a short
+    prompt beside long completions stays on the packed path, where one attention call per row and no key copies
+    cost least). The trainer decides per batch with this rule, the planner per run with the longest lengths."""
+    if mode == "false" or len(completion_lens) < 2 or prompt_len < 2:
+        return False
+    unshared = sum(prompt_len + c for c in completion_lens)
+    saved = unshared - shared_group_tokens(prompt_len, completion_lens)
+    return mode == "true" or saved >= SHARE_PROMPT_MIN_SAVED * unshared
+
+
+__all__ = ["LOGPROB_IMPLS", "OFFLOAD_RECOMPUTE_TOKENS", "SHARE_PROMPT_MIN_SAVED", "offload_activations_on",
+           "share_prompt_pays", "shared_group_tokens"]

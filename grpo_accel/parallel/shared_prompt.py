@@ -23,7 +23,7 @@ Not exact under live dropout: the prefix draws one dropout mask where the unshar
 disable dropout; TRL's `disable_dropout`).
 
 `share_prompt="auto"` shares a group when sharing removes at least a quarter of its tokens (the planner's rule,
-grpo_accel.planning.memory.share_prompt_pays): a short prompt beside long completions stays on the packed path.
+grpo_accel.core.settings.share_prompt_pays): a short prompt beside long completions stays on the packed path.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_accel.core.settings import share_prompt_pays, shared_group_tokens
 from grpo_accel.parallel.packing import PackedRows
-from grpo_accel.planning.memory import share_prompt_pays, shared_group_tokens
 from grpo_accel.tiling.attention import Segment
 
 SHARE_PROMPT_MODES = ("auto", "true", "false")

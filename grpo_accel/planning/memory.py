@@ -19,7 +19,13 @@ import math
 from dataclasses import dataclass, field
 
 from grpo_accel.core.dtypes import dtype_bytes
-from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS
+from grpo_accel.core.settings import (
+    LOGPROB_IMPLS,
+    OFFLOAD_RECOMPUTE_TOKENS,
+    SHARE_PROMPT_MIN_SAVED,
+    share_prompt_pays,
+    shared_group_tokens,
+)
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import ModelShape, model_shape
 from grpo_accel.planning.routes import COLOCATED, PINNED_STACK, ROUTES, choose_route
@@ -35,7 +41,6 @@ FRAGMENTATION = 0.05
 VLLM_RUNTIME_BYTES = 1 * GIB
 RECOMPUTE_TOKENS = OFFLOAD_RECOMPUTE_TOKENS  # the offload's re-run piece (core.settings: one home)
 TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py, trl/trainer/utils.py (TRL 1.16)
-LOGPROB_IMPLS = ("trl", "chunked", "triton", "auto")  # what --logprob_impl takes (GRPOAccelConfig)
 PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the naive baseline (benchmarks)
 
 # Device-side terms; "peak" is their sum. Generation-only terms are released during training with vllm_sleep.
@@ -201,27 +206,6 @@ def _sp_rerun_bytes(shape: ModelShape, a: int, B: int, T: int, sp: int, per_toke
         return _rerun_bytes(shape, a, B, T, per_token, pieces, tokens)
     kv = max(shape.kv_heads, sp) * shape.head_dim // sp
     return tokens * per_token + T * (2 * shape.hidden + shape.q_dim) * a + sp * T * 2 * kv * (2 * a + 4)
-
-
-SHARE_PROMPT_MIN_SAVED = 0.25  # share_prompt="auto": share a group when it removes >= this share of its tokens
-
-
-def shared_group_tokens(prompt_len: int, completion_lens: list[int]) -> int:
-    """Tokens of one group in the shared-prompt layout (grpo_accel.parallel.shared_prompt): the prompt but its last
-    token once, then each completion after a copy of that last token."""
-    return prompt_len - 1 + sum(c + 1 for c in completion_lens)
-
-
-def share_prompt_pays(prompt_len: int, completion_lens: list[int], mode: str) -> bool:
-    """Whether a group of rows with this prompt shares it: never for one row or a one-token prompt (nothing saved);
-    "true": otherwise always; "auto": when it removes >= SHARE_PROMPT_MIN_SAVED of the group's tokens (a short
-    prompt beside long completions stays on the packed path, where one attention call per row and no key copies
-    cost least). The trainer decides per batch with this rule, the planner per run with the longest lengths."""
-    if mode == "false" or len(completion_lens) < 2 or prompt_len < 2:
-        return False
-    unshared = sum(prompt_len + c for c in completion_lens)
-    saved = unshared - shared_group_tokens(prompt_len, completion_lens)
-    return mode == "true" or saved >= SHARE_PROMPT_MIN_SAVED * unshared
 
 
 def shortest_shared_prompt(completion_len: int, num_generations: int) -> int | None:

@@ -9,9 +9,8 @@ from trl import GRPOConfig
 
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.processes import launched_processes
-from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS
+from grpo_accel.core.settings import LOGPROB_IMPLS, OFFLOAD_RECOMPUTE_TOKENS
 from grpo_accel.parallel.shared_prompt import SHARE_PROMPT_MODES
-from grpo_accel.planning.memory import LOGPROB_IMPLS
 
 
 def _lcm(a: int, b: int) -> int:

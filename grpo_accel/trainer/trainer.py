@@ -32,7 +32,7 @@ from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.patches import Patches
 from grpo_accel.core.processes import several_processes
-from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS
+from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, SHARE_PROMPT_MIN_SAVED
 from grpo_accel.data.rewards import guarded
 from grpo_accel.generation.vllm_colocate import (
     SharedVLLM,
@@ -60,7 +60,7 @@ from grpo_accel.parallel.packing import (
     unpack,
 )
 from grpo_accel.parallel.shared_prompt import pack_units, prompt_units, split_units_to_count
-from grpo_accel.planning.memory import SHARE_PROMPT_MIN_SAVED, shortest_shared_prompt
+from grpo_accel.planning.memory import shortest_shared_prompt
 from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGuard, check_reward_rows
 from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
 from grpo_accel.trainer.callbacks.preemption import Preemption
