@@ -9,11 +9,11 @@ from grpo_accel.data.rewards import (
     correctness_reward,
     extract_answer,
     format_reward,
-    guarded,
     has_strict_format,
     parse_number,
     resolve_rewards,
 )
+from grpo_accel.trainer.reward_guard import guarded
 
 
 @pytest.mark.parametrize("text,strict,lenient", [

@@ -33,7 +33,6 @@ from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.patches import Patches
 from grpo_accel.core.processes import several_processes
 from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, SHARE_PROMPT_MIN_SAVED
-from grpo_accel.data.rewards import guarded
 from grpo_accel.generation.vllm_colocate import (
     SharedVLLM,
     SharedVLLMGeneration,
@@ -66,6 +65,7 @@ from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
 from grpo_accel.trainer.callbacks.preemption import Preemption
 from grpo_accel.trainer.callbacks.telemetry import PhaseTelemetry
 from grpo_accel.trainer.config import GRPOAccelConfig
+from grpo_accel.trainer.reward_guard import guarded
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
 FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"

@@ -153,7 +153,7 @@ class DeepSpeedSkipGuard(_SkipCounter):
 def check_reward_rows(rewards_per_func: torch.Tensor, names: list[str], model_columns: list[int]) -> None:
     """reward_checks="strict" on one generation batch's rewards ([rows, functions], None already NaN, as TRL
     gathers them): stop on a row that no reward scored (TRL warns and trains on, with advantage 0) and on a reward
-    model's NaN / inf (a function's are caught by its guard, data/rewards.py `guarded`). A reward that is None for
+    model's NaN / inf (a function's are caught by its guard, trainer/reward_guard.py). A reward that is None for
     some rows, or a whole batch, beside one that scores them is TRL's documented multi-task case and passes.
     Cost: two [rows, functions] reductions per generation batch."""
     for i in model_columns:
