@@ -197,13 +197,14 @@ def startup(spec, tokenizer, train_ds) -> int:
         host_bytes //= local_processes()
     raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes, host_bytes))
     if host_bytes is not None:
+        from grpo_accel.core.settings import device_budget_bytes, device_budget_gib
         from grpo_accel.core.units import GIB
         from grpo_accel.planning.memory import fit_host
 
         fitted = fit_host(spec.plan(), host_bytes)
         budget = fitted.inputs["offload_device_budget_bytes"]
-        if budget > spec.config.offload_device_budget_gib * GIB:  # the host cannot hold every layer input
-            spec.config.offload_device_budget_gib = budget / GIB
+        if budget > device_budget_bytes(spec.config.offload_device_budget_gib):  # the host cannot hold them all
+            spec.config.offload_device_budget_gib = device_budget_gib(budget)
             log(f"host memory {host_bytes / GIB:.0f} GiB: {budget / GIB:.1f} GiB of layer inputs stay on the GPU")
     route, why = spec.route()
     memory = (f"; memory plan: {spec.plan().peak_gib:.1f} GiB predicted peak per GPU of {gpu_bytes / 2**30:.0f} GiB"

@@ -6,6 +6,8 @@ planner, the offload, the trainer's config and the presets can all import it; do
 
 from __future__ import annotations
 
+from grpo_accel.core.units import GIB
+
 # Activation offload's re-run piece, in tokens: the backward re-runs a layer on row groups of at most this many
 # tokens, and a longer row in sequence tiles of this many (OffloadConfig.recompute_tokens, the planner's
 # recompute_tokens, --offload_recompute_tokens).
@@ -21,6 +23,16 @@ def offload_activations_on(setting, cuda: bool, gradient_checkpointing: bool) ->
     if key not in ("auto", "true", "false"):
         raise ValueError(f"activation offload must be True, False or 'auto', got {setting!r}")
     return bool(cuda and gradient_checkpointing) if key == "auto" else key == "true"
+
+
+# --offload_device_budget_gib: layer inputs kept on the GPU, typed in GiB; the planner and the offload keep bytes.
+# These two are the only conversions between them (the runner raises it from the planner's fit_host).
+def device_budget_bytes(gib: float | None) -> int:
+    return int((gib or 0) * GIB)
+
+
+def device_budget_gib(nbytes: int) -> float:
+    return nbytes / GIB
 
 
 # --logprob_impl: TRL's head, our chunked one, the Triton kernel, or "auto" (Triton on CUDA, else chunked)
@@ -48,5 +60,6 @@ def share_prompt_pays(prompt_len: int, completion_lens: list[int], mode: str) ->
     return mode == "true" or saved >= SHARE_PROMPT_MIN_SAVED * unshared
 
 
-__all__ = ["LOGPROB_IMPLS", "OFFLOAD_RECOMPUTE_TOKENS", "SHARE_PROMPT_MIN_SAVED", "offload_activations_on",
+__all__ = ["LOGPROB_IMPLS", "OFFLOAD_RECOMPUTE_TOKENS", "SHARE_PROMPT_MIN_SAVED", "device_budget_bytes",
+           "device_budget_gib", "offload_activations_on",
            "share_prompt_pays", "shared_group_tokens"]

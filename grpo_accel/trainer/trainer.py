@@ -32,7 +32,7 @@ from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.patches import Patches
 from grpo_accel.core.processes import several_processes
-from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, SHARE_PROMPT_MIN_SAVED
+from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, SHARE_PROMPT_MIN_SAVED, device_budget_bytes
 from grpo_accel.generation.vllm_colocate import (
     SharedVLLM,
     SharedVLLMGeneration,
@@ -316,7 +316,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         if not resolve_offload(setting, device, gradient_checkpointing=self.args.gradient_checkpointing):
             return None
         sizing = dict(recompute_tokens=getattr(self.args, "offload_recompute_tokens", OFFLOAD_RECOMPUTE_TOKENS),
-                      device_budget_bytes=int(getattr(self.args, "offload_device_budget_gib", 0) * 2**30))
+                      device_budget_bytes=device_budget_bytes(getattr(self.args, "offload_device_budget_gib", 0)))
         if os.environ.get(FORCE_OFFLOAD_COPIES_ENV) == "1":
             return OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, **sizing)
         # 90% of what the host has free now, shared by this machine's processes: a wrong plan stops with

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from grpo_accel.core import dtypes
 from grpo_accel.core.errors import UserError
-from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, offload_activations_on
-from grpo_accel.core.units import GIB
+from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, device_budget_bytes, offload_activations_on
 from grpo_accel.planning.architectures import model_shape
 from grpo_accel.planning.memory import MemoryPlan, plan_memory
 from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
@@ -116,7 +115,7 @@ class Preset:
             recompute_tokens=f.get("offload_recompute_tokens") or OFFLOAD_RECOMPUTE_TOKENS,
             sequence_parallel_size=int(f.get("sequence_parallel_size") or 1),
             share_prompt=str(f.get("share_prompt", "auto")).lower() if f.get("padding_free", True) else "false",
-            offload_device_budget_bytes=int((f.get("offload_device_budget_gib") or 0) * GIB),
+            offload_device_budget_bytes=device_budget_bytes(f.get("offload_device_budget_gib")),
             reward_models=reward_model_shapes(f, self.generation_batch(f, processes)),
             device="cuda" if cuda else "cpu")
 
