@@ -354,3 +354,23 @@ def test_planner_matches_measured_cpu_step():
 
 def test_architectures_table_is_complete():
     assert set(PUBLISHED_PARAMS) <= set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt-oss", "tiny-qwen3-moe"])
+def test_mlp_saved_bytes_match_autograd(name, dtype):
+    """What one layer's MLP block keeps for backward (autograd's saved tensors, once per storage, parameters and the
+    input excluded) is the planner's mlp_saved_bytes_per_token, byte for byte: the dense MLP and each MoE family's
+    expert loop (router, sorted dispatch, GLU), so a transformers upgrade that changes what they save fails here."""
+    from grpo_accel.data.models import build_tiny_model, load_tokenizer
+    from grpo_accel.offload.tracker import SavedActivationTracker
+    from grpo_accel.planning.memory import mlp_saved_bytes_per_token
+
+    model = build_tiny_model(name, load_tokenizer("tiny-llama")).to(dtype)
+    T = 1024
+    x = torch.randn(1, T, model.config.hidden_size, dtype=dtype, requires_grad=True)
+    tracker = SavedActivationTracker(observe_autograd=True, ignore=[*model.parameters(), x], device="cpu")
+    with tracker:
+        model.model.layers[0].mlp(x)
+    a = torch.finfo(dtype).bits // 8
+    assert tracker.peak["device"] / T == pytest.approx(mlp_saved_bytes_per_token(model_shape(name), a), abs=0.05)

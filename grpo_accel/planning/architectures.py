@@ -231,6 +231,7 @@ class ModelShape:
     # PEFT's "all-linear" also adapts the fused experts (gate_up at rank 2r, down at r, per expert) and the router
     # when PEFT knows the model's pre-fusion names (peft.utils.transformers_weight_conversion: Qwen3-MoE, not gpt-oss)
     lora_experts: bool = False
+    moe_type: str = ""  # the config's model_type for a MoE ("gpt_oss", "qwen3_moe"): what its expert loop saves
 
     @property
     def q_dim(self) -> int:
@@ -335,7 +336,7 @@ def _moe_fields(cfg, L: int) -> dict:
         Ie = _get(cfg, "moe_intermediate_size")
     return dict(fields, experts=experts, experts_per_token=_get(cfg, "num_experts_per_tok"), expert_intermediate=Ie,
                 moe_layers=moe_layers, expert_bias=model_type == "gpt_oss", sinks=model_type == "gpt_oss",
-                lora_experts=model_type == "qwen3_moe")
+                lora_experts=model_type == "qwen3_moe", moe_type=model_type)
 
 
 def _get(cfg, key, default=None):

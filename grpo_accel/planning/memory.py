@@ -75,16 +75,27 @@ def layer_saved_bytes_per_token(shape: ModelShape, act_bytes: int, lora_r: int) 
     return norms + attention + mlp + qk_norm + 7 * lora_r * a
 
 
+# What a MoE block's expert loop saves (transformers 5.24, measured: tests/test_memory.py
+# test_mlp_saved_bytes_match_autograd): per routed copy (k per token), `glu` tensors of I_e (gpt-oss's clamped
+# SwiGLU with alpha keeps 7: gate_up [2 I_e], the clamped halves, the sigmoid, the product; Qwen3-MoE's SiLU GLU 4)
+# and `index` int64 positions of the sorted dispatch; the router: gpt-oss soft-maxes the top-k logits in the
+# activation dtype, Qwen3-MoE soft-maxes all E in fp32, then takes the top k and renormalizes them (their sum, fp32).
+MOE_SAVED = {"gpt_oss": dict(glu=7, index=4, router_fp32=False),
+             "qwen3_moe": dict(glu=4, index=3, router_fp32=True)}
+
+
 def mlp_saved_bytes_per_token(shape: ModelShape, a: int) -> float:
     """What one layer's MLP saves per token, the mean over layers. Dense: gate, silu(gate), up, their product (4I).
-    MoE (counted from transformers' GptOssExperts / Qwen3MoeExperts loops, not measured): the router's logits [E]
-    and its fp32 softmax [E], the top-k weights and indices, and per routed copy (k per token) the gathered input and
-    the weighted output [H each] plus gate_up, the activation's inputs and output [5 I_e]."""
+    MoE (MOE_SAVED): the router's top-k indices [k int64] and weights, per routed copy the gathered input and the
+    weighted output [H each], the GLU's tensors [glu x I_e], its routing weight [1] and the dispatch's int64 indices."""
     dense = a * 4 * shape.intermediate
     if not shape.moe_layers:
         return dense
     E, k, Ie = shape.experts, shape.experts_per_token, shape.expert_intermediate
-    moe = (a + 4) * E + k * (a + 8) + k * a * (2 * shape.hidden + 5 * Ie)
+    saved = MOE_SAVED.get(shape.moe_type, MOE_SAVED["gpt_oss"])  # an unknown MoE: the larger of the two
+    router = 8 * k + (4 * E + 4 * k + 4 if saved["router_fp32"] else a * k)
+    per_copy = a * (2 * shape.hidden + saved["glu"] * Ie + 1) + 8 * saved["index"]
+    moe = router + k * per_copy
     return (shape.dense_mlp_layers * dense + shape.moe_layers * moe) / shape.layers
 
 

@@ -183,7 +183,7 @@ _GPT_OSS_20B = dict(min_compute_capability=(8, 0), model="openai/gpt-oss-20b", a
                     offload_activations=True, vllm_share_weights=False, recipe=GPT_OSS_RECIPE,
                     model_init_kwargs=GPT_OSS_YARN_512K)
 # The H200 preset's completion length: the planner's longest on 130 GiB of the H200 with 115 GiB of its 128 GiB
-# host (find_max_completion_length, 1,024-token steps: 686,080 at this commit), capped by the 524,288 positions of
+# host (find_max_completion_length, 1,024-token steps: 672,768 at this commit), capped by the 524,288 positions of
 # GPT_OSS_YARN_512K less the prompt. tests/test_presets.py recomputes both.
 H200_GPT_OSS_PLAN = dict(gpu_gib=130, host_gib=115, step=1024)
 H200_GPT_OSS_COMPLETION = 524_288 - 512
