@@ -35,6 +35,17 @@ def device_budget_gib(nbytes: int) -> float:
     return nbytes / GIB
 
 
+def generations_per_process(per_device_train_batch_size: int, steps_per_generation: int | None = None,
+                            gradient_accumulation_steps: int | None = None, generation_batch_size: int | None = None,
+                            processes: int = 1) -> int:
+    """Sequences one process generates at once (the generation batch its KV cache or engine holds): TRL's
+    per_device_train_batch_size x steps_per_generation (default gradient_accumulation_steps). A global
+    generation_batch_size, before TRL resolves it (a preset planned on another machine), is that / processes."""
+    if generation_batch_size:
+        return -(-generation_batch_size // processes)
+    return per_device_train_batch_size * (steps_per_generation or gradient_accumulation_steps or 1)
+
+
 # --logprob_impl: TRL's head, our chunked one, the Triton kernel, or "auto" (Triton on CUDA, else chunked)
 LOGPROB_IMPLS = ("trl", "chunked", "triton", "auto")
 
@@ -61,5 +72,5 @@ def share_prompt_pays(prompt_len: int, completion_lens: list[int], mode: str) ->
 
 
 __all__ = ["LOGPROB_IMPLS", "OFFLOAD_RECOMPUTE_TOKENS", "SHARE_PROMPT_MIN_SAVED", "device_budget_bytes",
-           "device_budget_gib", "offload_activations_on",
+           "device_budget_gib", "generations_per_process", "offload_activations_on",
            "share_prompt_pays", "shared_group_tokens"]

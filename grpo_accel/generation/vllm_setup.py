@@ -26,6 +26,7 @@ from grpo_accel.core import dtypes
 from grpo_accel.core.console import log as console_log
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import process_rank
+from grpo_accel.core.settings import generations_per_process
 from grpo_accel.generation import vllm_colocate as vc
 from grpo_accel.planning.routes import BNB_PLUGIN_INSTALL, ENGINE_QUANTIZATION, VLLM_INSTALL, Stack, choose_route
 
@@ -131,8 +132,9 @@ def max_model_len(args, hf_config, train_dataset=None, tokenizer=None, longest_p
 
 
 def generations_per_rank(args) -> int:
-    """Completions one rank generates at once (TRL: per-device batch x steps per generation)."""
-    return args.per_device_train_batch_size * (args.steps_per_generation or args.gradient_accumulation_steps or 1)
+    """Completions one rank generates at once, from a resolved config (core.settings.generations_per_process)."""
+    return generations_per_process(args.per_device_train_batch_size, args.steps_per_generation,
+                                   args.gradient_accumulation_steps)
 
 
 def engine_seed(tensor_parallel_size: int = 1) -> int:

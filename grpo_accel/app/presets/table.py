@@ -15,7 +15,12 @@ from pathlib import Path
 
 from grpo_accel.core import dtypes
 from grpo_accel.core.errors import UserError
-from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, device_budget_bytes, offload_activations_on
+from grpo_accel.core.settings import (
+    OFFLOAD_RECOMPUTE_TOKENS,
+    device_budget_bytes,
+    generations_per_process,
+    offload_activations_on,
+)
 from grpo_accel.planning.architectures import model_shape
 from grpo_accel.planning.memory import MemoryPlan, plan_memory
 from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
@@ -125,10 +130,9 @@ class Preset:
         processes: TRL derives steps_per_generation from it with the world size of the process that resolves the
         config, which is 1 on a planning machine."""
         fixed = self.recipe.get("generation_batch_size")
-        if fixed and f.get("generation_batch_size") == fixed:
-            return -(-fixed // processes)
-        steps = f.get("steps_per_generation") or f.get("gradient_accumulation_steps") or 1
-        return f["per_device_train_batch_size"] * steps
+        return generations_per_process(f["per_device_train_batch_size"], f.get("steps_per_generation"),
+                                       f.get("gradient_accumulation_steps"),
+                                       fixed if fixed and f.get("generation_batch_size") == fixed else None, processes)
 
     def training_overrides(self) -> dict:
         """Every value this preset sets, in GRPOAccelConfig / ScriptArguments field names: a complete override
