@@ -364,7 +364,7 @@ def test_mlp_saved_bytes_match_autograd(name, dtype):
     expert loop (router, sorted dispatch, GLU), so a transformers upgrade that changes what they save fails here."""
     from grpo_accel.data.models import build_tiny_model, load_tokenizer
     from grpo_accel.offload.tracker import SavedActivationTracker
-    from grpo_accel.planning.memory import mlp_saved_bytes_per_token
+    from grpo_accel.planning.activations import mlp_saved_bytes_per_token
 
     model = build_tiny_model(name, load_tokenizer("tiny-llama")).to(dtype)
     T = 1024
