@@ -207,7 +207,7 @@ def test_share_prompt_settings_are_checked(tmp_path):
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to="none")
     with pytest.raises(ConfigError, match="share_prompt maybe"):
         GRPOAccelConfig(share_prompt="maybe", **base)
-    with pytest.raises(ConfigError, match="needs padding_free"):
+    with pytest.raises(ConfigError, match="padding_free is off"):
         GRPOAccelConfig(share_prompt="true", padding_free=False, **base)
     with pytest.raises(ConfigError, match="sequence_parallel_size 2"):
         GRPOAccelConfig(share_prompt="true", sequence_parallel_size=2, **base)

@@ -216,10 +216,10 @@ def startup(spec, tokenizer, train_ds) -> int:
 
 def log_share_prompt(config, longest_prompt: int) -> None:
     """What share_prompt does at this dataset's longest prompt and the longest completion (one line)."""
-    from grpo_accel.core.settings import share_prompt_pays, shared_group_tokens
+    from grpo_accel.core.settings import share_prompt_blocker, share_prompt_pays, shared_group_tokens
 
     mode, G, C = config.share_prompt, config.num_generations, config.max_completion_length
-    if mode == "false" or not config.padding_free or config.sequence_parallel_size > 1:
+    if mode == "false" or share_prompt_blocker(config.padding_free, config.sequence_parallel_size):
         return
     shared, unshared = shared_group_tokens(longest_prompt, [C] * G), G * (longest_prompt + C)
     if share_prompt_pays(longest_prompt, [C] * G, mode):

@@ -59,6 +59,17 @@ def shared_group_tokens(prompt_len: int, completion_lens: list[int]) -> int:
     return prompt_len - 1 + sum(c + 1 for c in completion_lens)
 
 
+def share_prompt_blocker(padding_free: bool, sequence_parallel_size: int) -> str | None:
+    """Why the shared-prompt layout cannot run with these settings (None: it can): the config refuses
+    --share_prompt true for it, "auto" turns off, the planner plans without it, the trainer and the runner say so."""
+    if sequence_parallel_size > 1:
+        return ("Ulysses shards each row along its length and a prompt shared by the group's rows would sit on one "
+                "shard")
+    if not padding_free:
+        return "padding_free is off (the shared layout is a packed row)"
+    return None
+
+
 def share_prompt_pays(prompt_len: int, completion_lens: list[int], mode: str) -> bool:
     """Whether a group of rows with this prompt shares it: never for one row or a one-token prompt (nothing saved);
     "true": otherwise always; "auto": when it removes >= SHARE_PROMPT_MIN_SAVED of the group's tokens (a short
@@ -72,5 +83,5 @@ def share_prompt_pays(prompt_len: int, completion_lens: list[int], mode: str) ->
 
 
 __all__ = ["LOGPROB_IMPLS", "OFFLOAD_RECOMPUTE_TOKENS", "SHARE_PROMPT_MIN_SAVED", "device_budget_bytes",
-           "device_budget_gib", "generations_per_process", "offload_activations_on",
+           "device_budget_gib", "generations_per_process", "offload_activations_on", "share_prompt_blocker",
            "share_prompt_pays", "shared_group_tokens"]

@@ -23,6 +23,7 @@ from grpo_accel.core.settings import (
     LOGPROB_IMPLS,
     OFFLOAD_RECOMPUTE_TOKENS,
     SHARE_PROMPT_MIN_SAVED,
+    share_prompt_blocker,
     share_prompt_pays,
     shared_group_tokens,
 )
@@ -224,7 +225,8 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     T_gpu, rows = -(-T // sp), B
     # share_prompt: a micro-batch's rows of one prompt (min(B, G) of them) are one packed row, the prompt in it once
     group = min(B, num_generations)
-    if sp == 1 and share_prompt_pays(max_prompt_length, [max_completion_length] * group, share_prompt):
+    if not share_prompt_blocker(True, sp) and share_prompt_pays(max_prompt_length, [max_completion_length] * group,
+                                                                 share_prompt):
         rows, T_gpu = -(-B // group), shared_group_tokens(max_prompt_length, [max_completion_length] * group)
     n_tok, n_c = rows * T_gpu, -(-B * max_completion_length // sp)  # tokens through the layers / scored by the head
     world = max(num_processes, 1) if deepspeed_stage else 1

@@ -9,7 +9,7 @@ from trl import GRPOConfig
 
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.processes import launched_processes
-from grpo_accel.core.settings import LOGPROB_IMPLS, OFFLOAD_RECOMPUTE_TOKENS
+from grpo_accel.core.settings import LOGPROB_IMPLS, OFFLOAD_RECOMPUTE_TOKENS, share_prompt_blocker
 from grpo_accel.parallel.shared_prompt import SHARE_PROMPT_MODES
 
 
@@ -134,13 +134,12 @@ class GRPOAccelConfig(GRPOConfig):
         if share not in SHARE_PROMPT_MODES:
             raise ConfigError(f"--share_prompt {self.share_prompt}: use {', '.join(SHARE_PROMPT_MODES)}.")
         self.share_prompt = share
-        if share == "true" and not self.padding_free:
-            raise ConfigError("--share_prompt true needs padding_free (the shared layout is a packed row). Fix: "
-                              "--padding_free true, or --share_prompt auto.")
-        if share == "true" and self.sequence_parallel_size > 1:
-            raise ConfigError(f"--share_prompt true with --sequence_parallel_size {self.sequence_parallel_size}: "
-                              f"Ulysses shards each row along its length and a prompt shared by the group's rows "
-                              f"would sit on one shard. Fix: --share_prompt auto (off under SP) or false.")
+        blocker = share_prompt_blocker(self.padding_free, self.sequence_parallel_size)
+        if share == "true" and blocker:
+            fix = "--padding_free true, or --share_prompt auto" if self.sequence_parallel_size == 1 else \
+                "--share_prompt auto (off under SP) or false"
+            raise ConfigError(f"--share_prompt true with --padding_free {str(self.padding_free).lower()} "
+                              f"--sequence_parallel_size {self.sequence_parallel_size}: {blocker}. Fix: {fix}.")
         if self.bf16 is None and not self.fp16:
             # TRL defaults to bf16 mixed precision, which HF refuses without a bf16 GPU unless use_cpu is set:
             # default to it only where it can run, so the same config works on a laptop and an H100.

@@ -32,7 +32,12 @@ from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.patches import Patches
 from grpo_accel.core.processes import several_processes
-from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, SHARE_PROMPT_MIN_SAVED, device_budget_bytes
+from grpo_accel.core.settings import (
+    OFFLOAD_RECOMPUTE_TOKENS,
+    SHARE_PROMPT_MIN_SAVED,
+    device_budget_bytes,
+    share_prompt_blocker,
+)
 from grpo_accel.generation.vllm_colocate import (
     SharedVLLM,
     SharedVLLMGeneration,
@@ -286,12 +291,9 @@ class GRPOAccelTrainer(GRPOTrainer):
         if mode == "false":
             return mode
         models = [causal_lm_of(m) for m in (self.model, self.ref_model) if m is not None]
-        why_not = None
-        if self.sequence_parallel is not None:
-            why_not = "sequence parallelism shards each row along its length"
-        elif not self.padding_free:
-            why_not = "padding_free is off here (the shared layout is a packed row)"
-        elif any(m.config._attn_implementation != ATTN_NAME for m in models):
+        # padding_free as resolved here (packing may have fallen back), the SP group as enabled
+        why_not = share_prompt_blocker(self.padding_free, self.sequence_parallel.sp if self.sequence_parallel else 1)
+        if why_not is None and any(m.config._attn_implementation != ATTN_NAME for m in models):
             why_not = ("the model's attention is not sdpa (flash_attention_2/3 read each sequence from position ids, "
                        "which a shared prompt does not restart)")
         if why_not:
