@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_utils import ROOT, child_env
+from support.launch import ROOT, child_env
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpu_campaign as gc  # noqa: E402

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from launch_utils import ROOT, child_env
+from support.launch import ROOT, child_env
 
 
 @pytest.mark.slow

@@ -13,12 +13,12 @@ import sys
 import time
 
 import pytest
-from launch_utils import ROOT, TINY_ARGS, child_env, run_train
 from peft import LoraConfig
+from support.launch import ROOT, TINY_ARGS, child_env, run_train
 from transformers import TrainerCallback
 
 ARGS = [*TINY_ARGS, "--max_steps", "6", "--save_steps", "2", "--eval_size", "0", "--save_total_limit", "3",
-        "--rewards", "rewards_for_tests:length_reward"]
+        "--rewards", "support.rewards:length_reward"]
 KEYS = ("loss", "reward", "grad_norm", "completions/mean_length")
 
 
@@ -29,7 +29,7 @@ def rows(out):
 def test_sigterm_mid_step_finishes_it_saves_and_stops(tmp_path):
     """In-process: a SIGTERM during step 2's generation; step 2 completes, checkpoint-2 is complete, training stops,
     and the process's own SIGTERM handler is back once train() returns."""
-    from rewards_for_tests import length_reward
+    from support.rewards import length_reward
 
     from grpo_accel.data.datasets import arithmetic_dataset
     from grpo_accel.data.models import load_model
@@ -140,7 +140,7 @@ def test_sigterm_to_a_two_process_deepspeed_launch(tmp_path):
     agent's SIGKILL; the launch resumed from it logs what an uninterrupted launch logs."""
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     launcher = [accelerate, "launch", "--config_file", os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml")]
-    args = ["--eval_size", "0", "--max_steps", "6", "--save_steps", "2", "--rewards", "rewards_for_tests:length_reward"]
+    args = ["--eval_size", "0", "--max_steps", "6", "--save_steps", "2", "--rewards", "support.rewards:length_reward"]
     full = tmp_path / "full"
     done = run_train([*args, "--output_dir", str(full)], launcher=launcher, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
