@@ -87,7 +87,6 @@ def test_deepspeed_guard_counts_skips_and_waits_out_fp16_calibration():
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_deepspeed_skips_count_and_stop_naming_last_good_checkpoint(tmp_path):
     """2-process ZeRO-2 over gloo: steps 3 and 4 are NaN. DeepSpeed's optimizer skips them itself; the skips show in
     the logged metrics and 2 in a row stop the run with NonFiniteStepsError naming checkpoint-2 (never a later one)."""

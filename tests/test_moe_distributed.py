@@ -11,7 +11,7 @@ import os
 import pytest
 from support.launch import DDP_YAML, ROOT, run_train
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 ACCELERATE = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
 COMMON = ["--eval_size", "2", "--eval_max_new_tokens", "4", "--max_steps", "2", "--save_steps", "100",
           "--rewards", "support.rewards:length_reward", "--gradient_checkpointing", "true"]

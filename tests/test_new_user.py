@@ -110,7 +110,6 @@ def test_help_lists_config(capsys):
     assert done.value.code == 0 and "--config CONFIG" in capsys.readouterr().out
 
 
-@pytest.mark.slow
 def test_existing_run_is_refused_then_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     args = [*TINY_ARGS, "--eval_size", "0", "--max_steps", "1", "--save_steps", "1", "--output_dir", str(out)]
@@ -158,7 +157,6 @@ def test_report_steps_are_integers_and_coinciding_lines_differ():
 
 
 # 5. under accelerate launch: one error line; -q keeps accelerate's own traceback away
-@pytest.mark.slow
 def test_user_error_under_accelerate_launch(tmp_path):
     import sys
 

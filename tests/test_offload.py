@@ -408,7 +408,6 @@ print("ZERO3_OK")
 """
 
 
-@pytest.mark.slow
 def test_zero3_param_hooks_fire_in_the_recompute(tmp_path):
     """ZeRO-3 gathers each parameter in a forward pre-hook and frees it after: the recompute in our
     backward must re-gather (it calls the submodules again), or shapes break. One process over gloo,

@@ -18,7 +18,7 @@ import torch
 from support.compare import assert_allclose, rel_norm
 from support.launch import ROOT, WORKERS, child_env, free_port, run_process_group
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 
 RUNS = ["zero2:grouped", "zero2:tiled", "zero2:several", "ddp:several", "ddp:tiled", "zero3:grouped", "zero3:tiled",
         "zero3:several", "zero2:lora", "ddp:lora", "zero3:lora", "zero2:bf16", "ddp:bf16", "ddp:fp16", "zero3:bf16"]

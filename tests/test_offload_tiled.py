@@ -287,7 +287,6 @@ def run_worker(tokens, layers, recompute_tokens):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.mark.slow
 @pytest.mark.long  # a measured 8K-token re-run (46 s): make test-distributed, beside the other measured runs
 def test_one_8k_row_rerun_falls_4x_with_tiles():
     """SmolLM2-135M shape (random init), one row of T = 8192, one layer (layers shrunk to keep the test near 60 s on

@@ -183,7 +183,6 @@ def test_unsupported_falls_back_with_one_line(tmp_path, capsys, impl):
     assert len(lines) == 1 and "falls back to padded rows" in lines[0] and reason in lines[0], lines
 
 
-@pytest.mark.slow
 def test_launch_padding_free_true_and_false_log_the_same_loss(tmp_path):
     runs = {}
     for flag in ("true", "false"):
@@ -200,7 +199,6 @@ def test_launch_padding_free_true_and_false_log_the_same_loss(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_two_processes_packed_matches_padded(tmp_path, stage):
     """DeepSpeed ZeRO-2 / ZeRO-3 over gloo, 2 processes: the hook sees the engine (not the model), and with a budget

@@ -103,7 +103,6 @@ def sigterm_after(cmd, checkpoint_state, env, timeout=300):
     return proc.returncode, stdout, stderr
 
 
-@pytest.mark.slow
 def test_sigterm_then_resume_matches_uninterrupted(tmp_path):
     full = tmp_path / "full"
     done = run_train([*ARGS, "--output_dir", str(full)])
@@ -133,7 +132,6 @@ def test_sigterm_then_resume_matches_uninterrupted(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_sigterm_to_a_two_process_deepspeed_launch(tmp_path):
     """`accelerate launch` (2 processes, ZeRO-2 over gloo) gets SIGTERM as a scheduler sends it: torch's agent forwards
     it to both ranks, which agree on the step, save every rank's files into one checkpoint and leave before the
@@ -169,7 +167,6 @@ def test_sigterm_to_a_two_process_deepspeed_launch(tmp_path):
             assert float(b[step][key]) == pytest.approx(float(a[step][key]), rel=1e-5, abs=1e-8), (step, key)
 
 
-@pytest.mark.slow
 def test_sigterm_to_a_one_process_accelerate_launch_reaches_the_trainer(tmp_path):
     """accelerate's one-process launcher has no SIGTERM handler: it dies at once. The trainer asked the kernel for
     SIGTERM on its parent's death (PR_SET_PDEATHSIG), so it still finishes its step, saves and says how to resume."""

@@ -11,7 +11,6 @@ import time
 import pytest
 from support.launch import ROOT, TINY_ARGS, child_env, run_train
 
-pytestmark = pytest.mark.slow
 ARGS = [*TINY_ARGS, "--max_steps", "4", "--save_steps", "2", "--eval_size", "0", "--save_total_limit", "3",
         "--rewards", "support.rewards:length_reward"]
 

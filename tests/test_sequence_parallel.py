@@ -17,7 +17,7 @@ import torch
 from support.compare import assert_rel_close, rel_norm
 from support.launch import ROOT, WORKERS, child_env, free_port, run_process_group
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")

@@ -156,7 +156,6 @@ def test_no_forward_hook_per_generation(tmp_path):
     assert counts == [counts[0]] * 4, counts
 
 
-@pytest.mark.slow
 @pytest.mark.long  # ~2.4 min on 2 cores
 def test_host_memory_flat_over_200_steps(tmp_path):
     reports = run_child(tmp_path, steps=200)
@@ -164,7 +163,6 @@ def test_host_memory_flat_over_200_steps(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.slow
 def test_gpu_memory_flat_over_200_steps(tmp_path):
     reports = run_child(tmp_path, steps=200, device="cuda")
     assert reports["cuda_allocated"]["flat"] and reports["rss"]["flat"], reports
