@@ -5,7 +5,7 @@ import os
 import re
 
 import pytest
-from launch_utils import TINY_ARGS, error_line, run_train
+from support.launch import TINY_ARGS, error_line, run_train
 
 from grpo_accel.app.report import atomic_write_text
 from grpo_accel.app.runner import main_guarded

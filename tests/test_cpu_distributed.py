@@ -46,7 +46,7 @@ def test_several_machines_keep_gloos_choice(monkeypatch):
 
 def test_deepspeed_backend_comes_up_without_the_shm_op(tmp_path):
     pytest.importorskip("deepspeed")
-    from launch_utils import child_env, free_port, run_process_group
+    from support.launch import child_env, free_port, run_process_group
 
     env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                     WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))

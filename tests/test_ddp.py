@@ -10,12 +10,12 @@ import json
 import os
 
 import pytest
-from launch_utils import DDP_YAML, TINY_ARGS, run_train
+from support.launch import DDP_YAML, TINY_ARGS, run_train
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 ACCELERATE = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
 ARGS = [*TINY_ARGS, "--per_device_train_batch_size", "4", "--eval_size", "2", "--eval_max_new_tokens", "4",
-        "--rewards", "rewards_for_tests:length_reward_noting_rank"]
+        "--rewards", "support.rewards:length_reward_noting_rank"]
 
 
 def launch(tmp_path, name, *extra):

@@ -7,12 +7,12 @@ import math
 import os
 
 import pytest
-from launch_utils import ROOT, run_train
+from support.launch import ROOT, run_train
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 ACCELERATE = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
 COMMON = ["--eval_size", "2", "--eval_max_new_tokens", "4", "--max_steps", "2", "--save_steps", "100",
-          "--rewards", "rewards_for_tests:length_reward", "--gradient_checkpointing", "true"]
+          "--rewards", "support.rewards:length_reward", "--gradient_checkpointing", "true"]
 
 
 _LAUNCHED = {}  # (stage, offload, impl) -> (rows, result): a launch shared by the tests that compare with it

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_utils import ROOT, child_env
+from support.launch import ROOT, child_env
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpu_campaign as gc  # noqa: E402
@@ -139,7 +139,6 @@ def test_every_row_has_a_shape_its_script_writes_and_a_limit_under_a_loan():
             assert bench_step_memory._shape(args, s["completion_length"]).startswith(row.shape_prefix(False))
 
 
-@pytest.mark.slow
 @pytest.mark.long  # one --cpu-check: 2 min 53 s on 2 busy cores (issue 35): make test-distributed
 def test_cpu_check_twice_runs_every_script_then_skips_every_row(tmp_path):
     results = tmp_path / "results"

@@ -10,10 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from launch_utils import ROOT, child_env
+from support.launch import ROOT, child_env
 
 
-@pytest.mark.slow
 @pytest.mark.long  # the benchmark script end to end (41 s): make test-distributed, as bench_step_memory
 def test_gpu_presets_cpu_check_writes_the_csv(tmp_path):
     csv_path = tmp_path / "presets.csv"

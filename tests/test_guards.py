@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from launch_utils import ROOT, run_train
 from peft import LoraConfig
-from rewards_for_tests import length_reward
+from support.launch import ROOT, run_train
+from support.rewards import length_reward
 
 from grpo_accel.data.datasets import arithmetic_dataset
 from grpo_accel.data.models import load_model
@@ -87,14 +87,13 @@ def test_deepspeed_guard_counts_skips_and_waits_out_fp16_calibration():
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_deepspeed_skips_count_and_stop_naming_last_good_checkpoint(tmp_path):
     """2-process ZeRO-2 over gloo: steps 3 and 4 are NaN. DeepSpeed's optimizer skips them itself; the skips show in
     the logged metrics and 2 in a row stop the run with NonFiniteStepsError naming checkpoint-2 (never a later one)."""
     out = tmp_path / "zero2-nan"
     config = os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml")
     result = run_train(["--eval_size", "0", "--max_steps", "6", "--save_steps", "2", "--logging_steps", "1",
-                        "--max_nonfinite_steps", "2", "--rewards", "nonfinite_for_tests:length_then_nan",
+                        "--max_nonfinite_steps", "2", "--rewards", "support.nonfinite:length_then_nan",
                         "--output_dir", str(out)],
                        launcher=[ACCELERATE, "launch", "--config_file", config], timeout=400, NAN_FROM_STEP="3")
     assert result.returncode != 0

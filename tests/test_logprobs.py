@@ -8,54 +8,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from support.compare import rel_max
+from support.logprob_inputs import H, N, V, grads_out, make_inputs, reference64, run
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_accel.ops.logprobs import chunked_logprobs, logprobs_reference, plan_blocks
 from grpo_accel.ops.select import token_logprobs
-
-N, H, V = 37, 24, 101  # odd on purpose: no tile divides V
-
-
-def make_inputs(n=N, h=H, v=V, dtype=torch.float32, seed=0, mask_every=5, scale=1.5):
-    """Logits with std ~ scale * sqrt(H) ~ 7: softcap 5 bends them, temperature 0.7 sharpens them."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = (torch.randn(n, h, generator=g) * scale).to(dtype)
-    weight = torch.randn(v, h, generator=g).to(dtype)
-    targets = torch.randint(0, v, (n,), generator=g)
-    if mask_every:
-        targets[::mask_every] = -100
-    return hidden, weight, targets
-
-
-def rel_err(a, b):
-    """max |a - b| / max |b|, in fp64."""
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-
-
-def run(fn, hidden, weight, targets, g_lp, g_ent, **kw):
-    """Forward + backward with random output grads; returns (logp, entropy, d hidden, d weight)."""
-    h = hidden.detach().clone().requires_grad_()
-    w = weight.detach().clone().requires_grad_()
-    logp, ent = fn(h, w, targets, **kw)
-    loss = (logp * g_lp.to(logp.dtype)).sum()
-    if g_ent is not None:
-        loss = loss + (ent * g_ent.to(ent.dtype)).sum()
-    loss.backward()
-    return logp, ent, h.grad, w.grad
-
-
-def reference64(hidden, weight, targets, g_lp, g_ent, temperature=1.0, softcap=None):
-    def ref(h, w, t, **_):
-        return logprobs_reference(h, w, t, temperature, softcap)
-
-    return run(ref, hidden.double(), weight.double(), targets, g_lp.double(),
-               None if g_ent is None else g_ent.double())
-
-
-def grads_out(n=N, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g), torch.randn(n, generator=g)
 
 
 def test_reference_matches_torch_builtins():
@@ -86,7 +44,7 @@ def test_chunked_fp32_matches_fp64_reference(temperature, softcap, chunk_size, v
     rl, re, rdh, rdw = reference64(hidden, weight, targets, g_lp, g_ent, temperature, softcap)
     assert logp.dtype == ent.dtype == torch.float32 and dh.dtype == dw.dtype == torch.float32
     for ours, ref in ((logp, rl), (ent, re), (dh, rdh), (dw, rdw)):
-        assert rel_err(ours, ref) < 1e-5
+        assert rel_max(ours, ref) < 1e-5
     assert (logp[targets == -100] == 0).all() and (ent[targets == -100] == 0).all()
     assert (dh[targets == -100] == 0).all()
 
@@ -107,7 +65,7 @@ def test_partial_output_grads(use_logp, use_ent):
     loss_of(chunked_logprobs, h, w).backward()
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     loss_of(lambda *a, **k: logprobs_reference(*a[:3], k["temperature"], k["softcap"]), h64, w64).backward()
-    assert rel_err(h.grad, h64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5
+    assert rel_max(h.grad, h64.grad) < 1e-5 and rel_max(w.grad, w64.grad) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -131,7 +89,7 @@ def test_half_inputs_no_worse_than_plain_torch(dtype):
     ref = reference64(hidden, weight, targets, g_lp, g_ent, **kw)
     assert ours[0].dtype == torch.float32 and ours[2].dtype == ours[3].dtype == dtype
     for name, o, p, r in zip(("logp", "entropy", "d hidden", "d weight"), ours, torch_path, ref):
-        assert rel_err(o, r) <= 2 * rel_err(p, r) + 1e-6, name
+        assert rel_max(o, r) <= 2 * rel_max(p, r) + 1e-6, name
 
 
 def test_mixed_dtypes_and_autocast():
@@ -142,7 +100,7 @@ def test_mixed_dtypes_and_autocast():
     ours = run(chunked_logprobs, hidden.bfloat16(), weight, targets, g_lp, g_ent, compute_entropy=True)
     ref = reference64(hidden.bfloat16(), weight, targets, g_lp, g_ent)
     assert ours[2].dtype == torch.bfloat16 and ours[3].dtype == torch.float32
-    assert rel_err(ours[0], ref[0]) < 1e-5 and rel_err(ours[3], ref[3]) < 1e-5
+    assert rel_max(ours[0], ref[0]) < 1e-5 and rel_max(ours[3], ref[3]) < 1e-5
 
     def autocast_fn(*a, **k):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -176,7 +134,7 @@ def test_non_contiguous_hidden(layout):
     ((logp * g_lp).sum() + (ent * g_ent).sum()).backward()
     rl, re, rdh, rdw = reference64(hidden, weight, targets, g_lp, g_ent, 0.7)
     for ours, ref in ((logp, rl), (ent, re), (view_of(base.grad), rdh), (w.grad, rdw)):
-        assert rel_err(ours, ref) < 1e-5
+        assert rel_max(ours, ref) < 1e-5
 
 
 def test_gradcheck_fp64():
@@ -203,7 +161,7 @@ def test_tied_embeddings_accumulate_both_grads():
         logp, _ = fn(hidden, emb.weight, targets)
         logp.sum().backward()
         grads[name] = emb.weight.grad.clone()
-    assert rel_err(grads["ours"], grads["ref"]) < 1e-5
+    assert rel_max(grads["ours"], grads["ref"]) < 1e-5
 
 
 def test_weight_ctx_wraps_the_backward_recompute():
@@ -226,7 +184,7 @@ def test_weight_ctx_wraps_the_backward_recompute():
     assert events == ["enter", "exit"]
     h64 = hidden.double().requires_grad_()
     logprobs_reference(h64, weight.double(), targets)[0].sum().backward()
-    assert rel_err(h.grad, h64.grad) < 1e-5
+    assert rel_max(h.grad, h64.grad) < 1e-5
 
 
 def test_frozen_weight_only_hidden_grad():
@@ -236,7 +194,7 @@ def test_frozen_weight_only_hidden_grad():
     logp.sum().backward()
     h64 = hidden.double().requires_grad_()
     logprobs_reference(h64, weight.double(), targets, softcap=5.0)[0].sum().backward()
-    assert weight.grad is None and rel_err(h.grad, h64.grad) < 1e-5
+    assert weight.grad is None and rel_max(h.grad, h64.grad) < 1e-5
 
 
 @pytest.mark.gpu
@@ -265,7 +223,7 @@ def test_cuda_half_one_chunk_and_many_vs_fp64(impl, dtype):
                    compute_entropy=True, chunk_size=chunk_size, **kw)
         assert ours[2].dtype == ours[3].dtype == dtype
         for name, o, p, r in zip(("logp", "entropy", "d hidden", "d weight"), ours, torch_path, ref):
-            assert rel_err(o, r) <= 2 * rel_err(p, r) + 1e-6, (name, chunk_size)
+            assert rel_max(o, r) <= 2 * rel_max(p, r) + 1e-6, (name, chunk_size)
 
 
 def test_all_tokens_masked():
@@ -303,7 +261,7 @@ def test_dispatcher_leading_dims_and_impls():
            for impl in ("auto", "chunked", "reference")}
     assert out["auto"][0].shape == (2, 18) and out["auto"][1].shape == (2, 18)
     assert torch.equal(out["auto"][0], out["chunked"][0])  # auto is chunked on CPU
-    assert rel_err(out["chunked"][0], out["reference"][0]) < 1e-5
+    assert rel_max(out["chunked"][0], out["reference"][0]) < 1e-5
     assert token_logprobs(h3, weight, t3)[1] is None
 
 

@@ -39,7 +39,8 @@ try:
 finally:
     _set_interpret(_prev)  # the flag must not leak into other tests or the subprocesses they start
 
-from test_logprobs import H, grads_out, make_inputs, reference64, rel_err, run  # noqa: E402
+from support.compare import rel_max  # noqa: E402
+from support.logprob_inputs import H, grads_out, make_inputs, reference64, run  # noqa: E402
 
 from grpo_accel.ops.logprobs import chunked_logprobs  # noqa: E402
 from grpo_accel.ops.select import token_logprobs  # noqa: E402
@@ -76,7 +77,7 @@ def test_triton_fp32_matches_fp64_reference(temperature, softcap, chunk_size, vo
     ref = reference64(hidden.cpu(), weight.cpu(), targets.cpu(), g_lp.cpu(), g_ent.cpu(), temperature, softcap)
     assert logp.dtype == torch.float32 and dh.dtype == torch.float32
     for ours, r in zip((logp, ent, dh, dw), ref):
-        assert rel_err(ours.cpu(), r) < 1e-5
+        assert rel_max(ours.cpu(), r) < 1e-5
     assert (logp[targets == -100] == 0).all() and (dh[targets == -100] == 0).all()
 
 
@@ -94,7 +95,7 @@ def test_triton_logp_grad_only_and_bf16():
     assert ours[2].dtype == ours[3].dtype == torch.bfloat16
     for o, c, r in zip(ours, chunked, ref):
         # the chunked path is within 2x plain torch bf16 (test_logprobs); Triton must match its error
-        assert rel_err(o.cpu(), r) <= 2 * rel_err(c.cpu(), r) + 1e-6
+        assert rel_max(o.cpu(), r) <= 2 * rel_max(c.cpu(), r) + 1e-6
 
 
 @in_process
@@ -104,7 +105,7 @@ def test_triton_fp64_and_dispatcher():
     logp, ent = token_logprobs(h3, weight, t3, impl="triton", softcap=5.0, compute_entropy=True)
     rl, re = token_logprobs(h3, weight, t3, impl="reference", softcap=5.0, compute_entropy=True)
     assert logp.shape == (3, 4) and logp.dtype == torch.float64
-    assert rel_err(logp, rl) < 1e-12 and rel_err(ent, re) < 1e-12
+    assert rel_max(logp, rl) < 1e-12 and rel_max(ent, re) < 1e-12
 
 
 @in_process
@@ -117,7 +118,7 @@ def test_triton_bf16_gpu_larger():
     ours = run(lt.triton_logprobs, hidden, weight, targets, g_lp, g_ent, **kw)
     chunked = run(chunked_logprobs, hidden, weight, targets, g_lp, g_ent, **kw)
     for o, c in zip(ours, chunked):
-        assert rel_err(o, c) < 1e-2
+        assert rel_max(o, c) < 1e-2
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="ran in process")

@@ -329,7 +329,7 @@ def _measure(batch, prompt, completion):
     return got["peak"] - got["base"]
 
 
-@pytest.mark.slow  # ~45-60 s on 2 busy cores: three subprocesses, one per completion length
+# ~45-60 s on 2 busy cores: three subprocesses, one per completion length
 @pytest.mark.long
 def test_planner_matches_measured_cpu_step():
     B, P = 2, 16

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_offload import FORCED, LAYER_BYTES, B, T, V, tiny_llama
+from support.offload_model import FORCED, LAYER_BYTES, B, T, V, tiny_llama
 
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape

@@ -12,8 +12,8 @@ stepping aside to TRL's code, which would make the comparison say nothing.
 
 import pytest
 import torch
-from rewards_for_tests import length_reward
-from test_trl_compat import NOT_COMPARED, SAVERS_ON, close
+from support.rewards import length_reward
+from support.trl_matrix import NOT_COMPARED, SAVERS_ON, close
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_accel import GRPOAccelConfig, GRPOAccelTrainer
@@ -161,8 +161,9 @@ def test_tiled_mlp_over_experts_equals_whole(model_name, peft):
     """The MoE block in tiles of 5 tokens (tiling/mlp.py) is the whole block: output, d(input) and every gradient
     (experts, router, and under LoRA PEFT's adapters on them for Qwen3-MoE) within 1e-5 relative, fp32."""
     from peft import LoraConfig, get_peft_model
-    from test_tiled_mlp import TOKENS, rel
-    from test_tiled_mlp import run as run_model
+    from support.compare import assert_rel_close, rel_norm
+    from support.mlp_model import TOKENS
+    from support.mlp_model import run as run_model
 
     from grpo_accel.tiling import mlp as tiled_mlp
 
@@ -177,10 +178,9 @@ def test_tiled_mlp_over_experts_equals_whole(model_name, peft):
     model = build()
     assert tiled_mlp.install(model, TOKENS) == 2  # both decoder layers' MoE blocks
     out, d_emb, grads = run_model(model)
-    assert rel(out, ref[0]) <= 1e-5 and rel(d_emb, ref[1]) <= 1e-5
+    assert rel_norm(out, ref[0]) <= 1e-5 and rel_norm(d_emb, ref[1]) <= 1e-5
     assert grads.keys() == ref[2].keys() and any("experts" in n for n in grads) == (not peft or "qwen3" in model_name)
-    for name, g in grads.items():
-        assert rel(g, ref[2][name]) <= 1e-5, name
+    assert_rel_close(ref[2], grads, 1e-5)
 
 
 def test_mxfp4_checkpoints_load_dequantized_and_refuse_bitsandbytes():

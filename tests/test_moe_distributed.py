@@ -9,12 +9,12 @@ import csv
 import os
 
 import pytest
-from launch_utils import DDP_YAML, ROOT, run_train
+from support.launch import DDP_YAML, ROOT, run_train
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 ACCELERATE = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
 COMMON = ["--eval_size", "2", "--eval_max_new_tokens", "4", "--max_steps", "2", "--save_steps", "100",
-          "--rewards", "rewards_for_tests:length_reward", "--gradient_checkpointing", "true"]
+          "--rewards", "support.rewards:length_reward", "--gradient_checkpointing", "true"]
 OURS = ["--logprob_impl", "auto", "--padding_free", "true", "--share_prompt", "true"]
 TRLS = ["--logprob_impl", "trl", "--padding_free", "false", "--share_prompt", "false"]
 

@@ -10,7 +10,7 @@ import os
 import re
 
 import pytest
-from launch_utils import ROOT, TINY_ARGS, assert_user_error, error_line, run_train, train, train_script
+from support.launch import ROOT, TINY_ARGS, assert_user_error, error_line, run_train, train, train_script
 
 
 # 1. hub ids with dots reach the hub; a file is not "missing"
@@ -44,11 +44,11 @@ def test_bad_flag_is_one_line_naming_the_flag(flag, value, pattern, tmp_path, ca
 
 
 @pytest.mark.parametrize("reward, pattern", [
-    ("rewards_for_tests:broken_reward", r"'broken_reward' raised KeyError"),
-    ("rewards_for_tests:none_reward", r"got no reward from any of \['none_reward'\].*--reward_checks trl"),
-    ("rewards_for_tests:wrong_count_reward", r"returned 1 rewards for 8 completions"),
-    ("rewards_for_tests:nan_reward", r"returned non-finite rewards"),
-    ("rewards_for_tests:NOT_CALLABLE", r"is a int, not a function"),
+    ("support.rewards:broken_reward", r"'broken_reward' raised KeyError"),
+    ("support.rewards:none_reward", r"got no reward from any of \['none_reward'\].*--reward_checks trl"),
+    ("support.rewards:wrong_count_reward", r"returned 1 rewards for 8 completions"),
+    ("support.rewards:nan_reward", r"returned non-finite rewards"),
+    ("support.rewards:NOT_CALLABLE", r"is a int, not a function"),
 ])
 def test_bad_reward_leaves_nothing_behind(reward, pattern, tmp_path, capsys):
     out = tmp_path / "run"
@@ -110,7 +110,6 @@ def test_help_lists_config(capsys):
     assert done.value.code == 0 and "--config CONFIG" in capsys.readouterr().out
 
 
-@pytest.mark.slow
 def test_existing_run_is_refused_then_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     args = [*TINY_ARGS, "--eval_size", "0", "--max_steps", "1", "--save_steps", "1", "--output_dir", str(out)]
@@ -158,7 +157,6 @@ def test_report_steps_are_integers_and_coinciding_lines_differ():
 
 
 # 5. under accelerate launch: one error line; -q keeps accelerate's own traceback away
-@pytest.mark.slow
 def test_user_error_under_accelerate_launch(tmp_path):
     import sys
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from support.compare import assert_equal
+from support.offload_model import FORCED, LAYER_BYTES, B, H, T, V, tiny_llama
 
 from grpo_accel.offload import (
     OffloadConfig,
@@ -22,18 +24,6 @@ from grpo_accel.offload import (
     remove_activation_offload,
     resolve_offload,
 )
-
-FORCED = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0)
-B, T, H, V = 2, 16, 32, 128
-LAYER_BYTES = B * T * H * 4  # one decoder layer's input, fp32
-
-
-def tiny_llama(layers=4, dropout=0.0, seed=0, attn="sdpa"):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, attention_dropout=dropout,
-                                   attn_implementation=attn)
-    return transformers.LlamaForCausalLM(cfg).train()
 
 
 def lora(model):
@@ -56,12 +46,6 @@ def run_step(model, mode, ids):
     return loss.detach(), grads, tracker
 
 
-def assert_same_grads(ref, other):
-    assert ref.keys() == other.keys()
-    for name in ref:
-        assert torch.equal(ref[name], other[name]), name
-
-
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_full_finetune_grads_bit_identical(dropout):
@@ -70,7 +54,7 @@ def test_full_finetune_grads_bit_identical(dropout):
     for mode in ("torch", "offload"):
         loss, grads, tracker = run_step(tiny_llama(dropout=dropout), mode, ids)
         assert torch.equal(loss, loss_ref)
-        assert_same_grads(ref, grads)
+        assert_equal(ref, grads)
         if mode == "offload":  # the copies really happened, and all were freed
             assert tracker.peak["host"] == 3 * LAYER_BYTES and tracker.bytes == {"device": 0, "host": 0}
     assert len(ref) == len(list(tiny_llama().parameters()))
@@ -97,14 +81,14 @@ def test_lora_grads_bit_identical_and_install_is_sticky():
     assert ref and all("lora_" in n for n in ref)  # frozen base: only adapter grads
     assert all(g.abs().sum() > 0 for n, g in ref.items() if "lora_B" in n)
     _, grads_torch, _ = run_step(lora(tiny_llama(dropout=0.1)), "torch", ids)
-    assert_same_grads(ref, grads_torch)
+    assert_equal(ref, grads_torch)
 
     model = lora(tiny_llama(dropout=0.1))
     ckpt = install_activation_offload(model, FORCED)
     emb = model.get_base_model().model.embed_tokens
     assert not emb(ids).requires_grad  # no enable_input_require_grads: the layers' dummy input carries grads
     _, grads, tracker = run_step(model, "plain", ids)
-    assert_same_grads(ref, grads)
+    assert_equal(ref, grads)
     assert tracker.peak["host"] > 0
 
     layers = model.get_base_model().model.layers
@@ -112,7 +96,7 @@ def test_lora_grads_bit_identical_and_install_is_sticky():
     assert all(layer.gradient_checkpointing and layer._gradient_checkpointing_func is ckpt for layer in layers)
     model.zero_grad(set_to_none=True)
     _, grads, _ = run_step(model, "plain", ids)
-    assert_same_grads(ref, grads)
+    assert_equal(ref, grads)
     assert remove_activation_offload(model) and not remove_activation_offload(model)
     assert not any(layer.gradient_checkpointing for layer in layers)
     assert all("_gradient_checkpointing_func" not in layer.__dict__ for layer in layers)
@@ -256,10 +240,10 @@ def test_grouped_recompute_stays_whole_where_it_would_be_wrong(monkeypatch):
     ids = torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(6))
     ref, _ = backward_peak(tiny_llama(dropout=0.2), ids)
     grads, _ = backward_peak(tiny_llama(dropout=0.2), ids, GROUPED)
-    assert_same_grads(ref, grads)
+    assert_equal(ref, grads)
     big = OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, recompute_tokens=4 * T)
     ref, _ = backward_peak(tiny_llama(), ids)
-    assert_same_grads(ref, backward_peak(tiny_llama(), ids, big)[0])
+    assert_equal(ref, backward_peak(tiny_llama(), ids, big)[0])
     assert not calls
 
 
@@ -424,7 +408,6 @@ print("ZERO3_OK")
 """
 
 
-@pytest.mark.slow
 def test_zero3_param_hooks_fire_in_the_recompute(tmp_path):
     """ZeRO-3 gathers each parameter in a forward pre-hook and frees it after: the recompute in our
     backward must re-gather (it calls the submodules again), or shapes break. One process over gloo,
@@ -432,7 +415,7 @@ def test_zero3_param_hooks_fire_in_the_recompute(tmp_path):
     import os
     import sys
 
-    from launch_utils import free_port, run_process_group
+    from support.launch import free_port, run_process_group
 
     pytest.importorskip("deepspeed")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
@@ -486,4 +469,4 @@ def test_autocast_state_replayed_in_recompute(mode, dtype):
                                                                   use_reentrant=True))
     else:
         install_activation_offload(model, FORCED)
-    assert_same_grads(ref, step(model))
+    assert_equal(ref, step(model))

@@ -15,9 +15,10 @@ import sys
 
 import pytest
 import torch
-from launch_utils import ROOT, child_env, free_port, run_process_group
+from support.compare import assert_allclose, rel_norm
+from support.launch import ROOT, WORKERS, child_env, free_port, run_process_group
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 
 RUNS = ["zero2:grouped", "zero2:tiled", "zero2:several", "ddp:several", "ddp:tiled", "zero3:grouped", "zero3:tiled",
         "zero3:several", "zero2:lora", "ddp:lora", "zero3:lora", "zero2:bf16", "ddp:bf16", "ddp:fp16", "zero3:bf16"]
@@ -26,7 +27,7 @@ RUNS = ["zero2:grouped", "zero2:tiled", "zero2:several", "ddp:several", "ddp:til
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero") / "grads.pt"
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "zero_rerun_worker.py"), "--runs", ",".join(RUNS),
+    cmd = [sys.executable, os.path.join(WORKERS, "zero_rerun_worker.py"), "--runs", ",".join(RUNS),
            "--out", str(out), "--port", str(free_port())]
     proc = run_process_group(cmd, 300, cwd=ROOT, env=child_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -37,7 +38,7 @@ def assert_same_grads(got, ref):
     assert got.keys() == ref.keys()
     for name, g in ref.items():
         assert g is not None and g.norm() > 0, name
-        assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-5 * g.abs().max().item()), name
+        assert_allclose(got[name], g, rtol=1e-5, atol=1e-5 * g.abs().max().item(), msg=name)
 
 
 def test_pieces_under_zero_give_one_process_grads(result):
@@ -72,9 +73,9 @@ def test_half_precision_grads_equal_one_process_within_its_rounding(result, run)
     ref, got = result[run]["reference"], result[run]["grads"]
     assert got.keys() == ref["grads"].keys()
     for name, g in ref["grads"].items():
-        half_err = ((g - ref["fp32"][name]).norm() / ref["fp32"][name].norm()).item()
+        half_err = rel_norm(g, ref["fp32"][name])
         assert 0 < half_err < 0.1, (name, half_err)  # really half precision, and close to fp32
-        assert ((got[name] - g).norm() / g.norm()).item() <= 2 * half_err, name
+        assert rel_norm(got[name], g) <= 2 * half_err, name
 
 
 @pytest.mark.gpu
@@ -86,7 +87,7 @@ def test_zero_fp16_on_a_gpu_equals_one_process_within_its_rounding(tmp_path):
         pytest.skip("needs a CUDA device (DeepSpeed fp16)")
     world = min(2, torch.cuda.device_count())
     out = tmp_path / "fp16.pt"
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "zero_rerun_worker.py"), "--world", str(world),
+    cmd = [sys.executable, os.path.join(WORKERS, "zero_rerun_worker.py"), "--world", str(world),
            "--runs", "zero2:fp16,zero3:fp16", "--out", str(out), "--port", str(free_port())]
     proc = run_process_group(cmd, 300, cwd=ROOT, env=child_env(ZERO_RERUN_DEVICE="cuda"))
     assert proc.returncode == 0, proc.stderr[-4000:]

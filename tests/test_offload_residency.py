@@ -9,7 +9,8 @@ import dataclasses
 
 import pytest
 import torch
-from test_offload import FORCED, LAYER_BYTES, B, T, V, tiny_llama
+from support.compare import assert_equal
+from support.offload_model import FORCED, LAYER_BYTES, B, T, V, tiny_llama
 
 from grpo_accel.offload import SavedActivationTracker, install_activation_offload
 from grpo_accel.offload.residency import HostMemoryError, check_host_memory, host_available_bytes
@@ -41,8 +42,7 @@ def test_device_budget_keeps_the_first_inputs_and_grads_are_identical():
     grads, [(fwd, bwd)], stash = run(kept)
     assert fwd == {"device": 3 * LAYER_BYTES, "host": (L - 3) * LAYER_BYTES}  # 2 kept + the newest
     assert bwd["host"] == (L - 3) * LAYER_BYTES and stash.host_bytes == 0
-    for n in ref:
-        assert torch.equal(ref[n], grads[n]), n
+    assert_equal(ref, grads)
 
 
 def test_host_budget_raises_naming_the_fix_and_the_device_budget_relieves_it():
@@ -77,8 +77,7 @@ def test_reloads_reuse_two_pooled_buffers_across_layers_and_steps():
     assert stash.pool.allocated == 2  # double buffer: 5 reloads per step, 3 steps, 2 allocations
     assert stash.pool.free_bytes == 2 * LAYER_BYTES
     assert all(bwd["device"] == 2 * LAYER_BYTES for _, bwd in peaks)
-    for n in ref:
-        assert torch.equal(ref[n], grads[n]), n
+    assert_equal(ref, grads)
 
 
 def test_check_host_memory():

@@ -16,8 +16,8 @@ import math
 import datasets
 import pytest
 import torch
-from launch_utils import TINY_ARGS, assert_user_error, train
-from rewards_for_tests import code_reward, math_reward, never_applies, scaled_length
+from support.launch import TINY_ARGS, assert_user_error, train
+from support.rewards import code_reward, math_reward, never_applies, scaled_length
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_accel.data.models import build_tiny_model, load_tokenizer
@@ -108,8 +108,8 @@ def test_chat_prompts_with_columns_multi_task_and_held_out_split(tmp_path, capsy
     out = tmp_path / "run"
     # 3 steps: never_applies is None for 3 batches in a row, where the old strict check stopped the run
     ours, logged = launch(["--dataset", str(data), "--system_prompt", SYSTEM, "--train_size", "16", "--max_steps", "3",
-                           "--rewards", "rewards_for_tests:math_reward,rewards_for_tests:code_reward,"
-                           "rewards_for_tests:never_applies"], out, capsys)
+                           "--rewards", "support.rewards:math_reward,support.rewards:code_reward,"
+                           "support.rewards:never_applies"], out, capsys)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["before"]["rows_scored"] == 3 and math.isfinite(summary["after"]["reward_mean"])
     assert "held-out reward before: mean" in logged
@@ -137,7 +137,7 @@ def test_text_prompts_reward_model_and_weights(tmp_path, capsys):
     datasets.Dataset.from_list(rows[:2]).to_parquet(str(data / "test.parquet"))
     out = tmp_path / "run"
     ours, logged = launch(["--dataset", str(data), "--train_size", "16",
-                           "--rewards", f"{reward_model},rewards_for_tests:scaled_length",
+                           "--rewards", f"{reward_model},support.rewards:scaled_length",
                            "--reward_weights", "0.5", "2.0"], out, capsys)
     held_out = json.loads((out / "heldout_before.json").read_text())
     assert [r["prompt"] for r in held_out] == [r["prompt"] for r in rows[:2]]

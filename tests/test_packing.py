@@ -12,81 +12,12 @@ import os
 
 import pytest
 import torch
-from launch_utils import ROOT, TINY_ARGS, run_train
-from peft import LoraConfig
-from rewards_for_tests import length_reward
+from support.compare import assert_rel_close, rel_norm
+from support.launch import ROOT, TINY_ARGS, run_train
+from support.trainers import ROWS, K, count_packed_forwards, make_trainer, run_hook, unequal_batch
 
-from grpo_accel.data.datasets import arithmetic_dataset
-from grpo_accel.data.models import load_model
 from grpo_accel.parallel.packing import pack_rows, plan_micro_batches, split_to_count, unpack
 from grpo_accel.tiling.attention import segments_of
-from grpo_accel.trainer.config import GRPOAccelConfig
-from grpo_accel.trainer.trainer import GRPOAccelTrainer
-
-ROWS, K = 8, 10  # rows of the batch, max completion tokens
-
-
-def make_trainer(tmp_path, model_name="tiny-llama", peft=True, attn=None, **overrides):
-    torch.manual_seed(0)
-    model, tokenizer = load_model(model_name)
-    if attn:
-        model.set_attn_implementation(attn)
-    overrides.setdefault("logprob_impl", "chunked")
-    args = GRPOAccelConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=ROWS, num_generations=4,
-                           max_completion_length=K, report_to="none", seed=0, beta=0.04 if peft else 0.0,
-                           logging_steps=1, max_steps=1, **overrides)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]) if peft else None
-    return GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
-                            train_dataset=arithmetic_dataset("train", 8), peft_config=lora)
-
-
-def unequal_batch(trainer):
-    """A real generated batch, re-masked: completion lengths from 1 token to K, prompts left-padded unequally
-    (the one with the longest prompt keeps it whole)."""
-    torch.manual_seed(1)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    inputs = trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(ROWS)])
-    completion_lengths = torch.tensor([1, K, 2, 7, K, 1, 5, 3])
-    cols = torch.arange(inputs["completion_ids"].size(1))
-    assert inputs["completion_ids"].size(1) == K, "pad completions to K: the test needs a full-length one"
-    inputs["completion_mask"] = (cols[None] < completion_lengths[:, None]).long()
-    prompt_mask = inputs["prompt_mask"].clone()
-    P = prompt_mask.size(1)
-    for row, drop in enumerate([0, 3, 1, 5, 0, 2, 4, 6]):  # extra left padding per row
-        first = int(prompt_mask[row].argmax())
-        prompt_mask[row, : min(first + drop, P - 1)] = 0
-    inputs["prompt_mask"] = prompt_mask
-    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
-    return inputs
-
-
-def run_hook(trainer, inputs, padding_free):
-    trainer.padding_free = padding_free
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    with torch.no_grad():
-        lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, K, compute_entropy=True)
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, inputs)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return lp, ent, loss.detach(), grads
-
-
-def count_packed_forwards(trainer, monkeypatch):
-    """Counts the model forwards that receive one packed row ([1, N], position ids, no attention mask)."""
-    calls = []
-    real = type(trainer.model).__call__
-
-    def spy(self, *a, **kw):
-        if kw.get("position_ids") is not None and kw.get("attention_mask") is None and (
-                "accel_labels" in kw or kw.get("fused_lm_head")):
-            calls.append(kw["input_ids"].shape)
-        return real(self, *a, **kw)
-
-    monkeypatch.setattr(type(trainer.model), "__call__", spy)
-    return calls
 
 
 def assert_same(packed, padded, valid):
@@ -96,9 +27,7 @@ def assert_same(packed, padded, valid):
     assert (lp[~valid] == 0).all() and (ent[~valid] == 0).all()
     torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-7)
     assert grads.keys() == grads0.keys() and grads
-    for name, g in grads.items():
-        rel = ((g - grads0[name]).norm() / grads0[name].norm().clamp(min=1e-30)).item()
-        assert rel <= 1e-5, f"{name}: relative gradient error {rel:.2e}"
+    assert_rel_close(grads0, grads, 1e-5, floor=1e-30)
 
 
 @pytest.mark.parametrize("model_name,peft,loss_type,impl", [
@@ -108,7 +37,7 @@ def assert_same(packed, padded, valid):
 ])
 def test_packed_equals_padded(tmp_path, monkeypatch, model_name, peft, loss_type, impl):
     """impl="trl": TRL's own fused head on the packed rows, against TRL's own hook on the padded ones."""
-    trainer = make_trainer(tmp_path, model_name, peft, loss_type=loss_type, logprob_impl=impl)
+    trainer = make_trainer(tmp_path, model_name, peft=peft, loss_type=loss_type, logprob_impl=impl)
     assert trainer.logprob_impl == impl
     assert trainer.padding_free
     inputs = unequal_batch(trainer)
@@ -254,13 +183,12 @@ def test_unsupported_falls_back_with_one_line(tmp_path, capsys, impl):
     assert len(lines) == 1 and "falls back to padded rows" in lines[0] and reason in lines[0], lines
 
 
-@pytest.mark.slow
 def test_launch_padding_free_true_and_false_log_the_same_loss(tmp_path):
     runs = {}
     for flag in ("true", "false"):
         out = tmp_path / flag
         result = run_train([*TINY_ARGS, "--output_dir", str(out), "--eval_size", "0", "--seed", "3",
-                            "--padding_free", flag, "--rewards", "rewards_for_tests:length_reward"])
+                            "--padding_free", flag, "--rewards", "support.rewards:length_reward"])
         assert result.returncode == 0, result.stderr[-3000:]
         assert ("padding_free: log-prob passes run on packed rows" in result.stdout) == (flag == "true")
         runs[flag] = list(csv.DictReader(open(out / "metrics.csv")))
@@ -271,7 +199,6 @@ def test_launch_padding_free_true_and_false_log_the_same_loss(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_two_processes_packed_matches_padded(tmp_path, stage):
     """DeepSpeed ZeRO-2 / ZeRO-3 over gloo, 2 processes: the hook sees the engine (not the model), and with a budget
@@ -285,7 +212,7 @@ def test_zero_two_processes_packed_matches_padded(tmp_path, stage):
         out = tmp_path / flag
         result = run_train([*TINY_ARGS, "--output_dir", str(out), "--eval_size", "0", "--seed", "3",
                             "--padding_free", flag, "--logprob_token_budget", "110", "--gradient_checkpointing",
-                            "true", "--rewards", "rewards_for_tests:length_reward"],
+                            "true", "--rewards", "support.rewards:length_reward"],
                            launcher=[accelerate, "launch", "--config_file", config], timeout=400)
         assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
         runs[flag] = list(csv.DictReader(open(out / "metrics.csv")))
@@ -315,7 +242,7 @@ def test_packed_bf16_error_is_the_padded_paths(tmp_path, monkeypatch, dtype):
     exact = run_hook(trainer, inputs, padding_free=False)
 
     def err(a, b):
-        return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+        return rel_norm(a, b, floor=1e-30)
 
     errors = {"logps": (err(packed[0][valid], exact[0][valid]), err(padded[0][valid], exact[0][valid])),
               "loss": (err(packed[2], exact[2]), err(padded[2], exact[2]))}

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import torch
-from launch_utils import ROOT, child_env
 from peft import LoraConfig
-from rewards_for_tests import length_reward
+from support.launch import ROOT, child_env
+from support.rewards import length_reward
 
 from grpo_accel.data.datasets import arithmetic_dataset
 from grpo_accel.data.models import load_model

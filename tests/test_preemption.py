@@ -13,12 +13,12 @@ import sys
 import time
 
 import pytest
-from launch_utils import ROOT, TINY_ARGS, child_env, run_train
 from peft import LoraConfig
+from support.launch import ROOT, TINY_ARGS, child_env, run_train
 from transformers import TrainerCallback
 
 ARGS = [*TINY_ARGS, "--max_steps", "6", "--save_steps", "2", "--eval_size", "0", "--save_total_limit", "3",
-        "--rewards", "rewards_for_tests:length_reward"]
+        "--rewards", "support.rewards:length_reward"]
 KEYS = ("loss", "reward", "grad_norm", "completions/mean_length")
 
 
@@ -29,7 +29,7 @@ def rows(out):
 def test_sigterm_mid_step_finishes_it_saves_and_stops(tmp_path):
     """In-process: a SIGTERM during step 2's generation; step 2 completes, checkpoint-2 is complete, training stops,
     and the process's own SIGTERM handler is back once train() returns."""
-    from rewards_for_tests import length_reward
+    from support.rewards import length_reward
 
     from grpo_accel.data.datasets import arithmetic_dataset
     from grpo_accel.data.models import load_model
@@ -103,7 +103,6 @@ def sigterm_after(cmd, checkpoint_state, env, timeout=300):
     return proc.returncode, stdout, stderr
 
 
-@pytest.mark.slow
 def test_sigterm_then_resume_matches_uninterrupted(tmp_path):
     full = tmp_path / "full"
     done = run_train([*ARGS, "--output_dir", str(full)])
@@ -133,14 +132,13 @@ def test_sigterm_then_resume_matches_uninterrupted(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_sigterm_to_a_two_process_deepspeed_launch(tmp_path):
     """`accelerate launch` (2 processes, ZeRO-2 over gloo) gets SIGTERM as a scheduler sends it: torch's agent forwards
     it to both ranks, which agree on the step, save every rank's files into one checkpoint and leave before the
     agent's SIGKILL; the launch resumed from it logs what an uninterrupted launch logs."""
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     launcher = [accelerate, "launch", "--config_file", os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml")]
-    args = ["--eval_size", "0", "--max_steps", "6", "--save_steps", "2", "--rewards", "rewards_for_tests:length_reward"]
+    args = ["--eval_size", "0", "--max_steps", "6", "--save_steps", "2", "--rewards", "support.rewards:length_reward"]
     full = tmp_path / "full"
     done = run_train([*args, "--output_dir", str(full)], launcher=launcher, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -169,7 +167,6 @@ def test_sigterm_to_a_two_process_deepspeed_launch(tmp_path):
             assert float(b[step][key]) == pytest.approx(float(a[step][key]), rel=1e-5, abs=1e-8), (step, key)
 
 
-@pytest.mark.slow
 def test_sigterm_to_a_one_process_accelerate_launch_reaches_the_trainer(tmp_path):
     """accelerate's one-process launcher has no SIGTERM handler: it dies at once. The trainer asked the kernel for
     SIGTERM on its parent's death (PR_SET_PDEATHSIG), so it still finishes its step, saves and says how to resume."""

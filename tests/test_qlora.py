@@ -14,15 +14,11 @@ Two things are set on every trainer here, and why:
 
 import pytest
 import torch
-from peft import LoraConfig
-from rewards_for_tests import length_reward
-from test_packing import ROWS, K, count_packed_forwards, run_hook, unequal_batch
+from support.compare import assert_rel_close, rel_norm
+from support.trainers import K, count_packed_forwards, qlora_trainer, run_hook, unequal_batch
 from trl import GRPOTrainer
 
-from grpo_accel.data.datasets import arithmetic_dataset
 from grpo_accel.data.models import load_model
-from grpo_accel.trainer.config import GRPOAccelConfig
-from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
 pytest.importorskip("bitsandbytes")
 
@@ -36,30 +32,12 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def make_trainer(tmp_path, model_dir, quantization="4bit", **overrides):
-    model, tokenizer = load_model(model_dir, quantization=quantization)
-    assert getattr(model, "is_loaded_in_4bit", False) == (quantization == "4bit")
-    overrides.setdefault("logprob_impl", "chunked")
-    args = GRPOAccelConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=ROWS, num_generations=4,
-                           max_completion_length=K, report_to="none", seed=0, beta=0.04, logging_steps=1,
-                           max_steps=1, **overrides)
-    trainer = GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
-                               train_dataset=arithmetic_dataset("train", 8),
-                               peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(7)
-    for p in (p for _, p in sorted(trainer.model.named_parameters()) if p.requires_grad):
-        p.data = torch.randn(p.shape, generator=g) * 0.1  # fp32, random A and B (see the module docstring)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, read by the loss
-    return trainer
-
-
 @pytest.fixture(scope="module")
 def batch(model_dir, tmp_path_factory):
-    """One generated batch of unequal lengths (test_packing.unequal_batch), and the savers-off runs on it (run_hook:
+    """One generated batch of unequal lengths (support.trainers.unequal_batch), and the savers-off runs on it (run_hook:
     log-probs, entropies, loss, grads) padded and packed, with the packed forwards' shapes. Every trainer here has the
     same base and adapter weights, so the batch and these references hold for each of them."""
-    trainer = make_trainer(tmp_path_factory.mktemp("batch"), model_dir)
+    trainer = qlora_trainer(tmp_path_factory.mktemp("batch"), model_dir)
     inputs = unequal_batch(trainer)
     with pytest.MonkeyPatch.context() as mp:
         packed_forwards = count_packed_forwards(trainer, mp)
@@ -75,10 +53,8 @@ def assert_same(got, ref, valid, rtol=1e-5):
     torch.testing.assert_close(ent[valid], ent0[valid], rtol=rtol, atol=1e-6)
     torch.testing.assert_close(loss, loss0, rtol=rtol, atol=1e-7)
     assert grads.keys() == ref[3].keys() and len(grads) == 2 * 7 * 2  # A, B x 7 linears x 2 layers
-    for name, g in grads.items():
-        assert g.dtype == torch.float32 and grads0[name].norm() > 0, name
-        rel = ((g - grads0[name]).norm() / grads0[name].norm()).item()
-        assert rel <= rtol, f"{name}: relative gradient error {rel:.2e}"
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    assert_rel_close(grads0, grads, rtol, nonzero=True)
 
 
 def counting(monkeypatch, owner, name):
@@ -97,7 +73,7 @@ def test_offload_matches_offload_off(tmp_path, model_dir, batch, monkeypatch, pa
     inputs, ref, _ = batch
     monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")
     row = inputs["prompt_ids"].size(1) + K
-    trainer = make_trainer(tmp_path, model_dir, offload_activations="true", gradient_checkpointing=True,
+    trainer = qlora_trainer(tmp_path, model_dir, offload_activations="true", gradient_checkpointing=True,
                            offload_recompute_tokens=2 * row)
     assert trainer.offload_enabled
     copies, groups = counting(monkeypatch, stash.StashEntry, "offload"), counting(monkeypatch, rerun, "_grouped_rerun")
@@ -114,7 +90,7 @@ def test_tiles_match_offload_off(tmp_path, model_dir, batch, monkeypatch, paddin
 
     inputs, ref, _ = batch
     monkeypatch.setenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", "1")
-    trainer = make_trainer(tmp_path, model_dir, offload_activations="true", gradient_checkpointing=True,
+    trainer = qlora_trainer(tmp_path, model_dir, offload_activations="true", gradient_checkpointing=True,
                            offload_recompute_tokens=16)
     tiles = counting(monkeypatch, tiled, "backward")
     assert_same(run_hook(trainer, inputs, padding_free), ref[padding_free], inputs["completion_mask"].bool())
@@ -135,7 +111,7 @@ def test_mini_batches_match_one_forward(tmp_path, model_dir, batch, monkeypatch,
     two rows on packed ones) vs one forward of the whole batch."""
     inputs, ref, _ = batch
     lengths = inputs["prompt_mask"].sum(1) + inputs["completion_mask"].sum(1)
-    trainer = make_trainer(tmp_path, model_dir, logprob_mini_batch=3, logprob_token_budget=2 * int(lengths.max()))
+    trainer = qlora_trainer(tmp_path, model_dir, logprob_mini_batch=3, logprob_token_budget=2 * int(lengths.max()))
     forwards = counting(monkeypatch, type(trainer.model), "__call__")
     got = run_hook(trainer, inputs, padding_free)
     assert len(forwards) >= 2 * 3, forwards  # >= 3 forwards in the no-grad pass and >= 3 in the loss's
@@ -145,7 +121,7 @@ def test_mini_batches_match_one_forward(tmp_path, model_dir, batch, monkeypatch,
 def test_fused_head_matches_trls(tmp_path, model_dir, batch, monkeypatch):
     """Our chunked head vs TRL's own hook and head, on padded rows (TRL's path as it ships)."""
     inputs, ours, _ = batch
-    trainer = make_trainer(tmp_path, model_dir, logprob_impl="trl")
+    trainer = qlora_trainer(tmp_path, model_dir, logprob_impl="trl")
     trl_hook = counting(monkeypatch, GRPOTrainer, "_get_per_token_logps_and_entropies")
     trls = run_hook(trainer, inputs, padding_free=False)
     assert trl_hook, "the reference did not run TRL's hook"
@@ -167,7 +143,7 @@ def dequantized_copy(tmp_path, model_dir, quantized):
     function in fp32, computed without bitsandbytes."""
     import bitsandbytes as bnb
 
-    trainer = make_trainer(tmp_path, model_dir, quantization="none")
+    trainer = qlora_trainer(tmp_path, model_dir, quantization="none")
     for name, m in quantized.model.named_modules():
         if isinstance(m, bnb.nn.Linear4bit):
             w = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).float()
@@ -186,7 +162,7 @@ def test_half_compute_error_is_the_unquantized_paths(tmp_path, model_dir, batch,
 
     batch, _, _ = batch
     valid = batch["completion_mask"].bool()
-    quantized = make_trainer(tmp_path / "4bit", model_dir)
+    quantized = qlora_trainer(tmp_path / "4bit", model_dir)
     plain = dequantized_copy(tmp_path / "none", model_dir, quantized)
     exact = {"4bit": run_hook(quantized, batch, padding_free=True), "none": run_hook(plain, batch, padding_free=True)}
     assert_same(exact["4bit"], exact["none"], valid)
@@ -207,10 +183,8 @@ def test_half_compute_error_is_the_unquantized_paths(tmp_path, model_dir, batch,
 
 def half_errors(half, exact, valid):
     """Relative errors of `half` vs `exact` (run_hook results): log-probs, loss, all grads, each grad."""
-    def rel(a, b):
-        return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
     names = sorted(exact[3])
     flat = lambda grads: torch.cat([grads[n].float().flatten() for n in names])
-    return {"logps": rel(half[0][valid], exact[0][valid]), "loss": rel(half[2], exact[2]),
-            "adapter grads": rel(flat(half[3]), flat(exact[3])), **{n: rel(half[3][n], exact[3][n]) for n in names}}
+    return {"logps": rel_norm(half[0][valid], exact[0][valid]), "loss": rel_norm(half[2], exact[2]),
+            "adapter grads": rel_norm(flat(half[3]), flat(exact[3])),
+            **{n: rel_norm(half[3][n], exact[3][n]) for n in names}}

@@ -9,11 +9,10 @@ import sys
 import time
 
 import pytest
-from launch_utils import ROOT, TINY_ARGS, child_env, run_train
+from support.launch import ROOT, TINY_ARGS, child_env, run_train
 
-pytestmark = pytest.mark.slow
 ARGS = [*TINY_ARGS, "--max_steps", "4", "--save_steps", "2", "--eval_size", "0", "--save_total_limit", "3",
-        "--rewards", "rewards_for_tests:length_reward"]
+        "--rewards", "support.rewards:length_reward"]
 
 
 def rows(out):

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+from support.memory import fit_slope, malloc_in_use_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -31,16 +32,6 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10), "MALLOC_TRIM_THRESHOLD_":
               "MALLOC_ARENA_MAX": "2"}
 
 
-def fit_slope(ys: list[float]) -> tuple[float, float]:
-    """Least-squares slope of ys over 0..n-1 and its standard error (per step)."""
-    n = len(ys)
-    mx, my = (n - 1) / 2, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in range(n))
-    slope = sum((x - mx) * (y - my) for x, y in zip(range(n), ys)) / sxx
-    resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(range(n), ys))
-    return slope, (resid / (n - 2) / sxx) ** 0.5
-
-
 def flatness(samples: list[int]) -> dict:
     slope, stderr = fit_slope([float(s) for s in samples[-WINDOW:]])
     noise = 3 * stderr * 100
@@ -48,23 +39,6 @@ def flatness(samples: list[int]) -> dict:
     return {"slope_mib_per_100": slope * 100 / MIB, "noise_floor_mib_per_100": noise / MIB,
             "bound_mib_per_100": bound / MIB, "bound_is": "1 MiB" if bound == BOUND_BYTES_PER_100 else "noise floor",
             "flat": slope * 100 <= bound}
-
-
-def malloc_in_use_bytes() -> int:
-    """Bytes glibc malloc has handed out and not got back (mallinfo2: heap in use + mmapped blocks). RSS alone
-    misses a leak the size of the heap's free-but-resident chunks (tens of MiB after loading a model): a 20 KiB
-    per step leak never showed in RSS over 220 steps, it does here. Python's small objects live in pymalloc's
-    own mmapped arenas, outside this count but inside RSS."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = MallInfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
 
 
 def child(steps: int, out: str, device: str, leak_bytes: int) -> None:
@@ -77,7 +51,7 @@ def child(steps: int, out: str, device: str, leak_bytes: int) -> None:
 
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
-    from rewards_for_tests import length_reward
+    from support.rewards import length_reward
 
     from grpo_accel._compat.hook_leak import input_embedding_hooks
     from grpo_accel.core.phase_memory import rss_bytes
@@ -156,7 +130,7 @@ def test_no_forward_hook_per_generation(tmp_path):
     """TRL turns checkpointing off and on around each generate(); transformers re-registers an input-embedding hook
     each time and (PEFT-wrapped) never removes it: +2 hooks per step before grpo_accel._compat.hook_leak."""
     from peft import LoraConfig
-    from rewards_for_tests import length_reward
+    from support.rewards import length_reward
     from transformers import TrainerCallback
 
     from grpo_accel._compat.hook_leak import input_embedding_hooks
@@ -182,7 +156,6 @@ def test_no_forward_hook_per_generation(tmp_path):
     assert counts == [counts[0]] * 4, counts
 
 
-@pytest.mark.slow
 @pytest.mark.long  # ~2.4 min on 2 cores
 def test_host_memory_flat_over_200_steps(tmp_path):
     reports = run_child(tmp_path, steps=200)
@@ -190,7 +163,6 @@ def test_host_memory_flat_over_200_steps(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.slow
 def test_gpu_memory_flat_over_200_steps(tmp_path):
     reports = run_child(tmp_path, steps=200, device="cuda")
     assert reports["cuda_allocated"]["flat"] and reports["rss"]["flat"], reports

@@ -6,15 +6,11 @@ against plain autograd over the same tiles drawn from the same seed); and the ML
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from support.compare import assert_rel_close, rel_norm
+from support.mlp_model import TOKENS, run
 
 from grpo_accel.data.models import load_model
 from grpo_accel.tiling import mlp as tiled_mlp
-
-TOKENS = 5
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def build(peft: bool, dropout: float = 0.0):
@@ -31,36 +27,15 @@ def build(peft: bool, dropout: float = 0.0):
     return model.train()
 
 
-def batch():
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, 200, (3, 23), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :9] = 0  # left padding, as TRL batches prompts
-    mask[2, :17] = 0
-    return ids, mask
-
-
-def run(model):
-    ids, mask = batch()
-    model.zero_grad(set_to_none=True)
-    emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-    out = model(inputs_embeds=emb, attention_mask=mask).logits
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    (out * weights).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.detach(), emb.grad, grads
-
-
 @pytest.mark.parametrize("peft", [True, False], ids=["lora", "full"])
 def test_tiled_mlp_equals_whole(peft):
     ref = run(build(peft))
     model = build(peft)
     assert tiled_mlp.install(model, TOKENS) == 2  # tiny-llama's two decoder layers
     out, d_emb, grads = run(model)
-    assert rel(out, ref[0]) <= 1e-5 and rel(d_emb, ref[1]) <= 1e-5
+    assert rel_norm(out, ref[0]) <= 1e-5 and rel_norm(d_emb, ref[1]) <= 1e-5
     assert grads.keys() == ref[2].keys() and len(grads) > 4
-    for name, g in ref[2].items():
-        assert g.norm() > 0 and rel(grads[name], g) <= 1e-5, name
+    assert_rel_close(ref[2], grads, 1e-5, nonzero=True)
 
 
 def test_tiled_mlp_replays_dropout_masks():
@@ -83,9 +58,9 @@ def test_tiled_mlp_replays_dropout_masks():
     assert tiled_mlp.install(layer, TOKENS) == 1
     got = grads(layer.mlp)
     for a, b in zip(got, ref):
-        assert rel(a, b) <= 1e-5
+        assert rel_norm(a, b) <= 1e-5
     other = grads(lambda xg: torch.cat([layer.mlp(xg[:, sl]) for sl in tiles[::-1]][::-1], 1))
-    assert rel(other[0], ref[0]) > 1e-2  # other draws, other masks: the check above can fail
+    assert rel_norm(other[0], ref[0]) > 1e-2  # other draws, other masks: the check above can fail
 
 
 def test_tiled_mlp_saves_only_its_input():

@@ -7,8 +7,8 @@ import os
 import re
 
 import pytest
-from launch_utils import TINY_ARGS, error_line, run_train
 from safetensors.torch import load_file
+from support.launch import TINY_ARGS, error_line, run_train
 
 from grpo_accel.app.tracking import read_wandb_history
 
@@ -17,7 +17,7 @@ from grpo_accel.app.tracking import read_wandb_history
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "tiny"
     result = run_train([*TINY_ARGS, "--output_dir", str(out), "--run_name", "tiny", "--report_to", "wandb",
-                        "--rewards", "rewards_for_tests:length_reward,format"])
+                        "--rewards", "support.rewards:length_reward,format"])
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result
 
@@ -83,7 +83,7 @@ def test_dataset_without_fields(tmp_path):
 
 def test_reward_that_raises_is_named(tmp_path):
     result = run_train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--eval_size", "0",
-                        "--rewards", "rewards_for_tests:broken_reward"])
+                        "--rewards", "support.rewards:broken_reward"])
     assert result.returncode == 2
     assert "reward function 'broken_reward' raised KeyError" in error_line(result.stderr)
 

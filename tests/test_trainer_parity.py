@@ -9,12 +9,10 @@ import inspect
 
 import pytest
 import torch
-from peft import LoraConfig
-from rewards_for_tests import length_reward
+from support import trainers
+from support.trainers import grads_of, one_batch
 from trl import GRPOTrainer
 
-from grpo_accel.data.datasets import arithmetic_dataset
-from grpo_accel.data.models import load_model
 from grpo_accel.trainer.config import GRPOAccelConfig
 from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
@@ -28,31 +26,9 @@ def test_trl_hook_signature_is_the_one_we_override():
     assert "_get_per_token_logps_and_entropies" in inspect.getsource(GRPOTrainer._compute_loss)
 
 
-def make_trainer(tmp_path, impl, peft=True, model_name="tiny-llama", **overrides):
-    torch.manual_seed(0)
-    model, tokenizer = load_model(model_name)
-    args = GRPOAccelConfig(output_dir=str(tmp_path / impl), per_device_train_batch_size=4, num_generations=4,
-                           max_completion_length=10, report_to="none", logprob_impl=impl, seed=0,
-                           beta=0.04 if peft else 0.0,  # full FT + beta loads a reference by hub id; tiny has none
-                           logging_steps=1, max_steps=1, **overrides)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]) if peft else None
-    return GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
-                            train_dataset=arithmetic_dataset("train", 8), peft_config=lora)
-
-
-def one_batch(trainer):
-    torch.manual_seed(1)
-    batch = [trainer.train_dataset[i] for i in range(4)]
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, read by the loss
-    return trainer._generate_and_score_completions(batch)
-
-
-def grads_of(trainer, inputs):
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, inputs)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+def make_trainer(tmp_path, impl, peft=True, **overrides):
+    """support.trainers.make_trainer with 4 rows, logprob_impl=impl, in tmp_path / impl."""
+    return trainers.make_trainer(tmp_path, peft=peft, rows=4, out=impl, logprob_impl=impl, **overrides)
 
 
 @pytest.mark.parametrize("impl", ["chunked", "triton"])

@@ -14,23 +14,17 @@ A TRL upgrade that adds a GRPOConfig field fails `test_every_grpo_config_field_i
 
 import dataclasses
 import json
-import math
 
 import pytest
 import torch
-from rewards_for_tests import length_reward
+from support.rewards import length_reward
+from support.trl_matrix import NOT_COMPARED, SAVERS_ON, close
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_accel import GRPOAccelConfig, GRPOAccelTrainer
 from grpo_accel.data.datasets import arithmetic_dataset
 from grpo_accel.data.models import build_tiny_model, load_tokenizer
 from grpo_accel.trainer import trl_compat
-
-# Ours only: every saver that runs on one CPU process, on (sequence parallelism needs several: docs/pairs.md).
-SAVERS_ON = dict(logprob_impl="chunked", padding_free=True, offload_activations="true", offload_recompute_tokens=16,
-                 share_prompt="true")
-NOT_COMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "eval_runtime",
-                "eval_samples_per_second", "eval_steps_per_second", "total_flos"}
 
 
 def digit_share(prompts, completions, **kwargs):
@@ -245,14 +239,6 @@ def run(trainer_cls, config_cls, case, out, tiny_dir):
     trainer.train()
     update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if n in before}
     return trainer, trainer.state.log_history, update
-
-
-def close(a, b) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        # abs_tol: a loss near zero is a difference of O(0.1) terms, summed in another order by another CPU's kernels
-        # (iterations_entropy: -0.00292655 vs -0.00292671 on an AMD EPYC, 2026-11-26, 1.6e-7 apart)
-        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
-    return a == b
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

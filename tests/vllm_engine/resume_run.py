@@ -79,7 +79,7 @@ def push_slope(engine, peft_model, pushes: int = 120, window: int = 100) -> floa
     over the last `window` (each push builds a LoRAModel of the whole adapter; a kept reference leaks all of it)."""
     import gc
 
-    from test_soak import fit_slope, malloc_in_use_bytes
+    from support.memory import fit_slope, malloc_in_use_bytes
 
     samples = []
     for _ in range(pushes):

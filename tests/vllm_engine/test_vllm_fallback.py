@@ -40,7 +40,7 @@ def test_launch_without_vllm_falls_back_with_one_line(tmp_path):
     """--use_vllm true where vLLM is not installed (the main venv): one line, then training with generate()."""
     if vc.vllm_unavailable_reason() is None:
         pytest.skip("vllm is installed here: the fallback cannot happen")
-    from launch_utils import TINY_ARGS, run_train
+    from support.launch import TINY_ARGS, run_train
 
     proc = run_train([*TINY_ARGS, "--use_vllm", "true", "--report_to", "none", "--output_dir", str(tmp_path / "run")])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,7 +16,7 @@ pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
 from conftest import report  # noqa: E402
-from launch_utils import ROOT, child_env, run_process_group  # noqa: E402
+from support.launch import ROOT, child_env, run_process_group  # noqa: E402
 
 RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "moe_push_run.py")
 

@@ -20,7 +20,7 @@ pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
 from conftest import report  # noqa: E402
-from launch_utils import DDP_YAML, ROOT, child_env, error_line, run_process_group, run_train  # noqa: E402
+from support.launch import DDP_YAML, ROOT, child_env, error_line, run_process_group, run_train  # noqa: E402
 
 RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "grpo_run.py")
 THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
@@ -268,7 +268,7 @@ def launch_two_ranks(config_file: str, out, *extra: str):
     proc = run_train(["--model", "smollm2-135m-instruct", "--lora_r", "16", "--train_size", "16", "--eval_size", "0",
                       "--max_completion_length", "16", "--num_generations", "4", "--per_device_train_batch_size", "4",
                       "--max_steps", "2", "--save_steps", "100", "--logging_steps", "1", "--use_vllm", "true",
-                      "--rewards", "rewards_for_tests:length_reward", "--learning_rate", "2e-3",
+                      "--rewards", "support.rewards:length_reward", "--learning_rate", "2e-3",
                       "--report_to", "none", "--output_dir", str(out), *extra],
                      launcher=[accelerate, "launch", "--config_file", config_file], OMP_NUM_THREADS="1")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

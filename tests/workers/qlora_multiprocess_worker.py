@@ -5,7 +5,7 @@ Runs: "ddp" (torch DistributedDataParallel), "zero2", "zero3" (DeepSpeed engines
 step is recorded as its error, not raised), "sp" (Ulysses SP = 2 on the GRPO trainer: log-probs, TRL's loss, adapter
 grads averaged over the ranks, vs the same trainer without SP; each rank writes its own).
 
-    python tests/qlora_multiprocess_worker.py --model_dir DIR --runs ddp,zero2,sp,zero3 --out /tmp/qlora.pt
+    python tests/workers/qlora_multiprocess_worker.py --model_dir DIR --runs ddp,zero2,sp,zero3 --out /tmp/qlora.pt
 """
 
 import argparse
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 ROWS, T = 4, 16  # 2 rows of 16 tokens per rank: equal token counts, so the ranks' mean loss is the batch's
@@ -31,7 +31,7 @@ def qlora_model(model_dir):
 
     model, _ = load_model(model_dir, quantization="4bit")
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(7)  # as test_qlora.make_trainer: fp32, lora_B non-zero (else A's grads are 0)
+    g = torch.Generator().manual_seed(7)  # as support.trainers.qlora_trainer: fp32, lora_B non-zero
     for _, p in sorted(model.named_parameters()):
         if p.requires_grad:
             p.data = torch.randn(p.shape, generator=g) * 0.1
@@ -88,13 +88,12 @@ def engine_run(engine, model_dir, rank, world):
 
 
 def sp_run(model_dir, world, reference_only=False):
-    """The GRPO trainer on the 4-bit model (test_qlora.make_trainer), padded rows, with and without Ulysses SP."""
-    from test_packing import run_hook, unequal_batch
-    from test_qlora import make_trainer
+    """The GRPO trainer on the 4-bit model (support.trainers.qlora_trainer), padded rows, with and without SP."""
+    from support.trainers import qlora_trainer, run_hook, unequal_batch
 
     from grpo_accel.parallel import sequence_parallel
 
-    trainer = make_trainer(Path(tempfile.mkdtemp()), model_dir)
+    trainer = qlora_trainer(Path(tempfile.mkdtemp()), model_dir)
     inputs = unequal_batch(trainer)  # generated alike on both ranks (same seeds, one thread)
     # the tiny model's rewards tie within a group (advantages 0): fixed non-zero advantages instead
     inputs["advantages"] = torch.linspace(-1.0, 1.5, inputs["advantages"].numel()).view_as(inputs["advantages"])

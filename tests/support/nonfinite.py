@@ -1,4 +1,4 @@
-"""A reward that turns the run non-finite from a given step: `--rewards nonfinite_for_tests:length_then_nan` with
+"""A reward that turns the run non-finite from a given step: `--rewards support.nonfinite:length_then_nan` with
 NAN_FROM_STEP=k in the environment. From the k-th reward call (step k: one generation batch per step) every RMSNorm
 output computed with grad enabled is NaN, so the loss and gradients of step k and later are NaN, in every process
 of a launch (a global forward hook, installed when the launch imports this module)."""
@@ -6,7 +6,8 @@ of a launch (a global forward hook, installed when the launch imports this modul
 import os
 
 import torch
-from rewards_for_tests import length_reward
+
+from support.rewards import length_reward
 
 _calls = [0]
 

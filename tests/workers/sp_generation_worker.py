@@ -4,7 +4,7 @@ SP group and call `SequenceParallel.generate_once` for 3 steps with a real sampl
 process draws dropout-like random numbers as training does. Rank r writes what it generated and, as the reference,
 what one process seeded with seed + r generates from the same prompts over the same steps, with nothing in between.
 
-    python tests/sp_generation_worker.py --out /tmp/gen.pt --port 29533
+    python tests/workers/sp_generation_worker.py --out /tmp/gen.pt --port 29533
 """
 
 import argparse
@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 SEED, STEPS, PROMPTS = 7, 3, 4  # 4 copies of one prompt per step (a GRPO group): 2 per rank
 

@@ -8,8 +8,9 @@ under autocast over fp32 weights, as accelerate's mixed precision does; DeepSpee
 which casts the weights, fp16 at a static loss scale of 1 so the grads compare unscaled). A half run's reference is
 the same half computation on one process, and its fp32 twin (`fp32`) sets the tolerance.
 
-    python tests/zero_rerun_worker.py --runs zero2:grouped,zero3:several --out /tmp/grads.pt
-    ZERO_RERUN_DEVICE=cuda python tests/zero_rerun_worker.py --world 1 --runs zero2:fp16,zero3:fp16 --out /tmp/g.pt
+    python tests/workers/zero_rerun_worker.py --runs zero2:grouped,zero3:several --out /tmp/grads.pt
+    ZERO_RERUN_DEVICE=cuda python tests/workers/zero_rerun_worker.py --world 1 --runs zero2:fp16,zero3:fp16 \
+        --out /tmp/g.pt
 """
 
 import argparse
@@ -19,7 +20,7 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 # grouped: 4 rows of T tokens, recompute_tokens = T -> one row per group (2 groups per rank on 2 processes);

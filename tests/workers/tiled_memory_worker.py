@@ -4,8 +4,8 @@ with the backward's peak of autograd-saved bytes (tracker) and its peak RSS abov
 Run it with MALLOC_MMAP_THRESHOLD_ fixed (glibc's dynamic threshold keeps freed blocks in the heap, so the RSS peak
 would follow the allocator's history, not the live tensors).
 
-    MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python tests/tiled_memory_worker.py --tokens 8192 --layers 2 \
-        --recompute-tokens 1024
+    MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python tests/workers/tiled_memory_worker.py --tokens 8192 \
+        --layers 2 --recompute-tokens 1024
 """
 
 import argparse

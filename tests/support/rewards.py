@@ -1,4 +1,4 @@
-"""Reward functions the end-to-end tests pass by import path (`--rewards rewards_for_tests:digit_reward`)."""
+"""Reward functions the end-to-end tests pass by import path (`--rewards support.rewards:digit_reward`)."""
 
 
 def length_reward(prompts, completions, **kwargs):

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKERS = os.path.join(ROOT, "tests", "workers")  # scripts the tests launch (tests/workers/*_worker.py)
 TINY_ARGS = ["--model", "tiny-llama", "--train_size", "32", "--eval_size", "4", "--eval_max_new_tokens", "8",
              "--max_completion_length", "12", "--num_generations", "4", "--per_device_train_batch_size", "8",
              "--max_steps", "2", "--save_steps", "100", "--logging_steps", "1"]

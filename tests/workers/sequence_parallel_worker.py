@@ -4,7 +4,7 @@ process, no SP); then, over gloo, the same with Ulysses SP = 2 (the group-shared
 between the two). The SP grads are averaged over the ranks, as the data-parallel engine does. Both are measured again
 under bf16 and fp16 CPU autocast (`half`). Each rank writes OUT.rankR.
 
-    python tests/sequence_parallel_worker.py --out /tmp/sp.pt [--offload] [--model tiny-qwen3-moe] [--full]
+    python tests/workers/sequence_parallel_worker.py --out /tmp/sp.pt [--offload] [--model tiny-qwen3-moe] [--full]
 """
 
 import argparse
@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
@@ -28,7 +28,7 @@ def rank_main(rank, world, out, port, offload, model, full):
     torch.set_num_threads(1)
     import tempfile
 
-    from test_trainer_parity import grads_of, make_trainer, one_batch
+    from support.trainers import grads_of, make_trainer, one_batch
 
     from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
     from grpo_accel.parallel import sequence_parallel
@@ -43,7 +43,8 @@ def rank_main(rank, world, out, port, offload, model, full):
         else {}
     if model != "tiny-llama":  # a MoE twin: without the router loss, which SP refuses (trainer.py)
         extra["router_aux_loss_coef"] = 0.0
-    trainer = make_trainer(Path(tempfile.mkdtemp()), "chunked", peft=not full, model_name=model, **extra)
+    # test_trainer_parity's trainer: 4 rows
+    trainer = make_trainer(Path(tempfile.mkdtemp()), model, peft=not full, rows=4, logprob_impl="chunked", **extra)
     torch.manual_seed(2)  # LoRA B starts at 0 (A's grads would be 0): give every adapter weight a value
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
