@@ -216,7 +216,12 @@ def startup(spec, tokenizer, train_ds) -> int:
 
 def log_share_prompt(config, longest_prompt: int) -> None:
     """What share_prompt does at this dataset's longest prompt and the longest completion (one line)."""
-    from grpo_accel.core.settings import share_prompt_blocker, share_prompt_pays, shared_group_tokens
+    from grpo_accel.core.settings import (
+        SHARE_PROMPT_MIN_SAVED,
+        share_prompt_blocker,
+        share_prompt_pays,
+        shared_group_tokens,
+    )
 
     mode, G, C = config.share_prompt, config.num_generations, config.max_completion_length
     if mode == "false" or share_prompt_blocker(config.padding_free, config.sequence_parallel_size):
@@ -227,7 +232,8 @@ def log_share_prompt(config, longest_prompt: int) -> None:
             f"{shared} tokens through the log-prob passes instead of {unshared} ({unshared / shared:.1f}x fewer)")
     else:
         log(f"share_prompt={mode}: {longest_prompt}-token prompts beside {C}-token completions: sharing would remove "
-            f"{1 - shared / unshared:.0%} of a group's tokens; auto shares a group (per batch) only from 25%")
+            f"{1 - shared / unshared:.0%} of a group's tokens; auto shares a group (per batch) only from "
+            f"{SHARE_PROMPT_MIN_SAVED:.0%}")
 
 
 def run(spec) -> int:
