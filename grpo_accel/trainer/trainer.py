@@ -31,7 +31,6 @@ from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.patches import Patches
-from grpo_accel.core.processes import several_processes
 from grpo_accel.core.settings import (
     OFFLOAD_RECOMPUTE_TOKENS,
     SHARE_PROMPT_MIN_SAVED,
@@ -46,30 +45,21 @@ from grpo_accel.generation.vllm_colocate import (
 )
 from grpo_accel.generation.vllm_setup import colocated_route, start_colocated_engine
 from grpo_accel.head.logprob_head import head_unsupported_reason, install_logprob_head
-from grpo_accel.head.router_loss import load_balancing_loss, token_weights
 from grpo_accel.offload import OffloadConfig, install_activation_offload, remove_activation_offload, resolve_offload
 from grpo_accel.offload.residency import host_budget_per_process
 from grpo_accel.ops.select import triton_usable
 from grpo_accel.parallel.packing import (
     ATTN_NAME,
-    SEGMENTS_KWARG,
-    default_token_budget,
     enable_packed_attention,
-    pack_rows,
-    packable_lengths,
-    packed_forward_context,
     packing_unsupported_reason,
-    plan_micro_batches,
-    split_to_count,
-    unpack,
 )
-from grpo_accel.parallel.shared_prompt import pack_units, prompt_units, split_units_to_count
 from grpo_accel.planning.memory import shortest_shared_prompt
 from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGuard, check_reward_rows
 from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
 from grpo_accel.trainer.callbacks.preemption import Preemption
 from grpo_accel.trainer.callbacks.telemetry import PhaseTelemetry
 from grpo_accel.trainer.config import GRPOAccelConfig
+from grpo_accel.trainer.logprob_passes import logps_and_entropies
 from grpo_accel.trainer.reward_guard import guarded
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
@@ -368,103 +358,8 @@ class GRPOAccelTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
         with self._phase("policy_forward" if torch.is_grad_enabled() else "logps_no_grad"):
-            return self._logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                             compute_entropy, compute_aux_loss, **multimodal)
-
-    def _logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
-                             compute_entropy, compute_aux_loss, **multimodal):
-        batch_size = getattr(self.args, "logprob_mini_batch", None) or batch_size or input_ids.size(0)
-        multimodal_inputs = any(v is not None for v in multimodal.values())
-        trl_head = self.logprob_impl == "trl"
-        sequence_parallel = getattr(self, "sequence_parallel", None)
-        # a MoE's router loss (compute_aux_loss) is ours to return on our head's paths (head/router_loss.py)
-        theirs_aux = compute_aux_loss and (trl_head or sequence_parallel is not None)
-        if self.padding_free and sequence_parallel is None and not (theirs_aux or multimodal_inputs):
-            packed = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                                      compute_entropy, trl_head, compute_aux_loss)
-            if packed is not None:
-                return packed
-        if trl_head or theirs_aux or multimodal_inputs:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal)
-        if sequence_parallel is not None:
-            return (*sequence_parallel.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                           compute_entropy, self.accelerator.autocast), None)
-        all_logps, all_entropies, routers = [], [], []
-        router = {"output_router_logits": True} if compute_aux_loss else {}
-        for start in range(0, input_ids.size(0), batch_size):
-            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
-            # Only the completion tokens are scored (same labels as TRL's hook)
-            labels = ids.masked_fill(mask == 0, -100)
-            labels[:, :-logits_to_keep] = -100
-            with self.accelerator.autocast():
-                out = model(input_ids=ids, attention_mask=mask, accel_labels=labels, accel_entropy=compute_entropy,
-                            **router)
-            all_logps.append(out.log_probs[:, -logits_to_keep:])
-            if compute_entropy:
-                all_entropies.append(out.entropy[:, -logits_to_keep:])
-            if compute_aux_loss:
-                routers.append((out.router_logits, mask.reshape(-1).float()))
-        entropies = torch.cat(all_entropies) if compute_entropy else None
-        aux = load_balancing_loss(causal_lm_of(model), routers) if compute_aux_loss else None
-        return torch.cat(all_logps), entropies, aux
-
-    def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, rows_per_forward,
-                                    compute_entropy, trl_head=False, compute_aux_loss=False):
-        """As the padded loop, one packed row of real tokens per forward, <= logprob_token_budget tokens each,
-        through our head or TRL's (`trl_head`: same label shift, same [1, N-1] outputs; not with
-        `compute_aux_loss`, the MoE router loss, taken over all forwards: head/router_loss.py); None (padded) when a
-        row's tokens are not one block."""
-        lengths, ok = packable_lengths(attention_mask)
-        recompute_tokens = self.offload_config.recompute_tokens if self.offload_enabled else None
-        budget = (getattr(self.args, "logprob_token_budget", None)
-                  or default_token_budget(rows_per_forward, input_ids.size(1), recompute_tokens))
-        # `model` may be a DeepSpeed engine / DDP wrapper here (whose .config is not the model's)
-        segment_kwarg = causal_lm_of(model).config._attn_implementation == ATTN_NAME
-        units = None  # the shared-prompt layout's forwards (shared_prompt.py), when a group of this batch pays
-        if ok and segment_kwarg and getattr(self, "share_prompt", "false") != "false":
-            units, prompt_lens = prompt_units(input_ids, attention_mask, logits_to_keep, self.share_prompt)
-            if not any(u.share for u in units):
-                units = None
-        if units is not None:
-            costs = [u.tokens(prompt_lens[u.rows[0]], lengths) for u in units]
-            self._token_counts[0] += sum(costs)
-            groups = [[units[i] for i in g] for g in plan_micro_batches(costs, budget)]
-        else:
-            groups = plan_micro_batches(lengths, budget) if ok else []
-            self._token_counts[0] += sum(lengths)
-        self._token_counts[1] += sum(lengths)
-        if several_processes():  # same forwards on every rank: see split_to_count
-            plan = torch.tensor([len(groups), int(not ok)], device=self.accelerator.device)
-            torch.distributed.all_reduce(plan, op=torch.distributed.ReduceOp.MAX)
-            ok = ok and not plan[1]
-            split = split_units_to_count if units is not None else split_to_count
-            groups = split(groups, int(plan[0])) if ok else []
-        if not ok:
-            if not getattr(self, "_padding_free_warned", False):
-                log("padding_free: a batch has a row whose attention mask has holes or no tokens; it runs padded.")
-                self._padding_free_warned = True
-            return None
-        outs, routers = [], []
-        for group in groups:
-            p = (pack_units(input_ids, attention_mask, logits_to_keep, group) if units is not None
-                 else pack_rows(input_ids, attention_mask, logits_to_keep, group))
-            extra = {SEGMENTS_KWARG: p.segments} if segment_kwarg else {}
-            extra.update(dict(labels=p.labels, fused_lm_head=True) if trl_head
-                         else dict(accel_labels=p.labels, accel_entropy=compute_entropy))
-            if compute_aux_loss:
-                extra["output_router_logits"] = True
-            with self.accelerator.autocast(), packed_forward_context():
-                out = model(input_ids=p.input_ids, position_ids=p.position_ids, **extra)
-            outs.append((p, out.log_probs, out.entropy))
-            if compute_aux_loss:
-                routers.append((out.router_logits, token_weights(p.input_ids.size(1), p.segments, p.input_ids.device)))
-        rows = input_ids.size(0)
-        logps = unpack([(p, lp) for p, lp, _ in outs], rows, logits_to_keep)
-        entropies = unpack([(p, e) for p, _, e in outs], rows, logits_to_keep) if compute_entropy else None
-        aux = load_balancing_loss(causal_lm_of(model), routers) if compute_aux_loss else None
-        return logps, entropies, aux
+            return logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                       compute_entropy, compute_aux_loss, **multimodal)
 
 
 def attach_shared_vllm(trainer, engine: SharedVLLM) -> SharedVLLMGeneration:
