@@ -27,7 +27,7 @@ def test_every_preset_passes_its_startup_checks(name, monkeypatch):
     """Context (rope scaling included), attention mask at the planned length, engine vs the distributed setup,
     sequence parallelism vs the heads, memory on the preset's smallest GPU: a preset that cannot start fails here,
     not on a rented GPU. (vLLM installed counts as given: that is an install step, checked below.)"""
-    monkeypatch.setattr("grpo_accel.generation.vllm_colocate.vllm_unavailable_reason", lambda: None)
+    monkeypatch.setattr("grpo_accel.generation.vllm_availability.vllm_unavailable_reason", lambda: None)
     assert failures(["--preset", name]) == []
 
 

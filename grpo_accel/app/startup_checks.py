@@ -205,7 +205,7 @@ def machine_checks(spec) -> list[str]:
     found = [f"this machine lacks {name} ({why}); the run's machine needs it. Fix there: {fix}"
              for used, module, name, why, fix in needs if used and importlib.util.find_spec(module) is None]
     if c.use_vllm and c.vllm_mode == "server":
-        from grpo_accel.generation.vllm_colocate import vllm_unavailable_reason
+        from grpo_accel.generation.vllm_availability import vllm_unavailable_reason
 
         why = vllm_unavailable_reason()  # TRL's server client is part of vLLM: the training machine needs it too
         if why is not None:

