@@ -85,13 +85,16 @@ def spread(G: int, T: int) -> list[int]:
     return [T] * G if G == 1 else [T // 2 + (T - T // 2) * i // (G - 1) for i in range(G)]
 
 
-def estimate(arch: str, quant: str, variants: dict[str, list[int]], steps: int) -> tuple[float, str]:
-    """(seconds, how) for variants {name: token count of each row}, each a process running `steps` steps."""
+def estimate(arch: str, quant: str, variants: dict[str, list[int]], steps: int,
+             extra: tuple[int, str] = (0, "")) -> tuple[float, str]:
+    """(seconds, how) for variants {name: token count of each row}, each a process running `steps` steps;
+    `extra`: (seconds, what) done once besides them (a checkpoint save)."""
     build = BUILD_S["4bit" if quant == "4bit" else "bf16"]
     compute = {k: steps * step_flops(arch, rows) / TFLOPS for k, rows in variants.items()}
-    total = sum(compute.values()) + len(variants) * (START_S + build)
+    total = sum(compute.values()) + len(variants) * (START_S + build) + extra[0]
     how = (f"{len(variants)} x ({START_S} s start + {build} s build) + steps "
-           + " + ".join(f"{k} {v:.0f} s" for k, v in compute.items()) + f" at {TFLOPS / 1e12:.0f} TFLOP/s")
+           + " + ".join(f"{k} {v:.0f} s" for k, v in compute.items()) + f" at {TFLOPS / 1e12:.0f} TFLOP/s"
+           + (f" + {extra[0]} s {extra[1]}" if extra[0] else ""))
     return total, how
 
 
@@ -115,8 +118,8 @@ def _headline() -> list[Row]:
             "side", "peak reserved <= 0.5x trl_tuned's, time per token <= 1.1x", 200, "bench_step_memory.py",
             "step_memory.csv", "grpo_step_fwd_bwd", summary.judge_step_32k,
             ("--impls", "trl_tuned", "ours_mb1", "--reps", "1"), step32, dict(_TINY, completion_length=8), _STEP,
-            headline=True, estimate=(lambda e: (e[0] + CKPT_SAVE_S, e[1] + f" + {CKPT_SAVE_S} s checkpoint save"))(
-                estimate(*_QWEN_4BIT, {"trl_tuned": padded(step32), "ours_mb1": real(step32)}, 2)),
+            headline=True, estimate=estimate(*_QWEN_4BIT, {"trl_tuned": padded(step32), "ours_mb1": real(step32)}, 2,
+                                             extra=(CKPT_SAVE_S, "checkpoint save")),
             needs=Row.needs + ("bitsandbytes", "triton"),
             note=_MB1_G2 + " --reps 1: a warm-up and one measured step. trl_tuned is the fair baseline only with "
                  "transformers >= 5.20 (its activation offload); the GPU hosts have 5.17: bring a newer "

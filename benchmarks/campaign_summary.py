@@ -132,30 +132,27 @@ def judge_seeds_20k(v: RowView):
     return text, "met" if gb["ours"] <= 27.0 else "missed"
 
 
-def judge_max_t_ours(v: RowView):
+def _judge_one_step(v: RowView, reserved: bool, min_T: int, met: str):
+    """Does one ours_mb1 step at the row's T fit (and is T >= min_T): the max_t and gpt-oss rows."""
     got, T = v.m("ours_mb1"), v.sizes["completion_length"]
     if not got:
         return "", ""
     fits = got.get("oom") == 0
-    text = f"ours_mb1 step at T={T}: " + (f"fits, peak with weights {_fmt(_peak(got, v.cpu), 0)} MiB" if fits
-                                           else "out of memory")
+    peak = got.get("peak_reserved_with_weights_mib", _peak(got, v.cpu)) if reserved else _peak(got, v.cpu)
+    what = "peak reserved with weights" if reserved else "peak with weights"
+    text = f"ours_mb1 step at T={T}: " + (f"fits, {what} {_fmt(peak, 0)} MiB" if fits else "out of memory")
     if v.cpu:
         return text, NO_GOAL
-    return text, "met (>= 256K)" if fits and T >= 256 * 1024 else "missed"
+    return text, met if fits and T >= min_T else "missed"
+
+
+def judge_max_t_ours(v: RowView):
+    return _judge_one_step(v, reserved=False, min_T=256 * 1024, met="met (>= 256K)")
 
 
 def judge_step_fits(v: RowView):
     """A step at the row's T fits (issue 36's gpt-oss rows); the planner's error is the planner table's row."""
-    got, T = v.m("ours_mb1"), v.sizes["completion_length"]
-    if not got:
-        return "", ""
-    fits = got.get("oom") == 0
-    peak = got.get("peak_reserved_with_weights_mib", _peak(got, v.cpu))
-    text = f"ours_mb1 step at T={T}: " + (f"fits, peak reserved with weights {_fmt(peak, 0)} MiB" if fits
-                                           else "out of memory")
-    if v.cpu:
-        return text, NO_GOAL
-    return text, "met (fits)" if fits else "missed"
+    return _judge_one_step(v, reserved=True, min_T=0, met="met (fits)")
 
 
 def judge_max_t_trl(v: RowView):

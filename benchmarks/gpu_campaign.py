@@ -224,7 +224,7 @@ def assumed_h100():
     """What --list, --preflight and --summary-only assume without a GPU: the headline rows are sized for an H100."""
     from grpo_accel.app.presets import GPUProps
 
-    return GPUProps("NVIDIA H100 80GB HBM3 (assumed: no GPU here)", int(79.1 * 2**30), 9, 0, 1)
+    return GPUProps("NVIDIA H100 80GB HBM3 (assumed: no GPU here)", int(KNOWN_GPU_GIB["H100"] * 2**30), 9, 0, 1)
 
 
 def list_rows(rows, skipped) -> None:

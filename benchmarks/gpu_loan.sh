@@ -7,7 +7,7 @@
 #   GRPO_ACCEL_GIT_SHA=<sha> bash benchmarks/gpu_loan.sh [CALL_S] [campaign flags...]
 #
 # CALL_S (default 590): the seconds this call may take in all. The campaign gets what is left after the install
-# and the preflight, less 20 s for packing; a hard `timeout` stops it 10 s before CALL_S so the archive is always
+# and the preflight, less 30 s for packing; a hard `timeout` stops it 15 s before CALL_S so the archive is always
 # written (a row cut short is recorded as timed out by the ledger's next call; its finished variants are in the CSV).
 set -uo pipefail
 call_s=${1:-590}; shift || true

@@ -229,9 +229,9 @@ def test_vllm_fraction_leaves_training_its_memory():
 
 def test_planner_mirrors_grouped_recompute():
     from grpo_accel.offload import OffloadConfig
-    from grpo_accel.planning.memory import RECOMPUTE_TOKENS
 
-    assert RECOMPUTE_TOKENS == OffloadConfig().recompute_tokens
+    # the planner's default re-run piece is the offload's (one constant: core.settings.OFFLOAD_RECOMPUTE_TOKENS)
+    assert plan_memory("llama-3.1-8b").inputs["recompute_tokens"] == OffloadConfig().recompute_tokens
     kw = dict(num_generations=8, per_device_train_batch_size=8, max_prompt_length=64, max_completion_length=8192)
     whole, grouped = (plan_memory("llama-3.1-8b", offload_activations=o, **kw).device["recompute_working_set"]
                       for o in (False, True))

@@ -45,7 +45,6 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 FRAGMENTATION = 0.05
 # vLLM's own working memory besides weights and KV cache (CUDA graphs, sampler, prefill activations): assumed.
 VLLM_RUNTIME_BYTES = 1 * GIB
-RECOMPUTE_TOKENS = OFFLOAD_RECOMPUTE_TOKENS  # the offload's re-run piece (core.settings: one home)
 TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py, trl/trainer/utils.py (TRL 1.16)
 PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the naive baseline (benchmarks)
 
@@ -183,7 +182,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
                 offload_activations=False, logprob_impl="auto", logprob_chunk_size=None, use_vllm=None,
                 vllm_share_weights=None, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
-                recompute_tokens=RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
+                recompute_tokens=OFFLOAD_RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
                 generation_batch=None, reward_models=()) -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring).

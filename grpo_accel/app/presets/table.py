@@ -104,6 +104,7 @@ class Preset:
         offload = str(f["offload_activations"]).lower()
         route, _ = self.route(f, stack)
         processes = int(os.environ.get("WORLD_SIZE", self.num_processes))
+        generation_batch = self.generation_batch(f, processes)
         return dict(
             dtype=dtypes.short_name(f["model_dtype"]), quantization=f["quantization"], lora_r=f["lora_r"],
             num_generations=f["num_generations"], max_prompt_length=self.max_prompt_length,
@@ -112,7 +113,7 @@ class Preset:
             gradient_checkpointing=bool(f["gradient_checkpointing"]),
             offload_activations=offload_activations_on(offload, cuda, bool(f["gradient_checkpointing"])),
             logprob_impl=f["logprob_impl"], logprob_chunk_size=f["logprob_chunk_size"], generation=route,
-            generation_batch=self.generation_batch(f, processes),
+            generation_batch=generation_batch,
             # vLLM needs one full-length sequence of KV cache to start; what is left over goes to more of them
             vllm_kv_seqs=1, vllm_sleep=route == "vllm_copy" and f["lora_r"] == 0 and cuda,
             deepspeed_stage=self.deepspeed_stage, num_processes=processes,
@@ -121,7 +122,7 @@ class Preset:
             sequence_parallel_size=int(f.get("sequence_parallel_size") or 1),
             share_prompt=str(f.get("share_prompt", "auto")).lower() if f.get("padding_free", True) else "false",
             offload_device_budget_bytes=device_budget_bytes(f.get("offload_device_budget_gib")),
-            reward_models=reward_model_shapes(f, self.generation_batch(f, processes)),
+            reward_models=reward_model_shapes(f, generation_batch),
             device="cuda" if cuda else "cpu")
 
     def generation_batch(self, f: dict, processes: int) -> int:
