@@ -438,11 +438,11 @@ def plan_for(arch: str, quant: str, G: int, P: int, impl: str, T: int = 1024):
     from grpo_accel.planning.memory import plan_memory
 
     kind, logprob_impl, offload, mb1 = VARIANTS[impl]
-    return plan_memory(arch, dtype="bf16", quantization=quant, lora_r=16, num_generations=G, max_prompt_length=P,
+    return plan_memory(arch, model_dtype="bf16", quantization=quant, lora_r=16, num_generations=G, max_prompt_length=P,
                        max_completion_length=T, per_device_train_batch_size=1 if mb1 else G,
                        # transformers' offload keeps what ours keeps, without our pieces (row groups, tiles)
                        offload_activations=offload == "true" or kind == "trl_tuned",
-                       recompute_tokens=None if kind != "ours" else 16384,
+                       offload_recompute_tokens=None if kind != "ours" else 16384,
                        logprob_impl={"naive": "naive", "ours": logprob_impl}.get(kind, "trl"), device="cuda")
 
 

@@ -102,9 +102,9 @@ def test_moe_planner_terms():
     """gpt-oss-20b: experts are not quantized by QLoRA, full FT pays the expert-gradient transient, a sliding
     layer's KV cache holds its window only."""
     s = model_shape("gpt-oss-20b")
-    q = plan_memory(s, dtype="bf16", quantization="4bit", lora_r=16)
+    q = plan_memory(s, model_dtype="bf16", quantization="4bit", lora_r=16)
     assert q.device["weights"] > s.moe_layers * s.expert_params * 2  # the experts alone, in bf16
-    lora, full = (plan_memory(s, dtype="bf16", lora_r=r, max_completion_length=1024) for r in (16, 0))
+    lora, full = (plan_memory(s, model_dtype="bf16", lora_r=r, max_completion_length=1024) for r in (16, 0))
     assert lora.device["gradients"] == s.lora_params(16) * 4
     assert full.device["gradients"] == s.n_params * 2 + 2 * s.expert_params * 2
     kv_full = 2 * s.layers * s.kv_dim * 2 * 8192
@@ -125,9 +125,9 @@ def test_model_shape_from_local_dir_and_clear_offline_error(tmp_path):
 # ---------------------------------------------------------------------------------------------- planner arithmetic
 
 def test_8b_bf16_weights_are_16_gb():
-    plan = plan_memory("llama-3.1-8b", dtype="bf16", lora_r=16)
+    plan = plan_memory("llama-3.1-8b", model_dtype="bf16", lora_r=16)
     assert plan.device["weights"] == 2 * 8_030_261_248  # 16.06 GB
-    q = plan_memory("llama-3.1-8b", dtype="bf16", quantization="4bit", lora_r=16)
+    q = plan_memory("llama-3.1-8b", model_dtype="bf16", quantization="4bit", lora_r=16)
     assert 5.0e9 < q.device["weights"] < 6.0e9  # NF4 decoder linears + bf16 embeddings/head (2.1 GB)
 
 
@@ -136,7 +136,7 @@ def test_naive_logits_match_design_figure():
     G, T, V = 8, 20480, 128256
     one_fp32_copy = G * T * V * 4
     assert one_fp32_copy / GIB == pytest.approx(78.3, abs=0.1)
-    plan = plan_memory("llama-3.1-8b", dtype="bf16", per_device_train_batch_size=G, max_completion_length=T,
+    plan = plan_memory("llama-3.1-8b", model_dtype="bf16", per_device_train_batch_size=G, max_completion_length=T,
                        logprob_impl="naive")
     assert plan.device["logprob_workspace"] == 3 * one_fp32_copy  # planner: 3 live copies in backward
     fused = plan.replan(logprob_impl="auto").device["logprob_workspace"]
@@ -146,7 +146,7 @@ def test_naive_logits_match_design_figure():
 def test_offload_moves_checkpointed_inputs_to_host():
     G, T, L, H = 8, 20480, 32, 4096
     # generation off these GPUs (a vLLM server): the difference below is offload's alone
-    kw = dict(dtype="bf16", per_device_train_batch_size=G, max_prompt_length=0, max_completion_length=T,
+    kw = dict(model_dtype="bf16", per_device_train_batch_size=G, max_prompt_length=0, max_completion_length=T,
               generation="vllm_server")
     on = plan_memory("llama-3.1-8b", offload_activations=True, **kw)
     off = plan_memory("llama-3.1-8b", offload_activations=False, **kw)
@@ -170,7 +170,7 @@ def test_peak_grows_with_completion_length(preset):
 
 
 def test_zero_sharding_divides_states():
-    kw = dict(dtype="bf16", lora_r=0, per_device_train_batch_size=1, max_completion_length=1024)
+    kw = dict(model_dtype="bf16", lora_r=0, per_device_train_batch_size=1, max_completion_length=1024)
     single = plan_memory("qwen2.5-7b", **kw)
     z1, z2, z3 = (plan_memory("qwen2.5-7b", deepspeed_stage=s, num_processes=8, **kw) for s in (1, 2, 3))
     n = model_shape("qwen2.5-7b").n_params
@@ -188,14 +188,14 @@ def test_zero_sharding_divides_states():
 
 def test_lora_states_are_small_and_fp32():
     s = model_shape("qwen3-8b")
-    plan = plan_memory(s, dtype="bf16", lora_r=16)
+    plan = plan_memory(s, model_dtype="bf16", lora_r=16)
     assert plan.device["lora_weights"] == s.lora_params(16) * 4
     assert plan.device["optimizer_states"] == s.lora_params(16) * 8  # m, v; the adapter is its own fp32 master
     assert s.lora_params(16) == 36 * 16 * (8192 + 2 * 5120 + 8192 + 2 * 16384 + 16384)
 
 
 def test_verdict_names_fixes_and_bisection_is_tight():
-    plan = plan_memory("qwen3-8b", dtype="bf16", quantization="4bit", lora_r=16, per_device_train_batch_size=1,
+    plan = plan_memory("qwen3-8b", model_dtype="bf16", quantization="4bit", lora_r=16, per_device_train_batch_size=1,
                        max_completion_length=110_000, offload_activations=False, use_vllm=True)
     gpu = int(79.1 * GIB)
     v = plan.verdict(gpu)
@@ -205,7 +205,7 @@ def test_verdict_names_fixes_and_bisection_is_tight():
     t = int(next(text for text in fix if text.startswith("--max_completion_length")).split()[-1])
     assert plan.replan(max_completion_length=t).peak_bytes <= gpu
     assert gpu < plan.replan(max_completion_length=t + 128).peak_bytes
-    bf16 = plan_memory("llama-3.1-8b", dtype="bf16", lora_r=16, per_device_train_batch_size=1,
+    bf16 = plan_memory("llama-3.1-8b", model_dtype="bf16", lora_r=16, per_device_train_batch_size=1,
                        max_completion_length=4096)
     assert "--quantization 4bit" in bf16.verdict(12 * GIB).message
     assert bf16.verdict(80 * GIB).fits and "fits" in str(bf16.verdict(80 * GIB))
@@ -231,7 +231,7 @@ def test_planner_mirrors_grouped_recompute():
     from grpo_accel.offload import OffloadConfig
 
     # the planner's default re-run piece is the offload's (one constant: core.settings.OFFLOAD_RECOMPUTE_TOKENS)
-    assert plan_memory("llama-3.1-8b").inputs["recompute_tokens"] == OffloadConfig().recompute_tokens
+    assert plan_memory("llama-3.1-8b").inputs["offload_recompute_tokens"] == OffloadConfig().recompute_tokens
     kw = dict(num_generations=8, per_device_train_batch_size=8, max_prompt_length=64, max_completion_length=8192)
     whole, grouped = (plan_memory("llama-3.1-8b", offload_activations=o, **kw).device["recompute_working_set"]
                       for o in (False, True))
@@ -336,7 +336,7 @@ def test_planner_matches_measured_cpu_step():
     rows = []
     for T in (64, 128, 256):
         measured = _measure(B, P, T)
-        predicted = plan_memory("smollm2-135m", dtype="fp32", lora_r=16, per_device_train_batch_size=B,
+        predicted = plan_memory("smollm2-135m", model_dtype="fp32", lora_r=16, per_device_train_batch_size=B,
                                 max_prompt_length=P,
                                 max_completion_length=T, gradient_checkpointing=True, logprob_impl="naive",
                                 device="cpu").peak_bytes

@@ -29,7 +29,7 @@ def test_planned_residency_matches_the_stash(kept_layers):
         loss = model(input_ids=ids, labels=ids).loss
         measured = dict(tracker.bytes)
     del loss
-    plan = plan_memory(model_shape(model.config), dtype="fp32", lora_r=0, per_device_train_batch_size=B,
+    plan = plan_memory(model_shape(model.config), model_dtype="fp32", lora_r=0, per_device_train_batch_size=B,
                        max_prompt_length=0, max_completion_length=T, offload_activations=True, device="cpu",
                        offload_device_budget_bytes=kept_layers * LAYER_BYTES)
     assert plan.host["activations_offloaded"] == measured["host"]
@@ -39,9 +39,9 @@ def test_planned_residency_matches_the_stash(kept_layers):
 def test_tiles_bound_the_rerun_of_one_long_row():
     """One Qwen3-8B row of 110K tokens: whole, the re-run term is the 33 GiB of the issue; in 16K tiles it is one
     tile's plus the full-length d(out), d(in), K, V, dK, dV, and it grows linearly (not with T x tile) in T."""
-    kw = dict(dtype="bf16", quantization="4bit", lora_r=16, per_device_train_batch_size=1, max_prompt_length=512,
+    kw = dict(model_dtype="bf16", quantization="4bit", lora_r=16, per_device_train_batch_size=1, max_prompt_length=512,
               offload_activations=True)
-    whole = plan_memory("qwen3-8b", max_completion_length=110_000, recompute_tokens=None, **kw)
+    whole = plan_memory("qwen3-8b", max_completion_length=110_000, offload_recompute_tokens=None, **kw)
     tiled = [plan_memory("qwen3-8b", max_completion_length=t, **kw).device["recompute_working_set"]
              for t in (110_000, 220_000)]
     assert whole.device["recompute_working_set"] / GIB == pytest.approx(32.9, rel=0.02)
@@ -53,7 +53,7 @@ def test_tiles_bound_the_rerun_of_one_long_row():
 
 def test_longest_completion_fits_and_one_step_more_does_not():
     # generation on another machine (a vLLM server): the training step's own limits, GPU and host
-    kw = dict(dtype="bf16", quantization="4bit", lora_r=16, per_device_train_batch_size=1, max_prompt_length=512,
+    kw = dict(model_dtype="bf16", quantization="4bit", lora_r=16, per_device_train_batch_size=1, max_prompt_length=512,
               offload_activations=True, generation="vllm_server")
     plan, gpu, host = plan_memory("qwen3-8b", **kw), int(79 * GIB), int(110 * GIB)
     t, fitted = find_max_completion_length(plan, gpu, host)
@@ -65,20 +65,9 @@ def test_longest_completion_fits_and_one_step_more_does_not():
     assert fitted.inputs["offload_device_budget_bytes"] > 0
     assert find_max_completion_length(plan, gpu, 2 * host)[0] > t
     # tiles are what make a long row fit at all: whole re-runs stop far earlier
-    assert find_max_completion_length(plan.replan(recompute_tokens=None), gpu, host)[0] < t / 2
+    assert find_max_completion_length(plan.replan(offload_recompute_tokens=None), gpu, host)[0] < t / 2
     # without offload, no host term and a much shorter limit
     assert find_max_completion_length(plan.replan(offload_activations=False), gpu, host)[0] < t / 3
     assert find_max_completion_length(plan, int(1 * GIB)) == (0, None)
 
 
-def test_offload_config_from_plan_carries_the_planned_pieces_and_budgets():
-    from grpo_accel.offload import OffloadConfig
-
-    plan = fit_host(plan_memory("qwen3-8b", dtype="bf16", quantization="4bit", lora_r=16, max_prompt_length=512,
-                                per_device_train_batch_size=1, max_completion_length=262_144,
-                                offload_activations=True, recompute_tokens=8192), int(40 * GIB))
-    cfg = OffloadConfig.from_plan(plan, host_budget_bytes=int(40 * GIB), min_bytes=0)
-    assert cfg.recompute_tokens == 8192 and cfg.min_bytes == 0 and cfg.host_budget_bytes == int(40 * GIB)
-    assert cfg.device_budget_bytes == plan.inputs["offload_device_budget_bytes"] > 0
-    assert plan.host["activations_offloaded"] <= 40 * GIB  # 74 GiB of inputs: 34 GiB stay on the GPU
-    assert OffloadConfig.from_plan(plan_memory("qwen3-8b")).device_budget_bytes == 0

@@ -106,9 +106,10 @@ def test_offload_with_the_router_loss_is_refused(setting, tmp_path, monkeypatch,
     """Measured: with the router loss on, the offloaded re-run's step differs from TRL's (grad_norm 0.31057 vs
     0.31056 on tiny-qwen3-moe with LoRA): "true" stops with the fix before any step, "auto" (on, as on a GPU)
     turns offload off with one line."""
-    import grpo_accel.trainer.trainer as trainer_module
+    from grpo_accel.core.settings import RunSettings
 
-    monkeypatch.setattr(trainer_module, "resolve_offload", lambda *a, **kw: True)
+    on_gpu = RunSettings.resolve.__func__  # the settings resolved as on a CUDA device: "auto" turns offload on
+    monkeypatch.setattr(RunSettings, "resolve", classmethod(lambda cls, source, cuda: on_gpu(cls, source, cuda=True)))
     tokenizer = load_tokenizer("tiny-qwen3-moe")
     args = GRPOAccelConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                            max_completion_length=8, report_to="none", use_cpu=True, offload_activations=setting)

@@ -22,7 +22,6 @@ from grpo_accel.offload import (
     offload_saved_tensors,
     offloaded_checkpoint,
     remove_activation_offload,
-    resolve_offload,
 )
 
 
@@ -315,22 +314,6 @@ def test_misuse_raises_with_the_fix():
         h.add_(1.0)
     with pytest.raises(RuntimeError, match="modified in place"):
         out.sum().backward()
-
-
-@pytest.mark.parametrize(
-    "setting,device,gc,expected",
-    [("auto", "cuda", True, True), ("auto", "cuda", False, False), ("auto", "cpu", True, False),
-     (True, "cpu", True, True), (False, "cuda", True, False), ("TRUE", "cpu", False, True),
-     ("false", "cuda", True, False)],
-)
-def test_resolve_offload(setting, device, gc, expected):
-    assert resolve_offload(setting, device, gc) is expected
-
-
-@pytest.mark.parametrize("bad", ["yes", 1, None])
-def test_resolve_offload_rejects(bad):
-    with pytest.raises(ValueError, match="True, False or 'auto'"):
-        resolve_offload(bad, "cpu")
 
 
 def test_install_rejects_non_hf_module():

@@ -305,8 +305,9 @@ def test_one_8k_row_rerun_falls_4x_with_tiles():
     from grpo_accel.planning.memory import plan_memory
 
     for measured, tokens in ((whole, None), (tiles, 512)):
-        plan = plan_memory("smollm2-135m", dtype="fp32", lora_r=0, per_device_train_batch_size=1, max_prompt_length=0,
-                           max_completion_length=8192, offload_activations=True, recompute_tokens=tokens, device="cpu")
+        plan = plan_memory("smollm2-135m", model_dtype="fp32", lora_r=0, per_device_train_batch_size=1,
+                           max_prompt_length=0, max_completion_length=8192, offload_activations=True,
+                           offload_recompute_tokens=tokens, device="cpu")
         ratio = plan.device["recompute_working_set"] / measured["rss_peak_bytes"]
         assert 0.7 <= ratio <= 1.35, (tokens, ratio)
 

@@ -61,7 +61,7 @@ def test_yaml_loads_with_accelerate_and_matches_preset(name):
     cfg = load_config_from_file(str(preset.yaml_path))  # raises on unknown keys
     assert isinstance(cfg, ClusterConfig)
     assert cfg.num_processes == preset.num_processes
-    assert cfg.mixed_precision == MIXED_PRECISION[preset.dtype]
+    assert cfg.mixed_precision == MIXED_PRECISION[preset.model_dtype]
     assert str(cfg.distributed_type.value) == ("DEEPSPEED" if preset.deepspeed_stage else "NO")
     if preset.deepspeed_stage:
         ds = cfg.deepspeed_config
@@ -123,7 +123,7 @@ def test_deepspeed_section_validates_with_deepspeed(name, monkeypatch):
     device = lambda section: str(getattr(section.device, "value", section.device))  # noqa: E731 (enum or str)
     assert device(ds.zero_config.offload_optimizer) == ("cpu" if preset.offload_optimizer else "none")
     assert device(ds.zero_config.offload_param) == ("cpu" if preset.offload_params else "none")
-    assert ds.bfloat16_config.enabled == (preset.dtype == "bf16")
+    assert ds.bfloat16_config.enabled == (preset.model_dtype == "bf16")
     assert ds.train_batch_size == fill["train_batch_size"]
 
 
@@ -155,9 +155,9 @@ def test_detect_without_gpu_is_cpu():
 
 def test_t4_never_gets_a_bf16_preset():
     t4 = FAKE_GPUS["T4"]
-    assert detect_preset(t4).dtype == "fp16"
+    assert detect_preset(t4).model_dtype == "fp16"
     big_t4 = GPUProps("Tesla T4 (imaginary 80GB)", 80 * GIB_BYTES, 7, 5)  # memory alone must not pick bf16
-    assert detect_preset(big_t4).dtype == "fp16"
+    assert detect_preset(big_t4).model_dtype == "fp16"
     with pytest.raises(PresetError, match=r"bf16 needs compute capability ≥ 8.0.*try t4_qlora"):
         check_preset_fits_gpu("a100_40gb_lora", big_t4)
 

@@ -8,7 +8,7 @@ from grpo_accel.app.presets import PRESETS
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.memory import find_max_completion_length, plan_memory
 
-KW = dict(dtype="bf16", quantization="4bit", lora_r=16, num_generations=8, max_prompt_length=512,
+KW = dict(model_dtype="bf16", quantization="4bit", lora_r=16, num_generations=8, max_prompt_length=512,
           max_completion_length=110_000, per_device_train_batch_size=1, offload_activations=True, use_vllm=True,
           vllm_share_weights=False)
 H100 = 80 * 10**9
@@ -30,7 +30,7 @@ def test_sp_tiles_a_long_shard():
     kw = {**KW, "max_completion_length": 500_000, "use_vllm": None, "vllm_share_weights": None,
           "generation": "vllm_server"}
     tiled = plan_memory("qwen3-8b", sequence_parallel_size=8, **kw)
-    whole = plan_memory("qwen3-8b", sequence_parallel_size=8, recompute_tokens=70_000, **kw)
+    whole = plan_memory("qwen3-8b", sequence_parallel_size=8, offload_recompute_tokens=70_000, **kw)
     assert whole.device["recompute_working_set"] > 2.5 * tiled.device["recompute_working_set"]  # 18.6 vs 7.0 GiB
     assert whole.device["sp_all_to_all"] > 3 * tiled.device["sp_all_to_all"]  # a tile's, not the shard's
 

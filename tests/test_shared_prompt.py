@@ -225,7 +225,7 @@ def test_planner_counts_the_layouts_tokens(mode, shares):
     assert any(u.share for u in units) == shares
     packed = pack_units(ids, mask, K, units).input_ids.size(1)
     plan = dict(num_generations=4, per_device_train_batch_size=8, max_prompt_length=30, max_completion_length=K,
-                dtype="fp32", lora_r=4, device="cpu")
+                model_dtype="fp32", lora_r=4, device="cpu")
     shape = model_shape("tiny-llama")
     ours = plan_memory(shape, share_prompt=mode, **plan).device["activations_checkpointed"]
     unshared = plan_memory(shape, share_prompt="false", **plan).device["activations_checkpointed"]

@@ -45,6 +45,16 @@ def test_two_steps_log_loss_and_reward_and_change_parameters(tiny_run):
         assert (out / name).stat().st_size > 0
 
 
+def test_each_line_is_said_once(tiny_run):
+    """One home per message: no line of ours twice in a run (share_prompt's was said by the runner and the trainer),
+    and the one share_prompt line carries what sharing does at this dataset's longest prompt."""
+    _, result = tiny_run
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[grpo_accel]")]
+    assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1]
+    shared = [line for line in lines if "share_prompt=" in line]
+    assert len(shared) == 1 and "this dataset's longest prompt" in shared[0], shared
+
+
 def test_wandb_offline_metrics_read_back(tiny_run):
     out, result = tiny_run
     history = [r for r in read_wandb_history(str(out)) if "train/loss" in r]

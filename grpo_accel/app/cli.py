@@ -96,7 +96,7 @@ def cmd_plan(args, train_flags: list[str]) -> int:
            if shape.experts else "")
     print(f"preset {preset.name} ({spec.preset_why}), generation route {route}, "
           f"model {shape.name} ({shape.n_params / 1e9:.2f}B params{moe}, "
-          f"L={shape.layers} H={shape.hidden} V={shape.vocab}), {inp['dtype']}"
+          f"L={shape.layers} H={shape.hidden} V={shape.vocab}), {inp['model_dtype']}"
           f"{'+nf4' if inp['quantization'] == '4bit' else ''}, LoRA r={inp['lora_r'] or 'full'}, "
           f"{inp['per_device_train_batch_size']} x ({inp['max_prompt_length']} + {inp['max_completion_length']}) "
           f"tokens, G={inp['num_generations']}")

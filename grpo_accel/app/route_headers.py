@@ -25,8 +25,8 @@ def weighed_routes(preset) -> list[tuple[str, object]]:
     route, _ = preset.route()
     out = [(route, preset.plan())]
     if route in ("vllm_4bit", "vllm_shared"):
-        half = "bfloat16" if preset.dtype == "bf16" else "float16"
-        other = (f"{preset.dtype} LoRA + vllm_shared", dict(quantization="none", model_dtype=half)) \
+        half = "bfloat16" if preset.model_dtype == "bf16" else "float16"
+        other = (f"{preset.model_dtype} LoRA + vllm_shared", dict(quantization="none", model_dtype=half)) \
             if route == "vllm_4bit" else ("QLoRA + vllm_4bit", dict(quantization="4bit"))
         out.append((other[0], preset.plan(other[1])))
         if route == "vllm_4bit":
@@ -48,7 +48,7 @@ def _describe(label: str, plan, gpu: int) -> str:
             pass
     if plan.route == "generate":
         T = inp["max_prompt_length"] + inp["max_completion_length"]
-        per_token = kv_bytes_per_token(plan.shape, 4 if inp["dtype"] == "fp32" else 2)
+        per_token = kv_bytes_per_token(plan.shape, 4 if inp["model_dtype"] == "fp32" else 2)
         text += (f" ({inp['generation_batch']} x {T:,} tokens x {per_token / 1024:.0f} KiB = "
                  f"{plan.device['generate_kv_cache'] / GIB:.1f} GiB of KV cache)")
     return text + ("" if plan.peak_bytes <= gpu else ": does not fit")

@@ -16,6 +16,7 @@ from grpo_accel.core import dtypes
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError, UserError, run_guarded
 from grpo_accel.core.processes import launched_processes, local_processes, process_rank, several_processes
+from grpo_accel.core.units import GIB
 from grpo_accel.data.datasets import load_run_data, prompt_lengths
 from grpo_accel.data.models import ModelLoadError, load_model, load_tokenizer
 from grpo_accel.data.rewards import (
@@ -198,7 +199,6 @@ def startup(spec, tokenizer, train_ds) -> int:
     raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes, host_bytes))
     if host_bytes is not None:
         from grpo_accel.core.settings import device_budget_bytes, device_budget_gib
-        from grpo_accel.core.units import GIB
         from grpo_accel.planning.memory import fit_host
 
         fitted = fit_host(spec.plan(), host_bytes)
@@ -207,33 +207,10 @@ def startup(spec, tokenizer, train_ds) -> int:
             spec.config.offload_device_budget_gib = device_budget_gib(budget)
             log(f"host memory {host_bytes / GIB:.0f} GiB: {budget / GIB:.1f} GiB of layer inputs stay on the GPU")
     route, why = spec.route()
-    memory = (f"; memory plan: {spec.plan().peak_gib:.1f} GiB predicted peak per GPU of {gpu_bytes / 2**30:.0f} GiB"
+    memory = (f"; memory plan: {spec.plan().peak_gib:.1f} GiB predicted peak per GPU of {gpu_bytes / GIB:.0f} GiB"
               if gpu_bytes is not None else "")
     log(f"generation route {route}: {why}{memory}")
-    log_share_prompt(spec.config, longest)
     return longest
-
-
-def log_share_prompt(config, longest_prompt: int) -> None:
-    """What share_prompt does at this dataset's longest prompt and the longest completion (one line)."""
-    from grpo_accel.core.settings import (
-        SHARE_PROMPT_MIN_SAVED,
-        share_prompt_blocker,
-        share_prompt_pays,
-        shared_group_tokens,
-    )
-
-    mode, G, C = config.share_prompt, config.num_generations, config.max_completion_length
-    if mode == "false" or share_prompt_blocker(config.padding_free, config.sequence_parallel_size):
-        return
-    shared, unshared = shared_group_tokens(longest_prompt, [C] * G), G * (longest_prompt + C)
-    if share_prompt_pays(longest_prompt, [C] * G, mode):
-        log(f"share_prompt={mode}: at {longest_prompt}-token prompts and {C}-token completions a group of {G} runs "
-            f"{shared} tokens through the log-prob passes instead of {unshared} ({unshared / shared:.1f}x fewer)")
-    else:
-        log(f"share_prompt={mode}: {longest_prompt}-token prompts beside {C}-token completions: sharing would remove "
-            f"{1 - shared / unshared:.0%} of a group's tokens; auto shares a group (per batch) only from "
-            f"{SHARE_PROMPT_MIN_SAVED:.0%}")
 
 
 def run(spec) -> int:
@@ -301,7 +278,7 @@ def _train(spec, tokenizer, data, reward_funcs, resume, longest_prompt) -> int:
     check_lora_targets(model, script_args)
     reward_funcs, reward_tokenizers = load_rewards(reward_funcs, dtypes.torch_dtype(script_args.model_dtype))
     trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config, vllm_engine=engine,
-                               train_dataset=data.train, processing_class=tokenizer,
+                               longest_prompt=longest_prompt, train_dataset=data.train, processing_class=tokenizer,
                                reward_processing_classes=reward_tokenizers, peft_config=lora_config(script_args))
     is_main = trainer.accelerator.is_main_process
     log(f"log-prob head: {trainer.logprob_impl}; activation offload: {offload_line(trainer)}")
@@ -367,7 +344,7 @@ def offload_line(trainer) -> str:
     if budget is None:
         return "on"
     k = local_processes()
-    return f"on, host budget {budget / 2**30:.1f} GiB per process (90% of free host memory / {k} process(es) here)"
+    return f"on, host budget {budget / GIB:.1f} GiB per process (90% of free host memory / {k} process(es) here)"
 
 
 def base_model_name(model: str) -> str:

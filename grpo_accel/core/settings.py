@@ -1,11 +1,22 @@
-"""Run settings that several layers read, each defined once: its default and its "auto" rule (core/, so that the
-planner, the offload, the trainer's config and the presets can all import it; docs: issue 37's settings layer).
+"""Run settings: each of grpo_accel's settings defined once (name, type, default, "auto" rule, the unit it is kept
+in), and `RunSettings`, the values the code runs with, resolved once from a run's fields on its machine.
 
-    offload_activations_on("auto", cuda=True, gradient_checkpointing=True)   # True
+    SETTINGS["offload_recompute_tokens"].default                 # 16384 (tokens)
+    RunSettings.resolve(config, cuda=True).offload_activations   # "auto" -> True with gradient checkpointing
+
+The vocabulary is the flag's: `--offload_activations` is GRPOAccelConfig.offload_activations (whose fields are made
+from SETTINGS), the preset's field and the planner's argument of that name. What a user types is kept as typed on
+the config (GiB, "auto"); RunSettings holds what the planner, the offload and the trainer read (bytes, True/False);
+the conversions between the two live here only. core/, so that every layer can import it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.units import GIB
 
 # Activation offload's re-run piece, in tokens: the backward re-runs a layer on row groups of at most this many
@@ -82,6 +93,140 @@ def share_prompt_pays(prompt_len: int, completion_lens: list[int], mode: str) ->
     return mode == "true" or saved >= SHARE_PROMPT_MIN_SAVED * unshared
 
 
-__all__ = ["LOGPROB_IMPLS", "OFFLOAD_RECOMPUTE_TOKENS", "SHARE_PROMPT_MIN_SAVED", "device_budget_bytes",
-           "device_budget_gib", "generations_per_process", "offload_activations_on", "share_prompt_blocker",
-           "share_prompt_pays", "shared_group_tokens"]
+SHARE_PROMPT_MODES = ("auto", "true", "false")
+OFFLOAD_MODES = ("auto", "true", "false")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One run setting: a flag, a GRPOAccelConfig field, a preset field and a planner argument of one name."""
+
+    name: str
+    type: type
+    default: object
+    unit: str  # what a number counts ("tokens", "GiB", "rows"); "" for a mode or a switch
+    help: str
+    choices: tuple = ()  # the strings it takes (normalized to lower case); () = any value of its type
+    minimum: int | None = None  # the smallest number that runs (None: unchecked; a None value always means "auto")
+    auto: str = ""  # what "auto" (or None) resolves to, and which function decides
+
+    def field(self):
+        """The dataclass field GRPOAccelConfig declares for it: default and --help text from here."""
+        return dataclasses.field(default=self.default, metadata={"help": self.help})
+
+    def parse(self, value):
+        """`value` as the config keeps it, or ConfigError naming the flag: a choice lower-cased (a preset's or a
+        YAML's True/False become "true"/"false"), a number checked against its minimum."""
+        if self.choices:
+            key = str(value).strip().lower()
+            if key not in self.choices:
+                raise ConfigError(f"--{self.name} {value} is not one of {', '.join(self.choices)}. Fix: --{self.name} "
+                                  f"{self.default}, or see its --help.")
+            return key
+        if self.minimum is not None and value is not None and value < self.minimum:
+            unset = " (or unset: automatic)" if self.default is None else ""
+            raise ConfigError(f"--{self.name} {value} must be ≥ {self.minimum}{unset}. Fix: --{self.name} "
+                              f"{max(self.minimum, 1)} or more{unset}.")
+        return value
+
+
+def _settings(*items: Setting) -> dict[str, Setting]:
+    return {s.name: s for s in items}
+
+
+SETTINGS: dict[str, Setting] = _settings(
+    Setting("logprob_impl", str, "auto", "", "Log-prob head: 'trl' (TRL's own chunked head), 'chunked' (ours, "
+            "torch), 'triton' (ours, Triton kernels; CUDA), 'auto' (triton on CUDA when importable, else chunked).",
+            choices=LOGPROB_IMPLS, auto="triton on CUDA when importable, else chunked (head.logprob_head)"),
+    Setting("logprob_mini_batch", int | None, None, "rows", "Rows (sequences) per model forward when computing "
+            "log-probs; None = all at once. Smaller bounds the hidden-state memory of the policy forward.",
+            minimum=1, auto="all of TRL's rows in one forward"),
+    Setting("padding_free", bool, True, "", "Log-prob passes (policy, old, reference) run on packed rows of real "
+            "tokens only, with per-sequence position ids, unpacked to TRL's layout (same numbers, no padding "
+            "compute). Works with either head (logprob_impl). Falls back to padded rows with one log line where the "
+            "model cannot (eager attention, sliding windows, length-dependent or no RoPE)."),
+    Setting("share_prompt", str, "auto", "", "Log-prob passes compute each prompt once per group: the group's rows "
+            "become one packed stretch [prompt][c1]...[cG], each completion attending to the whole prompt and to "
+            "itself only (exact; grpo_accel/parallel/shared_prompt.py). 'auto': for groups where that removes a "
+            "quarter or more of its tokens (long prompts); 'true': every group of >= 2 rows; 'false': never. Needs "
+            "padding_free with sdpa attention; not under sequence parallelism.", choices=SHARE_PROMPT_MODES,
+            auto="per batch, share_prompt_pays; off where share_prompt_blocker names a reason"),
+    Setting("logprob_token_budget", int | None, None, "tokens", "padding_free: most real tokens per log-prob "
+            "forward, rows grouped longest first; None = what one padded forward held (logprob_mini_batch or TRL's "
+            "rows x sequence length), capped at the offload's re-run group when offload is on.", minimum=1,
+            auto="parallel.packing.default_token_budget"),
+    Setting("logprob_chunk_size", int | None, None, "tokens", "Tokens per chunk in the fused log-prob head; None = "
+            "chosen from free memory.", minimum=1, auto="head.logprob_head, from free memory"),
+    Setting("logprob_vocab_tile", int | None, None, "vocabulary entries", "Vocabulary tile of the fused log-prob "
+            "head; None = chosen from free memory.", minimum=1, auto="head.logprob_head, from free memory"),
+    Setting("offload_activations", str, "auto", "", "Offload checkpointed layer inputs to pinned host memory: "
+            "'true', 'false' or 'auto' (on with a CUDA device and gradient checkpointing).", choices=OFFLOAD_MODES,
+            auto="offload_activations_on: CUDA and gradient checkpointing"),
+    Setting("offload_recompute_tokens", int, OFFLOAD_RECOMPUTE_TOKENS, "tokens", "Offload's backward re-run (and "
+            "checkpointed forward) in pieces of at most this many tokens: row groups, and sequence tiles within a "
+            "longer row. Smaller: less memory, more launches.", minimum=1),
+    Setting("offload_device_budget_gib", float, 0.0, "GiB", "Layer inputs kept on the GPU instead of host memory, "
+            "GiB (set from the planner when the host cannot hold them all; 0 = offload every one).", minimum=0),
+    Setting("vllm_share_weights", bool, True, "", "Colocated vLLM with LoRA: the engine and the trainer use one copy "
+            "of the frozen base weights (checked at start-up; falls back to two copies with a warning)."),
+    Setting("sequence_parallel_size", int, 1, "processes", "Ulysses sequence parallelism: each group of this many "
+            "processes is one data-parallel rank; they share its rows, split each along its length (attention "
+            "through DeepSpeed's all-to-all, grpo_accel/parallel/sequence_parallel.py), so per-GPU activations fall "
+            "by this factor. per_device_train_batch_size then counts rows per group. 1 = off. Needs several "
+            "processes, SDPA attention and logprob_impl other than 'trl'.", minimum=1),
+    Setting("reward_checks", str, "trl", "", "'trl': reward functions behave as in TRL (None or NaN = does not apply "
+            "to that completion; a completion no reward applies to only warns). 'strict' (launch/train.py's "
+            "default): also stop with RewardFunctionError on inf / NaN rewards and on a completion that no reward "
+            "scored (a reward may return None for rows it does not apply to, beside one that scores them). Either "
+            "way a reward that raises or returns the wrong number of rewards is named in the error.",
+            choices=("trl", "strict")),
+    Setting("max_nonfinite_steps", int, 0, "steps", "Steps with non-finite gradients are skipped; this many in a row "
+            "stop the run, keeping the last good checkpoint. 0 = TRL's behaviour, no guard (launch/train.py's "
+            "default: 3).", minimum=0),
+)
+
+
+def setting(source, name: str):
+    """`name` from a run's fields (a mapping of flag names: a preset's, a resolved run's) or a config object; the
+    setting's default where the source lacks it (a TRL GRPOConfig, a trainer TRL's tests built without our init)."""
+    default = SETTINGS[name].default
+    return source.get(name, default) if isinstance(source, Mapping) else getattr(source, name, default)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the planner, the offload and the trainer run with, resolved once from a run's fields on its machine:
+    the "auto" rules applied where the machine decides them, GiB as bytes. The trainer makes one from its config
+    (`GRPOAccelTrainer.settings`), a preset's plan from the run's fields (`Preset.plan_inputs`): the same rules."""
+
+    offload_activations: bool  # "auto" resolved: CUDA and gradient checkpointing
+    offload_recompute_tokens: int  # tokens per re-run piece
+    offload_device_budget_bytes: int  # layer inputs kept on the device, bytes
+    padding_free: bool  # asked for (the trainer may still fall back where the model cannot pack)
+    share_prompt: str  # "auto" / "true" / "false": "false" where share_prompt_blocker names a reason
+    sequence_parallel_size: int
+    logprob_impl: str  # "auto" stays: the head resolves it where it knows whether Triton imports
+    logprob_chunk_size: int | None
+
+    @classmethod
+    def resolve(cls, source, *, cuda: bool) -> RunSettings:
+        """From `source` (config object or fields mapping, `setting`) on a machine with (`cuda`) or without CUDA."""
+        get = lambda name: setting(source, name)  # noqa: E731
+        checkpointing = bool(source.get("gradient_checkpointing", False) if isinstance(source, Mapping)
+                             else getattr(source, "gradient_checkpointing", False))
+        sp = int(get("sequence_parallel_size") or 1)
+        padding_free = bool(get("padding_free"))
+        share = SETTINGS["share_prompt"].parse(get("share_prompt"))
+        return cls(
+            offload_activations=offload_activations_on(get("offload_activations"), cuda, checkpointing),
+            offload_recompute_tokens=int(get("offload_recompute_tokens") or OFFLOAD_RECOMPUTE_TOKENS),
+            offload_device_budget_bytes=device_budget_bytes(get("offload_device_budget_gib")),
+            padding_free=padding_free, sequence_parallel_size=sp,
+            share_prompt="false" if share_prompt_blocker(padding_free, sp) else share,
+            logprob_impl=get("logprob_impl"), logprob_chunk_size=get("logprob_chunk_size"))
+
+
+__all__ = ["LOGPROB_IMPLS", "OFFLOAD_MODES", "OFFLOAD_RECOMPUTE_TOKENS", "RunSettings", "SETTINGS",
+           "SHARE_PROMPT_MIN_SAVED", "SHARE_PROMPT_MODES", "Setting", "device_budget_bytes", "device_budget_gib",
+           "generations_per_process", "offload_activations_on", "setting", "share_prompt_blocker", "share_prompt_pays",
+           "shared_group_tokens"]

@@ -26,7 +26,7 @@ from grpo_accel.core import dtypes
 from grpo_accel.core.console import log as console_log
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import process_rank
-from grpo_accel.core.settings import generations_per_process
+from grpo_accel.core.settings import generations_per_process, setting
 from grpo_accel.generation import vllm_availability as va
 from grpo_accel.generation import vllm_colocate as vc
 from grpo_accel.planning.routes import BNB_PLUGIN_INSTALL, ENGINE_QUANTIZATION, VLLM_INSTALL, Stack, choose_route
@@ -91,7 +91,7 @@ def colocated_route(model, args, quantization: str | None = None, lora_r: int = 
         return "off", ""
     four_bit = is_4bit(model) if quantization is None else quantization == "4bit"
     route, why = choose_route(use_vllm=True, quantization="4bit" if four_bit else "none", lora_r=lora_r,
-                              vllm_share_weights=getattr(args, "vllm_share_weights", True),
+                              vllm_share_weights=setting(args, "vllm_share_weights"),
                               stack=stack or local_stack())
     if route == "generate":
         return "fallback", f"generation route generate: {why}"
@@ -171,7 +171,7 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
     if args.vllm_gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
         cfg.memory_fraction = args.vllm_gpu_memory_utilization
         return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
-    plan = plan_memory(shape, dtype=dtype_name,
+    plan = plan_memory(shape, model_dtype=dtype_name,
                        quantization="4bit" if route in ("vllm_4bit", "vllm_fp8") else "none", lora_r=lora_r,
                        num_generations=args.num_generations,
                        max_prompt_length=max(model_len - args.max_completion_length, 1),

@@ -37,7 +37,7 @@ row's re-run falls 5x in RSS with 512-token tiles; the same tiles bound one 110K
 whole). Layer inputs stay on the device up to `device_budget_bytes`, the host side is capped by `host_budget_bytes`
 (HostMemoryError names the fix), reloads reuse two pooled buffers (residency.py).
 
-Parts: config.py (OffloadConfig, resolve_offload, from_plan), stash.py (host copies, double buffer), residency.py
+Parts: config.py (OffloadConfig, from_settings), stash.py (host copies, double buffer), residency.py
 (device / host budgets, buffer pool), checkpoint.py (the autograd function), replay.py (RNG / autocast replay),
 rerun.py (whole and row-grouped re-run), sequence tiles: ../tiling/, install.py (on a
 transformers model), saved_tensors.py (the head's saved tensors), tracker.py (where the saved bytes live).
@@ -45,7 +45,7 @@ Tests: `OMP_NUM_THREADS=1 pytest tests/test_offload.py tests/test_offload_tiled.
 """
 
 from grpo_accel.offload.checkpoint import OffloadedCheckpoint, OffloadedCheckpointFunction, offloaded_checkpoint  # noqa: F401 (tests patch)
-from grpo_accel.offload.config import OffloadConfig, resolve_offload
+from grpo_accel.offload.config import OffloadConfig
 from grpo_accel.offload.install import install_activation_offload, remove_activation_offload
 from grpo_accel.offload.saved_tensors import offload_saved_tensors
 from grpo_accel.offload.stash import ActivationStash, StashEntry  # noqa: F401 (StashEntry: the trainer parity test patches it)
@@ -54,5 +54,5 @@ from grpo_accel.offload.tracker import SavedActivationTracker
 __all__ = [
     "OffloadConfig", "ActivationStash", "OffloadedCheckpoint", "offloaded_checkpoint",
     "install_activation_offload", "remove_activation_offload", "offload_saved_tensors",
-    "resolve_offload", "SavedActivationTracker",
+    "SavedActivationTracker",
 ]

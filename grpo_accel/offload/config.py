@@ -1,12 +1,10 @@
-"""What to offload and how: `OffloadConfig`, and `resolve_offload` for the user-facing on/off/"auto" setting."""
+"""What to offload and how: `OffloadConfig` (whether to offload at all is a run setting: core.settings.RunSettings)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS, offload_activations_on
+from grpo_accel.core.settings import OFFLOAD_RECOMPUTE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -33,18 +31,10 @@ class OffloadConfig:
     host_budget_bytes: int | None = None
 
     @classmethod
-    def from_plan(cls, plan, host_budget_bytes: int | None = None, **overrides) -> OffloadConfig:
-        """The stash settings a grpo_accel.planning.memory plan assumed: its piece size (recompute_tokens) and device
-        budget (offload_device_budget_bytes, e.g. chosen by memory.fit_host); `host_budget_bytes` caps the host
-        side (what the start-up check found available): a wrong plan stops with HostMemoryError, not the OOM killer."""
-        inp = plan.inputs
-        return cls(recompute_tokens=inp.get("recompute_tokens", cls.recompute_tokens),
-                   device_budget_bytes=int(inp.get("offload_device_budget_bytes", 0)),
-                   host_budget_bytes=host_budget_bytes, **overrides)
-
-
-def resolve_offload(setting: bool | str, device: torch.device | str, gradient_checkpointing: bool = True) -> bool:
-    """`True`/`False` as given (also as strings); `"auto"`: on when `device` is CUDA and gradient
-    checkpointing is on (core.settings.offload_activations_on: the one rule, the planner's too)."""
-    return offload_activations_on(setting, torch.device(device).type == "cuda", gradient_checkpointing)
-
+    def from_settings(cls, settings, host_budget_bytes: int | None = None, **overrides) -> OffloadConfig:
+        """The stash a run's settings ask for (core.settings.RunSettings, the planner's inputs too): its re-run
+        piece and device budget; `host_budget_bytes` caps the host side (what the host has free): a wrong plan stops
+        with HostMemoryError, not the OOM killer."""
+        return cls(recompute_tokens=settings.offload_recompute_tokens,
+                   device_budget_bytes=settings.offload_device_budget_bytes, host_budget_bytes=host_budget_bytes,
+                   **overrides)

@@ -20,8 +20,7 @@ import torch
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.phase_memory import proc_field_bytes
 from grpo_accel.core.processes import local_processes
-
-GIB = 1 << 30
+from grpo_accel.core.units import GIB
 
 
 class HostMemoryError(UserError, ValueError):

@@ -36,8 +36,6 @@ from grpo_accel.core.settings import share_prompt_pays, shared_group_tokens
 from grpo_accel.parallel.packing import PackedRows
 from grpo_accel.tiling.attention import Segment
 
-SHARE_PROMPT_MODES = ("auto", "true", "false")
-
 
 @dataclass
 class Unit:

@@ -1,6 +1,6 @@
 """Memory planner: predicts the peak footprint of one GRPO step (what a run measures: phase_memory.py).
 
-    plan = plan_memory(model_shape("qwen3-8b"), dtype="bf16", quantization="4bit", lora_r=16, num_generations=8,
+    plan = plan_memory(model_shape("qwen3-8b"), model_dtype="bf16", quantization="4bit", lora_r=16, num_generations=8,
                        max_prompt_length=512, max_completion_length=110_000, per_device_train_batch_size=1,
                        offload_activations=True, generation="vllm_4bit", generation_batch=8)
     print(plan.format()); print(plan.verdict(80 * 2**30))
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from grpo_accel.core.dtypes import dtype_bytes
+from grpo_accel.core.dtypes import dtype_bytes, short_name
 from grpo_accel.core.settings import (
     LOGPROB_IMPLS,
     OFFLOAD_RECOMPUTE_TOKENS,
@@ -177,12 +177,17 @@ def shortest_shared_prompt(completion_len: int, num_generations: int) -> int | N
     return P
 
 
-def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
+# plan_memory's arguments that are run settings as they run (core.settings.RunSettings fields, the same names)
+PLANNED_SETTINGS = ("offload_activations", "offload_recompute_tokens", "offload_device_budget_bytes", "share_prompt",
+                    "sequence_parallel_size", "logprob_impl", "logprob_chunk_size")
+
+
+def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
                 max_completion_length=1024, per_device_train_batch_size=8, gradient_checkpointing=True,
                 offload_activations=False, logprob_impl="auto", logprob_chunk_size=None, use_vllm=None,
                 vllm_share_weights=None, vllm_kv_seqs=1, vllm_sleep=False, deepspeed_stage=0, num_processes=1,
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
-                recompute_tokens=OFFLOAD_RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
+                offload_recompute_tokens=OFFLOAD_RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
                 generation_batch=None, reward_models=()) -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
@@ -205,6 +210,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     use_vllm, vllm_share_weights = generation in COLOCATED, generation == "vllm_shared"
     vllm_sleep = vllm_sleep and generation == "vllm_copy"
     generation_batch = generation_batch or per_device_train_batch_size
+    model_dtype = short_name(model_dtype) or model_dtype  # any spelling (bf16, bfloat16); kept short
     inputs = {k: v for k, v in locals().items() if k != "shape"}
     shape = model_shape(shape)
     if logprob_impl not in PLANNED_LOGPROB_IMPLS:
@@ -213,7 +219,7 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
         raise ValueError(f"quantization={quantization!r}: use 'none' or '4bit'")
     if quantization == "4bit" and lora_r <= 0:
         raise ValueError("quantization='4bit' trains adapters only: set lora_r > 0 (QLoRA)")
-    a = dtype_bytes(dtype)  # weights of non-quantized parts and activations use the compute dtype
+    a = dtype_bytes(model_dtype)  # weights of non-quantized parts and activations use the compute dtype
     B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
     T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
     # Ulysses SP (grpo_accel.parallel.sequence_parallel): an SP group of sp GPUs shares its B rows
@@ -264,8 +270,8 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
         dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
         pieces = offload_activations and deepspeed_stage < 3
         dev["recompute_working_set"] = (
-            _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, recompute_tokens) if sp == 1 else
-            _sp_rerun_bytes(shape, a, rows, T_gpu, sp, saved + transient, pieces, recompute_tokens))
+            _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, offload_recompute_tokens) if sp == 1 else
+            _sp_rerun_bytes(shape, a, rows, T_gpu, sp, saved + transient, pieces, offload_recompute_tokens))
     else:
         dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
         dev["recompute_working_set"] = n_tok * transient
@@ -273,9 +279,9 @@ def plan_memory(shape, *, dtype="bf16", quantization="none", lora_r=16, num_gene
     # ([T/sp, all heads] <-> [T, heads/sp]: the same bytes), for the rows of one re-run piece, or one sequence tile
     # of a longer shard (all rows without offload); kv heads repeated up to sp when fewer (DeepSpeed)
     kv_dim = max(shape.kv_heads, sp) * shape.head_dim
-    pieces = gradient_checkpointing and offload_activations and deepspeed_stage < 3 and recompute_tokens
-    a2a_tokens = (min(rows, max(1, recompute_tokens // T_gpu)) * T_gpu if T_gpu <= recompute_tokens else
-                  recompute_tokens) if pieces else n_tok
+    pieces = gradient_checkpointing and offload_activations and deepspeed_stage < 3 and offload_recompute_tokens
+    a2a_tokens = (min(rows, max(1, offload_recompute_tokens // T_gpu)) * T_gpu if T_gpu <= offload_recompute_tokens else
+                  offload_recompute_tokens) if pieces else n_tok
     dev["sp_all_to_all"] = 2 * a2a_tokens * (2 * shape.heads * shape.head_dim + 2 * kv_dim) * a if sp > 1 else 0
     head_trainable = lora_r <= 0
     dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_size,
@@ -467,11 +473,11 @@ def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
     """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
     inp = plan.inputs
     per_seq = plan.shape.kv_cache_bytes(inp["max_prompt_length"] + inp["max_completion_length"],
-                                        dtype_bytes(inp["dtype"]))
+                                        dtype_bytes(inp["model_dtype"]))
     budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
     return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
 
 
-__all__ = ["GIB", "MemoryPlan", "Verdict", "auto_logprob_block", "kv_bytes_per_token", "kv_cache_sequences",
-           "layer_saved_bytes_per_token", "plan_memory", "vllm_memory_fraction",
+__all__ = ["GIB", "MemoryPlan", "PLANNED_SETTINGS", "Verdict", "auto_logprob_block", "kv_bytes_per_token",
+           "kv_cache_sequences", "layer_saved_bytes_per_token", "plan_memory", "vllm_memory_fraction",
            "find_max_completion_length", "fit_host"]

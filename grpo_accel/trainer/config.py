@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trl import GRPOConfig
 
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.processes import launched_processes
-from grpo_accel.core.settings import LOGPROB_IMPLS, OFFLOAD_RECOMPUTE_TOKENS, share_prompt_blocker
-from grpo_accel.parallel.shared_prompt import SHARE_PROMPT_MODES
+from grpo_accel.core.settings import SETTINGS, share_prompt_blocker
 
 
 def _lcm(a: int, b: int) -> int:
@@ -23,88 +22,22 @@ class GRPOAccelConfig(GRPOConfig):
     that cannot run stops here with one `error:` line naming the field and the fix. `from_trl(config)` takes a TRL
     GRPOConfig as it is set. What each TRL field does with the savers on: docs/trl-compatibility.md."""
 
-    logprob_impl: str = field(
-        default="auto",
-        metadata={"help": "Log-prob head: 'trl' (TRL's own chunked head), 'chunked' (ours, torch), 'triton' "
-                          "(ours, Triton kernels; CUDA), 'auto' (triton on CUDA when importable, else chunked)."},
-    )
-    logprob_mini_batch: int | None = field(
-        default=None,
-        metadata={"help": "Rows (sequences) per model forward when computing log-probs; None = all at once. "
-                          "Smaller bounds the hidden-state memory of the policy forward."},
-    )
-    padding_free: bool = field(
-        default=True,
-        metadata={"help": "Log-prob passes (policy, old, reference) run on packed rows of real tokens only, with "
-                          "per-sequence position ids, unpacked to TRL's layout (same numbers, no padding compute). "
-                          "Works with either head (logprob_impl). Falls back to padded rows with one log line "
-                          "where the model cannot (eager attention, sliding windows, length-dependent or no RoPE)."},
-    )
-    share_prompt: str = field(
-        default="auto",
-        metadata={"help": "Log-prob passes compute each prompt once per group: the group's rows become one packed "
-                          "stretch [prompt][c1]...[cG], each completion attending to the whole prompt and to itself "
-                          "only (exact; grpo_accel/parallel/shared_prompt.py). 'auto': for groups where that "
-                          "removes a quarter or more of its tokens (long prompts); 'true': every group of >= 2 "
-                          "rows; 'false': never. Needs padding_free with sdpa attention; not under sequence "
-                          "parallelism."},
-    )
-    logprob_token_budget: int | None = field(
-        default=None,
-        metadata={"help": "padding_free: most real tokens per log-prob forward, rows grouped longest first; "
-                          "None = what one padded forward held (logprob_mini_batch or TRL's rows x sequence "
-                          "length), capped at the offload's re-run group when offload is on."},
-    )
-    logprob_chunk_size: int | None = field(
-        default=None,
-        metadata={"help": "Tokens per chunk in the fused log-prob head; None = chosen from free memory."},
-    )
-    logprob_vocab_tile: int | None = field(
-        default=None,
-        metadata={"help": "Vocabulary tile of the fused log-prob head; None = chosen from free memory."},
-    )
-    offload_activations: str = field(
-        default="auto",
-        metadata={"help": "Offload checkpointed layer inputs to pinned host memory: 'true', 'false' or 'auto' "
-                          "(on with a CUDA device and gradient checkpointing)."},
-    )
-    offload_recompute_tokens: int = field(
-        default=OFFLOAD_RECOMPUTE_TOKENS,
-        metadata={"help": "Offload's backward re-run (and checkpointed forward) in pieces of at most this many tokens: "
-                          "row groups, and sequence tiles within a longer row. Smaller: less memory, more launches."},
-    )
-    offload_device_budget_gib: float = field(
-        default=0.0,
-        metadata={"help": "Layer inputs kept on the GPU instead of host memory, GiB (set from the planner when the "
-                          "host cannot hold them all; 0 = offload every one)."},
-    )
-    vllm_share_weights: bool = field(
-        default=True,
-        metadata={"help": "Colocated vLLM with LoRA: the engine and the trainer use one copy of the frozen base "
-                          "weights (checked at start-up; falls back to two copies with a warning)."},
-    )
-    sequence_parallel_size: int = field(
-        default=1,
-        metadata={"help": "Ulysses sequence parallelism: each group of this many processes is one data-parallel "
-                          "rank; they share its rows, split each along its length (attention through DeepSpeed's "
-                          "all-to-all, grpo_accel/parallel/sequence_parallel.py), so per-GPU activations fall by "
-                          "this factor. per_device_train_batch_size then counts rows per group. 1 = off. Needs several "
-                          "processes, SDPA attention and logprob_impl other than 'trl'."},
-    )
-    reward_checks: str = field(
-        default="trl",
-        metadata={"help": "'trl': reward functions behave as in TRL (None or NaN = does not apply to that completion; "
-                          "a completion no reward applies to only warns). 'strict' (launch/train.py's default): "
-                          "also stop with RewardFunctionError on inf / NaN rewards and on a completion that no reward "
-                          "scored (a reward may return None for rows it does not apply to, beside one that scores "
-                          "them). Either way a reward that raises or returns the wrong "
-                          "number of rewards is named in the error."},
-    )
-    max_nonfinite_steps: int = field(
-        default=0,
-        metadata={"help": "Steps with non-finite gradients are skipped; this many in a row stop the run, keeping "
-                          "the last good checkpoint. 0 = TRL's behaviour, no guard (launch/train.py's default: 3)."},
-    )
+    # grpo_accel's settings: name, type, default, --help and check come from core.settings.SETTINGS (one entry
+    # each); these lines only declare them, and tests/test_settings.py checks that they declare the same types
+    logprob_impl: str = SETTINGS["logprob_impl"].field()
+    logprob_mini_batch: int | None = SETTINGS["logprob_mini_batch"].field()
+    padding_free: bool = SETTINGS["padding_free"].field()
+    share_prompt: str = SETTINGS["share_prompt"].field()
+    logprob_token_budget: int | None = SETTINGS["logprob_token_budget"].field()
+    logprob_chunk_size: int | None = SETTINGS["logprob_chunk_size"].field()
+    logprob_vocab_tile: int | None = SETTINGS["logprob_vocab_tile"].field()
+    offload_activations: str = SETTINGS["offload_activations"].field()
+    offload_recompute_tokens: int = SETTINGS["offload_recompute_tokens"].field()
+    offload_device_budget_gib: float = SETTINGS["offload_device_budget_gib"].field()
+    vllm_share_weights: bool = SETTINGS["vllm_share_weights"].field()
+    sequence_parallel_size: int = SETTINGS["sequence_parallel_size"].field()
+    reward_checks: str = SETTINGS["reward_checks"].field()
+    max_nonfinite_steps: int = SETTINGS["max_nonfinite_steps"].field()
 
     @classmethod
     def from_trl(cls, args: GRPOConfig) -> GRPOAccelConfig:
@@ -118,22 +51,9 @@ class GRPOAccelConfig(GRPOConfig):
     def __post_init__(self):
         self._check_numbers()  # before TRL's own checks, which name its internals rather than the flag
         self._refuse_accelerates_sp()
-        if self.logprob_impl not in LOGPROB_IMPLS:
-            raise ConfigError(f"--logprob_impl {self.logprob_impl} is not one of {', '.join(LOGPROB_IMPLS)}.")
-        for name in ("logprob_mini_batch", "logprob_chunk_size", "logprob_vocab_tile", "logprob_token_budget"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name} {value} must be a positive integer (or unset: automatic).")
-        if self.reward_checks not in ("trl", "strict"):
-            raise ConfigError(f"--reward_checks {self.reward_checks}: use trl or strict.")
-        normalized = str(self.offload_activations).lower()
-        if normalized not in ("true", "false", "auto"):
-            raise ConfigError(f"--offload_activations {self.offload_activations}: use true, false or auto.")
-        self.offload_activations = normalized
-        share = str(self.share_prompt).lower()
-        if share not in SHARE_PROMPT_MODES:
-            raise ConfigError(f"--share_prompt {self.share_prompt}: use {', '.join(SHARE_PROMPT_MODES)}.")
-        self.share_prompt = share
+        for name, spec in SETTINGS.items():  # each of our fields as the config keeps it, or its one error line
+            setattr(self, name, spec.parse(getattr(self, name)))
+        share = self.share_prompt
         blocker = share_prompt_blocker(self.padding_free, self.sequence_parallel_size)
         if share == "true" and blocker:
             fix = "--padding_free true, or --share_prompt auto" if self.sequence_parallel_size == 1 else \
@@ -212,8 +132,7 @@ class GRPOAccelConfig(GRPOConfig):
         """Each numeric flag that cannot work, named as the user typed it, with the fix."""
         for name, low in (("max_completion_length", 1), ("per_device_train_batch_size", 1),
                           ("gradient_accumulation_steps", 1), ("num_generations", 2), ("logging_steps", 1),
-                          ("save_steps", 1), ("max_nonfinite_steps", 0), ("sequence_parallel_size", 1),
-                          ("offload_recompute_tokens", 1), ("offload_device_budget_gib", 0)):
+                          ("save_steps", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
                 why = " (GRPO compares each completion with the others of its prompt)" if name == "num_generations" \

