@@ -15,12 +15,8 @@ import torch
 
 from grpo_accel.core.phase_memory import PhaseMemory
 from grpo_accel.planning.architectures import ARCHITECTURES, get_architecture, list_architectures, model_shape
-from grpo_accel.planning.memory import (
-    GIB,
-    kv_cache_sequences,
-    plan_memory,
-    vllm_memory_fraction,
-)
+from grpo_accel.planning.generation import kv_cache_sequences, vllm_memory_fraction
+from grpo_accel.planning.memory import GIB, plan_memory
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20

@@ -78,7 +78,8 @@ def _fake_gpu(monkeypatch, total_bytes):
 def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
     """On a (faked) 80 GB GPU the engine gets what training leaves: less when training needs more, enough for one
     full-length sequence of KV beside its weights; full fine-tuning sleeps; a fraction the user chose is kept."""
-    from grpo_accel.planning.memory import _weights_bytes, kv_bytes_per_token
+    from grpo_accel.planning.generation import kv_bytes_per_token
+    from grpo_accel.planning.memory import _weights_bytes
 
     args, long_args = _args(tmp_path), _args(tmp_path, max_completion_length=4000)
     chosen = _args(tmp_path, vllm_gpu_memory_utilization=0.5)  # built before the fake GPU

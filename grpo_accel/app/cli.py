@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 
 from grpo_accel.core.units import GIB
-from grpo_accel.planning.memory import kv_cache_sequences, vllm_memory_fraction
+from grpo_accel.planning.generation import kv_cache_sequences, vllm_memory_fraction
 
 
 def _table(rows: list[dict], headers: dict) -> str:

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 from grpo_accel.core.units import GIB
-from grpo_accel.planning.memory import kv_bytes_per_token, kv_cache_sequences
+from grpo_accel.planning.generation import kv_bytes_per_token, kv_cache_sequences
 from grpo_accel.planning.routes import COLOCATED, PINNED_STACK
 
 HEADER_START, HEADER_INDENT = "# Generation route: ", "#   "

@@ -152,7 +152,8 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
     one line saying why."""
     from grpo_accel.core.units import GIB
     from grpo_accel.planning.architectures import model_shape
-    from grpo_accel.planning.memory import kv_bytes_per_token, plan_memory, vllm_memory_fraction
+    from grpo_accel.planning.generation import kv_bytes_per_token, vllm_memory_fraction
+    from grpo_accel.planning.memory import plan_memory
 
     shape = model_shape(hf_config)
     seqs = generations_per_rank(args)

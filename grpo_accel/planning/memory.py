@@ -34,6 +34,7 @@ from grpo_accel.planning.activations import (
     layer_saved_bytes_per_token,
 )
 from grpo_accel.planning.architectures import ModelShape, model_shape
+from grpo_accel.planning.generation import GENERATION_TERMS, generation_terms
 from grpo_accel.planning.routes import COLOCATED, PINNED_STACK, ROUTES, choose_route
 
 # bitsandbytes NF4 with double quantization: 4 bits per weight, an 8-bit absmax per 64-weight block, and an fp32
@@ -43,8 +44,6 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 # torch.cuda.max_memory_allocated, and the caching allocator's fragmentation on top of the live bytes.
 CUDA_CONTEXT_BYTES = 1 * GIB
 FRAGMENTATION = 0.05
-# vLLM's own working memory besides weights and KV cache (CUDA graphs, sampler, prefill activations): assumed.
-VLLM_RUNTIME_BYTES = 1 * GIB
 TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py, trl/trainer/utils.py (TRL 1.16)
 PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the naive baseline (benchmarks)
 
@@ -53,9 +52,6 @@ DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "act
                 "recompute_working_set", "sp_all_to_all", "logprob_workspace", "vllm_weights", "vllm_kv_cache",
                 "vllm_runtime", "generate_kv_cache", "generate_working_set", "reward_models",
                 "allocator_margin")
-# Alive only while generating: a sleeping engine's KV cache and runtime, and everything generate() holds (its cache
-# is freed when the batch is done; the caching allocator then reuses those blocks for the training step).
-GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime", "generate_kv_cache", "generate_working_set")
 TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_working_set", "sp_all_to_all",
                             "logprob_workspace")
 
@@ -113,31 +109,11 @@ def reward_model_bytes(shape: ModelShape, rows: int, T: int, a: int) -> int:
     return int(weights + rows * T * (H + layer_peak) * a)
 
 
-def kv_bytes_per_token(shape: ModelShape, a: int) -> int:
-    """K and V of every layer per token: exact without sliding layers, an upper bound with them
-    (`ModelShape.kv_cache_bytes` keeps a sliding layer's window only)."""
-    return 2 * shape.layers * shape.kv_dim * a
-
-
 def _fp8_weights_bytes(shape: ModelShape, a: int) -> float:
     """vLLM's online FP8 (quantization="fp8"): every decoder linear in 1 byte (a per-tensor scale each); embeddings,
     lm_head and norms stay in the compute dtype."""
     linear = shape.layers * shape.layer_linear_params
     return linear + (shape.n_params - linear) * a
-
-
-def _generate_terms(shape: ModelShape, a: int, seqs: int, prompt: int, T: int) -> tuple[float, float]:
-    """(KV cache, working set) of transformers' generate() over `seqs` sequences of T tokens, as TRL's non-vLLM path
-    calls it (the whole generation batch in one call, padded to the longest prompt, DynamicCache).
-    Working set: the decode step's growing cache (torch.cat writes one layer's K and V anew beside the old ones),
-    the sampler's fp32 logits, processed scores and probabilities [seqs, V], and the prefill of one layer (K and V
-    repeated to every head for SDPA with a mask, q, the MLP's gate/up and output)."""
-    kv = seqs * shape.kv_cache_bytes(T, a)  # a sliding layer's cache holds its window only
-    one_layer_kv = seqs * T * kv_bytes_per_token(shape, a) / shape.layers
-    sampler = 3 * seqs * shape.vocab * 4
-    prefill = seqs * prompt * (shape.q_dim + 2 * shape.heads * shape.head_dim + 2 * shape.intermediate
-                               + shape.hidden) * a
-    return kv, one_layer_kv + sampler + prefill
 
 
 def _rerun_bytes(shape: ModelShape, a: int, B: int, T: int, per_token: float, pieces: bool, tokens) -> float:
@@ -291,10 +267,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     # generation batch's cache; a vLLM server nothing here
     dev["vllm_weights"] = {"vllm_4bit": _weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
                            "vllm_copy": _weights_bytes(shape, a, "none")}.get(generation, 0)
-    dev["vllm_kv_cache"] = vllm_kv_seqs * shape.kv_cache_bytes(T, a) if use_vllm else 0
-    dev["vllm_runtime"] = VLLM_RUNTIME_BYTES if use_vllm else 0
-    dev["generate_kv_cache"], dev["generate_working_set"] = (
-        _generate_terms(shape, a, generation_batch, max_prompt_length, T) if generation == "generate" else (0, 0))
+    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T))
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
     live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
     dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
@@ -455,29 +428,5 @@ def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
     return Verdict(False, p, gpu, tuple(fixes), msg)
 
 
-def vllm_memory_fraction(plan: MemoryPlan, gpu_bytes: int, cap: float = 0.95) -> float:
-    """vLLM's gpu_memory_utilization: everything the training side leaves, rounded down to 0.001.
-
-    The engine checks at start that this fraction of the GPU is free; its KV cache then gets what remains of the
-    fraction after its weights and runtime, so giving it all the leftover maximizes concurrent generations.
-    """
-    training_only = plan.peak_bytes - plan.vllm_bytes
-    fraction = min(cap, int((gpu_bytes - training_only) / gpu_bytes * 1000) / 1000)
-    if fraction * gpu_bytes < plan.vllm_bytes:
-        raise ValueError(f"vLLM needs {plan.vllm_bytes / GIB:.1f} GiB but training leaves "
-                         f"{max(fraction, 0) * gpu_bytes / GIB:.1f} GiB: {plan.verdict(gpu_bytes)}")
-    return fraction
-
-
-def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
-    """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
-    inp = plan.inputs
-    per_seq = plan.shape.kv_cache_bytes(inp["max_prompt_length"] + inp["max_completion_length"],
-                                        dtype_bytes(inp["model_dtype"]))
-    budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
-    return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
-
-
-__all__ = ["GIB", "MemoryPlan", "PLANNED_SETTINGS", "Verdict", "auto_logprob_block", "kv_bytes_per_token",
-           "kv_cache_sequences", "layer_saved_bytes_per_token", "plan_memory", "vllm_memory_fraction",
-           "find_max_completion_length", "fit_host"]
+__all__ = ["GIB", "MemoryPlan", "PLANNED_SETTINGS", "Verdict", "auto_logprob_block", "layer_saved_bytes_per_token",
+           "plan_memory", "find_max_completion_length", "fit_host"]

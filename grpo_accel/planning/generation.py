@@ -1,0 +1,82 @@
+"""What generation holds on the device, by route (planning.routes): a colocated vLLM engine's KV cache and runtime,
+transformers' generate() cache and working set; and the engine's share of the GPU sized from a plan (its
+gpu_memory_utilization, the full-length sequences its KV cache then holds). The engine's own weights are weights:
+memory.py prices them with the trainer's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from grpo_accel.core.dtypes import dtype_bytes
+from grpo_accel.core.units import GIB
+from grpo_accel.planning.architectures import ModelShape
+from grpo_accel.planning.routes import COLOCATED
+
+if TYPE_CHECKING:  # memory.py sums these terms into its plans: imported there, named here for the signatures only
+    from grpo_accel.planning.memory import MemoryPlan
+
+# vLLM's own working memory besides weights and KV cache (CUDA graphs, sampler, prefill activations): assumed.
+VLLM_RUNTIME_BYTES = 1 * GIB
+# Alive only while generating: a sleeping engine's KV cache and runtime, and everything generate() holds (its cache
+# is freed when the batch is done; the caching allocator then reuses those blocks for the training step).
+GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime", "generate_kv_cache", "generate_working_set")
+
+
+def kv_bytes_per_token(shape: ModelShape, a: int) -> int:
+    """K and V of every layer per token: exact without sliding layers, an upper bound with them
+    (`ModelShape.kv_cache_bytes` keeps a sliding layer's window only)."""
+    return 2 * shape.layers * shape.kv_dim * a
+
+
+def _generate_terms(shape: ModelShape, a: int, seqs: int, prompt: int, T: int) -> tuple[float, float]:
+    """(KV cache, working set) of transformers' generate() over `seqs` sequences of T tokens, as TRL's non-vLLM path
+    calls it (the whole generation batch in one call, padded to the longest prompt, DynamicCache).
+    Working set: the decode step's growing cache (torch.cat writes one layer's K and V anew beside the old ones),
+    the sampler's fp32 logits, processed scores and probabilities [seqs, V], and the prefill of one layer (K and V
+    repeated to every head for SDPA with a mask, q, the MLP's gate/up and output)."""
+    kv = seqs * shape.kv_cache_bytes(T, a)  # a sliding layer's cache holds its window only
+    one_layer_kv = seqs * T * kv_bytes_per_token(shape, a) / shape.layers
+    sampler = 3 * seqs * shape.vocab * 4
+    prefill = seqs * prompt * (shape.q_dim + 2 * shape.heads * shape.head_dim + 2 * shape.intermediate
+                               + shape.hidden) * a
+    return kv, one_layer_kv + sampler + prefill
+
+
+def generation_terms(shape: ModelShape, a: int, generation: str, generation_batch: int, vllm_kv_seqs: int,
+                     prompt: int, T: int) -> dict:
+    """The generation-phase device terms of a plan: a colocated engine's KV cache, which must hold `vllm_kv_seqs`
+    full-length sequences (vLLM refuses to start below one), and its runtime; generate()'s cache and working set
+    over the whole generation batch; a vLLM server nothing here."""
+    engine = generation in COLOCATED
+    kv, working = _generate_terms(shape, a, generation_batch, prompt, T) if generation == "generate" else (0, 0)
+    return {"vllm_kv_cache": vllm_kv_seqs * shape.kv_cache_bytes(T, a) if engine else 0,
+            "vllm_runtime": VLLM_RUNTIME_BYTES if engine else 0, "generate_kv_cache": kv,
+            "generate_working_set": working}
+
+
+def vllm_memory_fraction(plan: MemoryPlan, gpu_bytes: int, cap: float = 0.95) -> float:
+    """vLLM's gpu_memory_utilization: everything the training side leaves, rounded down to 0.001.
+
+    The engine checks at start that this fraction of the GPU is free; its KV cache then gets what remains of the
+    fraction after its weights and runtime, so giving it all the leftover maximizes concurrent generations.
+    """
+    training_only = plan.peak_bytes - plan.vllm_bytes
+    fraction = min(cap, int((gpu_bytes - training_only) / gpu_bytes * 1000) / 1000)
+    if fraction * gpu_bytes < plan.vllm_bytes:
+        raise ValueError(f"vLLM needs {plan.vllm_bytes / GIB:.1f} GiB but training leaves "
+                         f"{max(fraction, 0) * gpu_bytes / GIB:.1f} GiB: {plan.verdict(gpu_bytes)}")
+    return fraction
+
+
+def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
+    """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
+    inp = plan.inputs
+    per_seq = plan.shape.kv_cache_bytes(inp["max_prompt_length"] + inp["max_completion_length"],
+                                        dtype_bytes(inp["model_dtype"]))
+    budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
+    return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
+
+
+__all__ = ["GENERATION_TERMS", "VLLM_RUNTIME_BYTES", "generation_terms", "kv_bytes_per_token", "kv_cache_sequences",
+           "vllm_memory_fraction"]
