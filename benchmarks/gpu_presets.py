@@ -179,7 +179,7 @@ def main(argv=None) -> int:
                 print(f"[gpu_presets] {name}: skipped ({exc})", flush=True)
                 continue
         arch = "tiny-llama" if args.cpu_check else preset.architecture
-        dtype = dtypes.long_name(preset.dtype)
+        dtype = dtypes.long_name(preset.model_dtype)
         model_dir = save_random_model(arch, Path(args.models_dir), dtype)
         completion = min(args.completion_length, preset.max_completion_length)
         flags, code, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s)

@@ -101,8 +101,11 @@ def test_host_budget_is_shared_by_the_ranks_of_a_node(local_ranks, monkeypatch):
     monkeypatch.setattr(residency, "meminfo_bytes", lambda key: node_available if key == "MemAvailable" else None)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
     monkeypatch.delenv("GRPO_ACCEL_OFFLOAD_FORCE_COPIES", raising=False)
-    fake = SimpleNamespace(args=SimpleNamespace(offload_activations="true", gradient_checkpointing=True,
-                                                offload_recompute_tokens=1024, offload_device_budget_gib=0.0),
+    from grpo_accel.core.settings import RunSettings
+
+    args = SimpleNamespace(offload_activations="true", gradient_checkpointing=True, offload_recompute_tokens=1024,
+                           offload_device_budget_gib=0.0)
+    fake = SimpleNamespace(args=args, settings=RunSettings.resolve(args, cuda=True),
                            accelerator=SimpleNamespace(device=torch.device("cuda")))  # the GPU path, no GPU touched
     budget = GRPOAccelTrainer._offload_config(fake).host_budget_bytes
     assert budget * local_ranks <= 0.9 * node_available

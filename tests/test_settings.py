@@ -91,3 +91,25 @@ def test_one_setting_from_the_command_line_to_the_step(tmp_path):
         assert trainer.share_prompt == "false"
     finally:
         trainer.close()
+
+
+# What a preset alone knows, so names no flag: its machine (the accelerate YAML's processes and DeepSpeed settings, the
+# GPU it targets), what it is, the named shape the planner reads offline, and the prompt budget the plan sizes
+PRESET_ONLY = {"name", "description", "target_gpu", "min_gpu_mem_gib", "min_compute_capability", "num_processes",
+               "architecture", "max_prompt_length", "deepspeed_stage", "offload_optimizer", "offload_params", "yaml",
+               "recipe"}
+
+
+def test_a_preset_names_its_settings_as_the_flags_do():
+    """Every other preset field is a flag of the same name (it was `dtype` for --model_dtype, a bool for
+    --offload_activations), and each setting's value is as the flag types it."""
+    from grpo_accel.app.presets.table import PRESETS, Preset
+    from grpo_accel.app.run_spec import RunParser
+
+    flags = {name[2:] for name in RunParser().flag_names()}
+    assert {f.name for f in dataclasses.fields(Preset)} - flags == PRESET_ONLY
+    for preset in PRESETS.values():
+        for name in SETTINGS.keys() & {f.name for f in dataclasses.fields(Preset)}:
+            assert SETTINGS[name].parse(getattr(preset, name)) == getattr(preset, name), (preset.name, name)
+    with pytest.raises(ValueError, match="offload_activations=True, write it as the flag does"):
+        dataclasses.replace(PRESETS["cpu"], offload_activations=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from grpo_accel.core import dtypes
 from grpo_accel.core.errors import UserError
-from grpo_accel.core.settings import RunSettings, generations_per_process
+from grpo_accel.core.settings import SETTINGS, RunSettings, generations_per_process
 from grpo_accel.planning.architectures import model_shape
 from grpo_accel.planning.memory import PLANNED_SETTINGS, MemoryPlan, plan_memory
 from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
@@ -64,6 +64,11 @@ class Preset:
     model_init_kwargs: dict  # passed to from_pretrained: rope scaling past the native context, attention kernel
     sequence_parallel_size: int = 1  # Ulysses SP (grpo_accel/parallel/sequence_parallel.py): ranks sharing one sequence
     vllm_mode: str = "colocate"  # "server": generation on a `trl vllm-serve` machine, no engine on these GPUs
+
+    def __post_init__(self):  # a preset's settings are typed as the flags type them (a bad one fails at import)
+        for name in SETTINGS.keys() & vars(self).keys():
+            if SETTINGS[name].parse(getattr(self, name)) != getattr(self, name):
+                raise ValueError(f"preset {self.name}: {name}={getattr(self, name)!r}, write it as the flag does")
 
     @property
     def yaml_path(self) -> Path:
