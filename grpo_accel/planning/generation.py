@@ -1,20 +1,16 @@
 """What generation holds on the device, by route (planning.routes): a colocated vLLM engine's KV cache and runtime,
 transformers' generate() cache and working set; and the engine's share of the GPU sized from a plan (its
 gpu_memory_utilization, the full-length sequences its KV cache then holds). The engine's own weights are weights:
-memory.py prices them with the trainer's.
+memory.py prices them with the trainer's. memory.py imports this module, so `plan` here (a memory.MemoryPlan) is
+not imported: a circle the architecture test refuses.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from grpo_accel.core.dtypes import dtype_bytes
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import ModelShape
 from grpo_accel.planning.routes import COLOCATED
-
-if TYPE_CHECKING:  # memory.py sums these terms into its plans: imported there, named here for the signatures only
-    from grpo_accel.planning.memory import MemoryPlan
 
 # vLLM's own working memory besides weights and KV cache (CUDA graphs, sampler, prefill activations): assumed.
 VLLM_RUNTIME_BYTES = 1 * GIB
@@ -55,7 +51,7 @@ def generation_terms(shape: ModelShape, a: int, generation: str, generation_batc
             "generate_working_set": working}
 
 
-def vllm_memory_fraction(plan: MemoryPlan, gpu_bytes: int, cap: float = 0.95) -> float:
+def vllm_memory_fraction(plan, gpu_bytes: int, cap: float = 0.95) -> float:
     """vLLM's gpu_memory_utilization: everything the training side leaves, rounded down to 0.001.
 
     The engine checks at start that this fraction of the GPU is free; its KV cache then gets what remains of the
@@ -69,7 +65,7 @@ def vllm_memory_fraction(plan: MemoryPlan, gpu_bytes: int, cap: float = 0.95) ->
     return fraction
 
 
-def kv_cache_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
+def kv_cache_sequences(plan, gpu_bytes: int) -> int:
     """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
     inp = plan.inputs
     per_seq = plan.shape.kv_cache_bytes(inp["max_prompt_length"] + inp["max_completion_length"],
