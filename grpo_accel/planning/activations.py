@@ -60,13 +60,38 @@ def layer_backward_transient_per_token(shape: ModelShape, act_bytes: int) -> int
     return act_bytes * (2 * shape.hidden + 2 * max(width, shape.intermediate if shape.dense_mlp_layers else 0))
 
 
+# PEFT's LoRA on a MoE layer's 3-D experts and router (lora.ParamWrapper; Qwen3-MoE, ModelShape.lora_experts) builds
+# the adapted weights whole in every forward, W' = W + scale * B @ A in fp32 then in the weights' dtype, and the
+# expert matmuls save W'. Forward and backward of one such layer then hold, beyond the frozen-expert layer, about 12
+# bytes per expert and router weight at their peak (W' and d(W') in the weights' dtype, the fp32 delta and its
+# gradient; measured on CPU, tiny-qwen3-moe, every count of tokens alike: 11.8 in fp32, 11.5 in bf16 with the saved
+# adapter copies; tests/test_memory.py test_expert_adapters_cost_what_the_planner_says, within 5%).
+EXPERT_ADAPTER_PEAK_BYTES = 12
+
+
+def expert_adapter_bytes(shape: ModelShape, act_bytes: int, lora_r: int) -> tuple[int, int]:
+    """(saved, peak) bytes of one MoE layer's adapted experts under PEFT LoRA, independent of the tokens: `saved`,
+    what the forward keeps for backward (W' of the experts and router in the weights' dtype; below fp32 also each
+    expert's A and B cast to it, rank 2r on gate_up and r on down), counted from autograd's saved tensors; `peak`,
+    what forward and backward hold at once (EXPERT_ADAPTER_PEAK_BYTES, measured). (0, 0) where the experts are not
+    adapted (gpt-oss: PEFT adapts its attention only) or without LoRA."""
+    if lora_r <= 0 or not shape.lora_experts or not shape.moe_layers:
+        return 0, 0
+    weights = shape.expert_params + shape.router_params
+    H, Ie = shape.hidden, shape.expert_intermediate
+    adapters = shape.experts * lora_r * (2 * (H + 2 * Ie) + (Ie + H)) if act_bytes < 4 else 0
+    saved = act_bytes * (weights + adapters)
+    return saved, EXPERT_ADAPTER_PEAK_BYTES * weights
+
+
 def expert_grad_transient_bytes(shape: ModelShape, grad_bytes: int, lora_r: int) -> int:
     """Full fine-tuning of a MoE layer: each expert's slice of the 3-D weight (`gate_up_proj[e]`) back-propagates
     through select_backward, a zero tensor the size of the whole parameter, and autograd sums those per use before
     accumulating: one layer's expert weights twice, in the gradient dtype (from autograd's rules, not measured).
-    LoRA: none (PEFT's expert adapters on Qwen3-MoE add a per-layer delta of the experts' size, not modeled here)."""
+    LoRA: none here (PEFT's adapted experts on Qwen3-MoE: expert_adapter_bytes)."""
     return 2 * shape.expert_params * grad_bytes if lora_r <= 0 and shape.moe_layers else 0
 
 
-__all__ = ["MOE_SAVED", "expert_grad_transient_bytes", "layer_backward_transient_per_token",
+__all__ = ["EXPERT_ADAPTER_PEAK_BYTES", "MOE_SAVED", "expert_adapter_bytes", "expert_grad_transient_bytes",
+           "layer_backward_transient_per_token",
            "layer_saved_bytes_per_token", "mlp_saved_bytes_per_token"]

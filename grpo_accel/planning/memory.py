@@ -29,6 +29,7 @@ from grpo_accel.core.settings import (
 )
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.activations import (
+    expert_adapter_bytes,
     expert_grad_transient_bytes,
     layer_backward_transient_per_token,
     layer_saved_bytes_per_token,
@@ -236,6 +237,8 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     # activations
     saved = layer_saved_bytes_per_token(shape, a, lora_r)
     transient = layer_backward_transient_per_token(shape, a)
+    # PEFT's adapted experts (Qwen3-MoE LoRA): per MoE layer, whatever the tokens; one layer's peak at a time
+    adapter_saved, adapter_peak = expert_adapter_bytes(shape, a, lora_r)
     if gradient_checkpointing:
         # each layer's input [B, T, H] plus the final hidden states fed to the head: (L + 1) tensors;
         # offload keeps <= 2 of them on the device (the one in use and the one being prefetched), plus the first
@@ -247,10 +250,11 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
         pieces = offload_activations and deepspeed_stage < 3
         dev["recompute_working_set"] = (
             _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, offload_recompute_tokens) if sp == 1 else
-            _sp_rerun_bytes(shape, a, rows, T_gpu, sp, saved + transient, pieces, offload_recompute_tokens))
-    else:
-        dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a  # every layer keeps everything
-        dev["recompute_working_set"] = n_tok * transient
+            _sp_rerun_bytes(shape, a, rows, T_gpu, sp, saved + transient, pieces, offload_recompute_tokens)
+        ) + adapter_peak
+    else:  # every layer keeps everything
+        dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a + shape.moe_layers * adapter_saved
+        dev["recompute_working_set"] = n_tok * transient + adapter_peak - adapter_saved
     # Ulysses all-to-all: q, k, v and the attention output of one layer call, each once as sent and once as received
     # ([T/sp, all heads] <-> [T, heads/sp]: the same bytes), for the rows of one re-run piece, or one sequence tile
     # of a longer shard (all rows without offload); kv heads repeated up to sp when fewer (DeepSpeed)
