@@ -207,6 +207,7 @@ class RunSettings:
     sequence_parallel_size: int
     logprob_impl: str  # "auto" stays: the head resolves it where it knows whether Triton imports
     logprob_chunk_size: int | None
+    logprob_vocab_tile: int | None
 
     @classmethod
     def resolve(cls, source, *, cuda: bool) -> RunSettings:
@@ -223,7 +224,8 @@ class RunSettings:
             offload_device_budget_bytes=device_budget_bytes(get("offload_device_budget_gib")),
             padding_free=padding_free, sequence_parallel_size=sp,
             share_prompt="false" if share_prompt_blocker(padding_free, sp) else share,
-            logprob_impl=get("logprob_impl"), logprob_chunk_size=get("logprob_chunk_size"))
+            logprob_impl=get("logprob_impl"), logprob_chunk_size=get("logprob_chunk_size"),
+            logprob_vocab_tile=get("logprob_vocab_tile"))
 
 
 __all__ = ["LOGPROB_IMPLS", "OFFLOAD_MODES", "OFFLOAD_RECOMPUTE_TOKENS", "RunSettings", "SETTINGS",

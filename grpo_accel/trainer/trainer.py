@@ -168,7 +168,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
         self.share_prompt = self._install_share_prompt()
         self._token_counts = [0, 0]  # tokens the packed passes ran, and would have run unshared (since the last log)
-        if self.sequence_parallel is not None and self.args.padding_free:  # mini-batch caps: refused in config.py
+        if self.sequence_parallel is not None and self.settings.padding_free:  # mini-batch caps: refused in config.py
             log("sequence parallelism: each pass runs the group's rows in one forward, unpadded and split along "
                 "their length; padding_free does not apply")
         self.savers_installed = True
@@ -264,7 +264,8 @@ class GRPOAccelTrainer(GRPOTrainer):
             if m is not None:
                 self.patches.add(install_logprob_head(
                     m, temperature=self.temperature, impl=impl, chunk_size=self.settings.logprob_chunk_size,
-                    vocab_tile=self.args.logprob_vocab_tile, offload=self.offload_config if m is self.model else None))
+                    vocab_tile=self.settings.logprob_vocab_tile,
+                    offload=self.offload_config if m is self.model else None))
         return impl
 
     def _install_sequence_parallel(self):
@@ -280,7 +281,7 @@ class GRPOAccelTrainer(GRPOTrainer):
         """What sequence_parallel.enable takes from this trainer: the models carrying our head and its settings."""
         return dict(models=[self.model, self.ref_model], logprob_impl=self.logprob_impl,
                     train_dataset=self.train_dataset, temperature=self.temperature,
-                    chunk_size=self.settings.logprob_chunk_size, vocab_tile=self.args.logprob_vocab_tile,
+                    chunk_size=self.settings.logprob_chunk_size, vocab_tile=self.settings.logprob_vocab_tile,
                     offload=self.offload_config if self.offload_enabled else None)
 
     def _install_padding_free(self) -> bool:
