@@ -113,3 +113,20 @@ def test_a_preset_names_its_settings_as_the_flags_do():
             assert SETTINGS[name].parse(getattr(preset, name)) == getattr(preset, name), (preset.name, name)
     with pytest.raises(ValueError, match="offload_activations=True, write it as the flag does"):
         dataclasses.replace(PRESETS["cpu"], offload_activations=True)
+
+
+def test_each_auto_rule_names_a_function_that_exists():
+    """A setting's `auto` names the function that decides it (a dotted path below grpo_accel, or a name in
+    core/settings.py): renaming one without its entry fails here."""
+    import importlib
+    import re
+
+    from grpo_accel.core import settings
+
+    for spec in SETTINGS.values():
+        for name in re.findall(r"[a-z_]+(?:\.[a-z_]+)+|[a-z]+_[a-z_]+", spec.auto):
+            if "." in name:
+                module, attr = name.rsplit(".", 1)
+                assert hasattr(importlib.import_module(f"grpo_accel.{module}"), attr), (spec.name, name)
+            else:
+                assert hasattr(settings, name), (spec.name, name)

@@ -137,7 +137,7 @@ def _settings(*items: Setting) -> dict[str, Setting]:
 SETTINGS: dict[str, Setting] = _settings(
     Setting("logprob_impl", str, "auto", "", "Log-prob head: 'trl' (TRL's own chunked head), 'chunked' (ours, "
             "torch), 'triton' (ours, Triton kernels; CUDA), 'auto' (triton on CUDA when importable, else chunked).",
-            choices=LOGPROB_IMPLS, auto="triton on CUDA when importable, else chunked (head.logprob_head)"),
+            choices=LOGPROB_IMPLS, auto="triton on CUDA when importable (ops.select.triton_usable), else chunked"),
     Setting("logprob_mini_batch", int | None, None, "rows", "Rows (sequences) per model forward when computing "
             "log-probs; None = all at once. Smaller bounds the hidden-state memory of the policy forward.",
             minimum=1, auto="all of TRL's rows in one forward"),
@@ -156,9 +156,9 @@ SETTINGS: dict[str, Setting] = _settings(
             "rows x sequence length), capped at the offload's re-run group when offload is on.", minimum=1,
             auto="parallel.packing.default_token_budget"),
     Setting("logprob_chunk_size", int | None, None, "tokens", "Tokens per chunk in the fused log-prob head; None = "
-            "chosen from free memory.", minimum=1, auto="head.logprob_head, from free memory"),
+            "chosen from free memory.", minimum=1, auto="ops.logprobs.plan_blocks, from free memory"),
     Setting("logprob_vocab_tile", int | None, None, "vocabulary entries", "Vocabulary tile of the fused log-prob "
-            "head; None = chosen from free memory.", minimum=1, auto="head.logprob_head, from free memory"),
+            "head; None = chosen from free memory.", minimum=1, auto="ops.logprobs.plan_blocks, from free memory"),
     Setting("offload_activations", str, "auto", "", "Offload checkpointed layer inputs to pinned host memory: "
             "'true', 'false' or 'auto' (on with a CUDA device and gradient checkpointing).", choices=OFFLOAD_MODES,
             auto="offload_activations_on: CUDA and gradient checkpointing"),
