@@ -186,11 +186,15 @@ SETTINGS: dict[str, Setting] = _settings(
 )
 
 
-def setting(source, name: str):
-    """`name` from a run's fields (a mapping of flag names: a preset's, a resolved run's) or a config object; the
-    setting's default where the source lacks it (a TRL GRPOConfig, a trainer TRL's tests built without our init)."""
-    default = SETTINGS[name].default
+def _field(source, name: str, default):
+    """`name` from a run's fields (a mapping of flag names: a preset's, a resolved run's) or a config object."""
     return source.get(name, default) if isinstance(source, Mapping) else getattr(source, name, default)
+
+
+def setting(source, name: str):
+    """Our setting `name` from a run's fields or a config object (`_field`); its default where the source lacks it
+    (a TRL GRPOConfig, a trainer TRL's tests built without our init)."""
+    return _field(source, name, SETTINGS[name].default)
 
 
 @dataclass(frozen=True)
@@ -213,8 +217,7 @@ class RunSettings:
     def resolve(cls, source, *, cuda: bool) -> RunSettings:
         """From `source` (config object or fields mapping, `setting`) on a machine with (`cuda`) or without CUDA."""
         get = lambda name: setting(source, name)  # noqa: E731
-        checkpointing = bool(source.get("gradient_checkpointing", False) if isinstance(source, Mapping)
-                             else getattr(source, "gradient_checkpointing", False))
+        checkpointing = bool(_field(source, "gradient_checkpointing", False))  # TRL's field: no SETTINGS entry
         sp = int(get("sequence_parallel_size") or 1)
         padding_free = bool(get("padding_free"))
         share = SETTINGS["share_prompt"].parse(get("share_prompt"))
