@@ -423,7 +423,7 @@ def test_expert_adapters_cost_what_the_planner_says(dtype):
             out.backward(torch.ones_like(out))  # warm: the peak below is one step's, not the first allocations'
             step_peak = _cpu_peak_bytes(functools.partial(_step, mlp, x))
             measured[lora, T] = tracker.peak["device"], step_peak - adapter_grads
-    assert lora and planned_saved > 0
+    assert planned_saved > 0
     for T in (256, 2048):
         saved = measured[True, T][0] - measured[False, T][0]
         peak = measured[True, T][1] - measured[False, T][1]
