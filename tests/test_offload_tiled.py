@@ -52,7 +52,9 @@ def spy(monkeypatch):
     return calls
 
 
-def step(model, ids, cfg=None, padded=False):
+def step(model, ids, cfg=None, padded=False, autocast=None):
+    """One loss.backward(); `autocast` (a dtype) wraps the forward only, as accelerate does, so a re-run in backward
+    is half only if it replays the forward's autocast."""
     kw = dict(input_ids=ids, labels=ids)
     if padded:  # row r left-padded by 3r tokens, [B, T] position ids: a 4-D mask reaches the layers
         mask = torch.ones_like(ids)
@@ -63,7 +65,8 @@ def step(model, ids, cfg=None, padded=False):
     if cfg is not None:
         install_activation_offload(model, cfg)
     torch.manual_seed(1234)
-    loss = model(**kw).loss
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = model(**kw).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -98,38 +101,35 @@ def test_tiled_grads_equal_untiled(kind, monkeypatch):
 def test_half_autocast_tiled_error_is_the_untiled_ones(dtype, monkeypatch):
     """Tiling x bf16 / fp16 (docs/pairs.md): under half autocast the tiles re-run in that dtype, and summing their
     grads in pieces rounds differently from one whole pass. So the reference is fp32 without checkpointing, and the
-    tiled run's error against it (all gradients together) must stay within 1.5x of plain half-precision
-    training's own error, and its grads must sit closer to plain half training's than plain's error (a re-run in
-    fp32, autocast state lost, lands about one plain error away from them; a wrong tile mask is off by O(1)).
+    tiled run's error against it must stay near plain half-precision training's own error against it: within 1.5x
+    for all gradients together, 2.5x per tensor (a wrong tile mask is off by O(1)). Measured under each ATen
+    capability and 1 or 2 threads (issue 46, an AVX-512 Xeon): <= 1.33x together, <= 2.1x per tensor.
+    That the tiles re-run in the forward's half dtype is checked as behaviour, not as a distance: every re-run
+    starts under the forward's autocast. A distance cannot tell: with autocast dropped from the re-run (fp32 tiles)
+    the tiles' median distance to plain half training moved 0.44x -> 0.47x of plain's error (bf16) and 0.625x ->
+    0.632x (fp16) on that Xeon, while correct tiles range 0.10x-0.63x across CPU capabilities.
     Before the fix in tile_attention.attend_tile a tile past the first failed here: RoPE leaves q, k fp32 beside a half
     v under autocast."""
-    calls = spy(monkeypatch)
+    calls, real = [], tiled.backward
+    monkeypatch.setattr(tiled, "backward", lambda *a: calls.append(
+        (len(a[3]), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))) or real(*a))
     ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(3))
 
     def half(cfg=None):
-        with torch.autocast("cpu", dtype=dtype):
-            return step(lora_all(tiny_llama()), ids, cfg)
+        return step(lora_all(tiny_llama()), ids, cfg, autocast=dtype)
 
     _, ref = step(lora_all(tiny_llama()), ids)  # fp32, no checkpointing
     _, plain = half()
     _, tiles = half(forced(8))
-    assert len(calls) == 4 * 2 and all(len(t) == 4 for t in calls)  # every layer and row re-ran in 4 tiles
-    apart = []
+    assert calls == [(4, True, dtype)] * (4 * 2)  # every layer and row re-ran in 4 tiles, under the forward's autocast
     for n in ref:
-        scale = ref[n].norm().item()
         plain_err, tiled_err = rel_norm(plain[n], ref[n]), rel_norm(tiles[n], ref[n])
         assert plain_err > 1e-4, n  # half precision really ran
-        # per tensor, loosely (one tensor reached 1.93x on an AMD EPYC, 2026-11-26); a wrong tile mask is off by O(1)
         assert tiled_err <= 2.5 * plain_err + 1e-3, (n, tiled_err, plain_err)
-        apart.append((tiles[n] - plain[n]).norm().item() / scale / plain_err)  # tiles to plain, in ref's norm
     flat = {name: torch.cat([g[n].flatten() for n in ref]) for name, g in (("ref", ref), ("plain", plain),
                                                                             ("tiles", tiles))}
     whole_err = {k: rel_norm(flat[k], flat["ref"]) for k in ("plain", "tiles")}
     assert whole_err["tiles"] <= 1.5 * whole_err["plain"], whole_err  # all gradients together: within 1.5x
-    # tiles follow plain half training; an fp32 re-run would not (~1x plain's error apart, every tensor). Per tensor
-    # the distance depends on the CPU's half kernels (<= 0.41x on the machine that wrote this test; on an AMD EPYC
-    # without AVX512-BF16, 2026-11-26: median 0.44x bf16 / 0.53x fp16, single tensors up to 1.8x): judged by the median
-    assert sorted(apart)[len(apart) // 2] <= 0.6, sorted(apart)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
