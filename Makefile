@@ -1,6 +1,8 @@
 # The README's commands. Each sets itself up on a fresh machine (venv, CPU torch where there is no CUDA).
 #   make demo   GRPO-train the embedded SmolLM2-135M-Instruct on held-out arithmetic, ~20 min on 2 CPU cores
 #   make test   ruff, the import contract (lint-imports), then the CPU test tier (unit + tiny-model GRPO through launch/train.py)
+#   make test-portability   the numerically sensitive tests under each CPU kernel level this machine offers, at 1 and
+#                           2 threads (tests/portability.py): a tolerance fitted to one CPU fails here, not on a user's
 #   make test-distributed   the multi-process tier: 2-process DeepSpeed / DDP / SP launches over gloo (marker distributed),
 #                           and the long single-process runs (marker long)
 VENV ?= .venv
@@ -16,7 +18,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # DeepSpeed JIT-builds ops on first use (~35 s); a stable path builds them once per machine.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/grpo_accel/torch_extensions
 
-.PHONY: setup demo test test-distributed test-all clean
+.PHONY: setup demo test test-portability test-distributed test-all clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,6 +42,12 @@ test: setup
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not gpu and not vllm and not distributed and not long" \
 		--timeout 900
+
+# ~9 min on 2 cores: every kernel level (default/avx2/avx512 where the CPU has it, native) at 1 thread, the lowest
+# at 2 threads; `$(PY) tests/portability.py --every` runs the whole cross product.
+test-portability: setup
+	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
+	$(PY) tests/portability.py
 
 # Several processes per test (each launch ~20 s of imports), and the long single-process runs (marker `long`: the
 # 200-step soak, the planner's measured step, the benchmark script): their own tier, run by .ci/run after `make test`.

@@ -2,6 +2,13 @@ import pytest
 import torch
 
 
+def pytest_report_header(config):
+    """The CPU kernels and threads this run rounds with: a tolerance failure on one machine is reproduced with them
+    (ATEN_CPU_CAPABILITY, OMP_NUM_THREADS; tests/portability.py runs the others)."""
+    return f"torch {torch.__version__}: CPU capability {torch.backends.cpu.get_cpu_capability()}, " \
+           f"{torch.get_num_threads()} threads"
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests exist everywhere and skip cleanly where there is no CUDA device."""
     if torch.cuda.is_available():
