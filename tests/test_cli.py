@@ -36,10 +36,24 @@ def test_plan_fits_exit_zero(capsys):
 
 
 def test_plan_not_fitting_exits_nonzero_and_names_a_fix(capsys):
-    code = main(["plan", "--preset", "l4_24gb_qlora", "--max_completion_length", "65536", "--gpu-mem-gib", "22"])
+    code = main(["plan", "--preset", "l4_24gb_qlora", "--max_completion_length", "65536", "--gpu-mem-gib", "12"])
     out = capsys.readouterr().out
     assert code == 1
     assert "does not fit" in out and "--max_completion_length " in out
+
+
+def test_plan_without_vllm_fits_by_continuous_batching_where_generate_did_not(capsys):
+    """Issue 45: on this machine (no vLLM) 8 x 66K tokens of generate()'s whole-batch cache did not fit 22 GiB; the
+    paged route holds the sequences that fit at once and queues the rest."""
+    code = main(["plan", "--preset", "l4_24gb_qlora", "--max_completion_length", "65536", "--gpu-mem-gib", "22"])
+    out = capsys.readouterr().out
+    assert code == 0 and "generation route continuous_batching" in out and "full-length sequences at once" in out
+    from grpo_accel.app.run_spec import resolve_run_spec
+    from grpo_accel.planning.routes import Stack
+
+    spec = resolve_run_spec(["--preset", "l4_24gb_qlora", "--max_completion_length", "65536"], for_plan=True)
+    spec.stack = Stack(vllm=False, bnb_4bit=False, cuda=True, continuous_batching=False)  # transformers < 5.8
+    assert spec.plan().device["generate_kv_cache"] > 22 * 2**30  # generate(): the whole batch's cache alone
 
 
 def test_plan_overrides_model_and_switches(capsys):

@@ -43,7 +43,8 @@ def cmd_presets(args) -> int:
           "`grpo-accel plan --preset NAME` for the breakdown.\ngeneration: the route with the vllm extra installed "
           "(vllm_4bit: vLLM's own 4-bit copy via vllm-bnb-plugin; vllm_shared: vLLM on the trainer's weights; "
           "vllm_copy: its own copy, asleep while training; generate: transformers' generate()); without vLLM every "
-          "preset generates with generate(), which the plan sizes (`grpo-accel plan` on that machine).")
+          "preset generates with transformers' continuous batching (route continuous_batching, a planned page pool),"
+          " which the plan sizes (`grpo-accel plan` on that machine).")
     return 0
 
 
@@ -115,6 +116,12 @@ def cmd_plan(args, train_flags: list[str]) -> int:
             print(f"generate(): {inp['generation_batch']} sequences x {inp['max_prompt_length']} + "
                   f"{inp['max_completion_length']} tokens of KV cache at once "
                   f"({plan.device['generate_kv_cache'] / GIB:.1f} GiB), freed before the training step")
+        if route == "continuous_batching":
+            seqs = min(inp["paged_seqs"] or inp["generation_batch"], inp["generation_batch"])
+            print(f"continuous batching: page pool for {seqs} of {inp['generation_batch']} full-length sequences at "
+                  f"once ({inp['max_prompt_length']} + {inp['max_completion_length']} tokens, "
+                  f"{plan.device['paged_kv_cache'] / GIB:.1f} GiB; the rest wait in its queue), freed before the "
+                  f"training step")
         if verdict.fits and inp["use_vllm"]:
             frac = vllm_memory_fraction(plan, gpu_bytes)
             print(f"vLLM gpu_memory_utilization {frac:.3f}: KV cache for {kv_cache_sequences(plan, gpu_bytes)} "

@@ -162,8 +162,9 @@ def load_training_model(spec, tokenizer, longest_prompt: int):
     # the stack the start-up line and the plan used: one decision per run
     action, route = colocated_route(script.model, config, script.quantization, lora_r=script.lora_r,
                                     stack=spec.stack)
-    if action == "fallback":  # generate(): startup() said so in its route line; the trainer need not again
+    if action == "fallback":  # transformers generates: startup() said which way in its route line
         config.use_vllm = False
+        config.use_transformers_continuous_batching = route.startswith("generation route continuous_batching:")
     if action == "from_path":
         engine, model = start_colocated_engine(script.model, config, peft_config=lora_config(script),
                                                longest_prompt=longest_prompt, route=route,

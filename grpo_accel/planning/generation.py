@@ -1,6 +1,7 @@
 """What generation holds on the device, by route (planning.routes): a colocated vLLM engine's KV cache and runtime,
-transformers' generate() cache and working set; and the engine's share of the GPU sized from a plan (its
-gpu_memory_utilization, the full-length sequences its KV cache then holds). The engine's own weights are weights:
+transformers' generate() cache and working set, continuous batching's page pool and working set; and
+the engine's share of the GPU sized from a plan (its gpu_memory_utilization, the full-length sequences its KV
+cache then holds). The engine's own weights are weights:
 memory.py prices them with the trainer's. memory.py imports this module, so `plan` here (a memory.MemoryPlan) is
 not imported: a circle the architecture test refuses.
 """
@@ -16,7 +17,13 @@ from grpo_accel.planning.routes import COLOCATED
 VLLM_RUNTIME_BYTES = 1 * GIB
 # Alive only while generating: a sleeping engine's KV cache and runtime, and everything generate() holds (its cache
 # is freed when the batch is done; the caching allocator then reuses those blocks for the training step).
-GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime", "generate_kv_cache", "generate_working_set")
+GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime", "generate_kv_cache", "generate_working_set", "paged_kv_cache",
+                    "paged_working_set")
+# Continuous batching (route continuous_batching): transformers' default page size, and the tokens one forward takes
+# (decode rows plus prefill chunks), which we fix: SDPA's mask is [tokens, pool + tokens], so it scales with both.
+PAGE_SIZE = 256
+PAGED_BATCH_TOKENS = 512
+TRASH_PAGES = 2  # transformers' paged cache keeps two never-allocated pages (sectors) before the pool
 
 
 def kv_bytes_per_token(shape: ModelShape, a: int) -> int:
@@ -39,16 +46,56 @@ def _generate_terms(shape: ModelShape, a: int, seqs: int, prompt: int, T: int) -
     return kv, one_layer_kv + sampler + prefill
 
 
+def pages_per_sequence(T: int, page_size: int = PAGE_SIZE) -> int:
+    return -(-T // page_size)
+
+
+def paged_pool_bytes(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE) -> int:
+    """The page pool that holds `seqs` sequences of T tokens at once, whole pages each (a sliding layer's pages
+    cover its window only), plus the two trash pages transformers keeps."""
+    tokens = pages_per_sequence(T, page_size) * page_size
+    return seqs * shape.kv_cache_bytes(tokens, a) + TRASH_PAGES * page_size * kv_bytes_per_token(shape, a)
+
+
+def paged_num_blocks(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE) -> int:
+    """ContinuousBatchingConfig.num_blocks for that pool: transformers counts the pool in whole-model blocks
+    (page_size tokens of every layer's K and V), so this is the pool's bytes over one block's, the trash pages off."""
+    block = page_size * kv_bytes_per_token(shape, a)
+    return -(-(paged_pool_bytes(shape, a, seqs, T, page_size) - TRASH_PAGES * block) // block)
+
+
+def _paged_terms(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE,
+                 batch_tokens: int = PAGED_BATCH_TOKENS) -> tuple[float, float]:
+    """(page pool, working set) of transformers' continuous batching holding `seqs` sequences of T tokens at once.
+    Working set, per forward of `batch_tokens` tokens (one layer's at a time): SDPA's additive mask [M, pool + M]
+    per attention kind and the int64 read index into the pool, allocated once at pool size; each layer's K and V read
+    back from the pages for every sequence in flight (index_select), repeated to every query head under GQA; the
+    sampler's fp32 logits, scores and probabilities [seqs, V]; a prefill chunk through one layer."""
+    pool = paged_pool_bytes(shape, a, seqs, T, page_size)
+    pool_tokens = pool // kv_bytes_per_token(shape, a)
+    kinds = 2 if shape.sliding_layers else 1
+    M = batch_tokens
+    mask = kinds * M * (pool_tokens + M) * (a + 8)
+    kv_dim, q_dim = shape.kv_dim, shape.heads * shape.head_dim
+    read_back = seqs * T * (2 * kv_dim + (2 * q_dim if q_dim > kv_dim else 0)) * a
+    sampler = 3 * seqs * shape.vocab * 4
+    prefill = M * (3 * shape.hidden + q_dim + 2 * kv_dim + 3 * shape.intermediate) * a
+    return pool, mask + read_back + sampler + prefill
+
+
 def generation_terms(shape: ModelShape, a: int, generation: str, generation_batch: int, vllm_kv_seqs: int,
-                     prompt: int, T: int) -> dict:
+                     prompt: int, T: int, paged_seqs: int | None = None) -> dict:
     """The generation-phase device terms of a plan: a colocated engine's KV cache, which must hold `vllm_kv_seqs`
     full-length sequences (vLLM refuses to start below one), and its runtime; generate()'s cache and working set
-    over the whole generation batch; a vLLM server nothing here."""
+    over the whole generation batch; continuous batching's page pool for `paged_seqs` full-length sequences at once
+    (None: the whole generation batch) and its working set; a vLLM server nothing here."""
     engine = generation in COLOCATED
     kv, working = _generate_terms(shape, a, generation_batch, prompt, T) if generation == "generate" else (0, 0)
+    pool, paged_working = (_paged_terms(shape, a, min(paged_seqs or generation_batch, generation_batch), T)
+                           if generation == "continuous_batching" else (0, 0))
     return {"vllm_kv_cache": vllm_kv_seqs * shape.kv_cache_bytes(T, a) if engine else 0,
             "vllm_runtime": VLLM_RUNTIME_BYTES if engine else 0, "generate_kv_cache": kv,
-            "generate_working_set": working}
+            "generate_working_set": working, "paged_kv_cache": pool, "paged_working_set": paged_working}
 
 
 def vllm_memory_fraction(plan, gpu_bytes: int, cap: float = 0.95) -> float:
@@ -74,5 +121,6 @@ def kv_cache_sequences(plan, gpu_bytes: int) -> int:
     return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
 
 
-__all__ = ["GENERATION_TERMS", "VLLM_RUNTIME_BYTES", "generation_terms", "kv_bytes_per_token", "kv_cache_sequences",
-           "vllm_memory_fraction"]
+__all__ = ["GENERATION_TERMS", "PAGED_BATCH_TOKENS", "PAGE_SIZE", "VLLM_RUNTIME_BYTES", "generation_terms",
+           "kv_bytes_per_token", "kv_cache_sequences", "paged_num_blocks", "paged_pool_bytes",
+           "pages_per_sequence", "vllm_memory_fraction"]

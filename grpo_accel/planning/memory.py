@@ -51,7 +51,8 @@ PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the
 # Device-side terms; "peak" is their sum. Generation-only terms are released during training with vllm_sleep.
 DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "activations_checkpointed",
                 "recompute_working_set", "sp_all_to_all", "logprob_workspace", "vllm_weights", "vllm_kv_cache",
-                "vllm_runtime", "generate_kv_cache", "generate_working_set", "reward_models",
+                "vllm_runtime", "generate_kv_cache", "generate_working_set", "paged_kv_cache", "paged_working_set",
+                "reward_models",
                 "allocator_margin")
 TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_working_set", "sp_all_to_all",
                             "logprob_workspace")
@@ -166,14 +167,16 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 offload_recompute_tokens=OFFLOAD_RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
-                generation_batch=None, reward_models=()) -> MemoryPlan:
+                generation_batch=None, reward_models=(), paged_seqs=None) -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
 
     generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
     quantization imply with vLLM installed, routes.choose_route; use_vllm off is TRL's generate()); it decides
     use_vllm and vllm_share_weights (given beside it, they must agree). generation_batch: sequences
     one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former).
-    reward_models: (shape, rows) of each reward model (`reward_model_bytes`)."""
+    paged_seqs: full-length sequences continuous batching's page pool holds at once (None: the generation batch;
+    `paged_sequences` finds the most that fit a GPU). reward_models: (shape, rows) of each reward model
+    (`reward_model_bytes`)."""
     if generation is None:
         generation = choose_route(use_vllm=bool(use_vllm), quantization=quantization, lora_r=lora_r,
                                   vllm_share_weights=vllm_share_weights is not False, stack=PINNED_STACK)[0]
@@ -271,7 +274,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     # generation batch's cache; a vLLM server nothing here
     dev["vllm_weights"] = {"vllm_4bit": _weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
                            "vllm_copy": _weights_bytes(shape, a, "none")}.get(generation, 0)
-    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T))
+    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T, paged_seqs))
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
     live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
     dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
@@ -281,7 +284,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
 def _released(dev: dict, generation: str, vllm_sleep: bool) -> float:
     """Bytes not alive at the training peak: generation's terms when they are freed before training (a sleeping
     engine, generate()'s cache), up to the training transients they make room for (the peak is the larger phase)."""
-    if not (vllm_sleep or generation == "generate"):
+    if not (vllm_sleep or generation in ("generate", "continuous_batching")):
         return 0
     return min(sum(dev[k] for k in GENERATION_TERMS), sum(dev[k] for k in TRAINING_TRANSIENT_TERMS))
 
@@ -370,6 +373,24 @@ def fit_host(plan: MemoryPlan, host_bytes: int | None) -> MemoryPlan:
     return plan.replan(offload_device_budget_bytes=budget)
 
 
+def paged_sequences(plan: MemoryPlan, gpu_bytes: int) -> int:
+    """Full-length sequences continuous batching holds at once on `gpu_bytes` (0: not one fits): the most, up to the
+    generation batch, whose page pool and working set fit beside what the step keeps while generating (weights,
+    optimizer states; the training transients are freed by then). The rest wait in its queue."""
+    inp = plan.inputs
+    if inp["generation"] != "continuous_batching":
+        raise ValueError(f"paged_sequences: the plan's route is {inp['generation']}, not continuous_batching")
+    args = {k: v for k, v in inp.items() if k != "paged_seqs"}
+    lo, hi = 0, int(inp["generation_batch"])
+    while lo < hi:  # the peak grows with the sequences in flight: bisect
+        mid = (lo + hi + 1) // 2
+        if plan_memory(plan.shape, **args, paged_seqs=mid).peak_bytes <= gpu_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def find_max_completion_length(plan: MemoryPlan, gpu_bytes: int, host_bytes: int | None = None, step: int = 128,
                                limit: int = 1 << 22) -> tuple[int, MemoryPlan | None]:
     """(longest max_completion_length, a multiple of `step`, whose plan fits `gpu_bytes` on the device and
@@ -433,4 +454,4 @@ def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
 
 
 __all__ = ["GIB", "MemoryPlan", "PLANNED_SETTINGS", "Verdict", "auto_logprob_block", "layer_saved_bytes_per_token",
-           "plan_memory", "find_max_completion_length", "fit_host"]
+           "paged_sequences", "plan_memory", "find_max_completion_length", "fit_host"]

@@ -11,7 +11,10 @@ TRL's numbers. What it adds:
   logged with every step (`telemetry.py`);
 - `use_vllm=True, vllm_mode="colocate"`: one in-process engine whose base weights are the training model's
   (LoRA), sized by the memory planner, the adapter pushed from memory after each optimizer step
-  (`vllm_setup.py`, `vllm_colocate.py`). Without vLLM, one line says generation falls back to generate().
+  (`vllm_setup.py`, `vllm_colocate.py`). Without vLLM, one line says generation takes transformers' continuous
+  batching (route continuous_batching) or, where that cannot run, generate();
+- `use_transformers_continuous_batching`: TRL's branch without its in-place bf16 cast of the trained weights, the
+  page pool sized by the planner (`paged_generation.py`).
 Every patch a saver makes (the models' forwards, checkpointing function, attention registrations) is undone when
 train() ends, however it ends (`close()`, `patches.py`): a second model in the same process runs stock code.
 """
@@ -62,6 +65,7 @@ from grpo_accel.trainer.callbacks.preemption import Preemption
 from grpo_accel.trainer.callbacks.telemetry import PhaseTelemetry
 from grpo_accel.trainer.config import GRPOAccelConfig
 from grpo_accel.trainer.logprob_passes import logps_and_entropies
+from grpo_accel.trainer.paged_generation import paged_single_turn
 from grpo_accel.trainer.reward_guard import guarded
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
@@ -243,8 +247,9 @@ class GRPOAccelTrainer(GRPOTrainer):
         peft_config = kwargs.get("peft_config")
         action, route = colocated_route(model, args, lora_r=int(peft_config.r) if peft_config is not None else 0)
         if action == "fallback":
-            log(route)  # the line: generate() and the package that would give this run an engine
+            log(route)  # the line: transformers' route and the package that would give this run an engine
             args.use_vllm = False
+            args.use_transformers_continuous_batching = route.startswith("generation route continuous_batching:")
             return None, model
         return start_colocated_engine(model, args, peft_config=peft_config, route=route,
                                       train_dataset=kwargs.get("train_dataset"),
@@ -342,6 +347,13 @@ class GRPOAccelTrainer(GRPOTrainer):
             if getattr(self, "sequence_parallel", None) is not None and self.model.training:
                 return self.sequence_parallel.generate_once(super()._generate, prompts)
             return super()._generate(prompts)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's; its continuous-batching branch replaced by ours (paged_generation.py: no cast of the weights)."""
+        if getattr(self, "use_transformers_continuous_batching", False) and not self.use_vllm \
+                and hasattr(self, "patches"):
+            return paged_single_turn(self, prompt_ids)
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _get_train_sampler(self, dataset=None):
         """TRL's sampler; under SP each batch goes to every rank of an SP group (sequence_parallel.py)."""

@@ -6,6 +6,8 @@ Statuses:
   vllm tier     the colocated shared-weight engine's path, run in `make test-vllm` (tests/vllm_engine/);
   refused       construction stops with one `error:` line naming the field and the saver;
   not affected  the field acts where no saver of ours does (generation backends, logging, model loading);
+  own path      ours runs instead of TRL's code for the field (TRL's has a bug): the named test compares the two
+                where TRL's is correct;
   pending       not yet run with our savers on: the reason says what it needs.
 
 `python -m grpo_accel.trainer.trl_compat` prints the table docs/trl-compatibility.md holds (a test compares them).
@@ -14,7 +16,7 @@ Statuses:
 from __future__ import annotations
 
 TRL_VERSION = "1.16"
-STATUSES = ("compared", "vllm tier", "refused", "not affected", "pending")
+STATUSES = ("compared", "vllm tier", "refused", "not affected", "own path", "pending")
 
 _GEN = "generation: TRL's own code (our savers act on the log-prob and training passes)"
 _LOG = "logging of completions: TRL's own code"
@@ -24,6 +26,11 @@ _COLOCATE_REFUSED = ("with vllm_mode='colocate' the shared-weight engine refuses
                      "naming the field (vllm_colocate.UNSUPPORTED_OPTIONS); vllm_mode='server' takes it")
 _IS = ("on by default: every colocated run of the vLLM tier corrects with the shared engine's own sampling "
        "log-probs (SharedVLLMGeneration.generate returns them to TRL); not compared with TRL's engine")
+_PAGED = ("route continuous_batching (issue 45): TRL 1.16's branch casts the model .to(bfloat16) under bf16 before "
+          "generate_batch (a LoRA adapter's fp32 weights stay bf16); ours generates from the weights as they are "
+          "(trainer/paged_generation.py), steps packing's attention back to SDPA for the paged path and sizes "
+          "num_blocks from the plan. fp32 full fine-tuning, where TRL's branch casts nothing: one step equals TRL's "
+          "(tests/test_continuous_batching.py). No behaviour log-probs, as TRL's: the sampler is the trained policy")
 # field -> (status, cases or why). For "compared" the text starts with the case ids of tests/test_trl_compat.py.
 FIELDS: dict[str, tuple[str, str]] = {
     "model_init_kwargs": ("compared", "kl_full_reference; TRL loads the model (and its reference) by path with them"),
@@ -107,8 +114,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "num_completions_to_print": ("not affected", _LOG),
     "log_unique_prompts": ("not affected", _LOG),
     "log_completions_hub_repo": ("not affected", _LOG),
-    "use_transformers_continuous_batching": ("not affected", _GEN),
-    "transformers_continuous_batching_config": ("not affected", _GEN),
+    "use_transformers_continuous_batching": ("own path", _PAGED),
+    "transformers_continuous_batching_config": ("own path", "its num_blocks, page_size, max_batch_tokens win over the "
+                                                            "plan's; the other fields reach ContinuousBatchingConfig "
+                                                            "as given"),
     "use_transformers_paged": ("not affected", _GEN),
 }
 

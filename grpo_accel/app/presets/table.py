@@ -16,8 +16,9 @@ from pathlib import Path
 from grpo_accel.core import dtypes
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.settings import SETTINGS, RunSettings, generations_per_process
+from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape
-from grpo_accel.planning.memory import PLANNED_SETTINGS, MemoryPlan, plan_memory
+from grpo_accel.planning.memory import PLANNED_SETTINGS, MemoryPlan, paged_sequences, plan_memory
 from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
 
 # package data: the YAMLs travel with the package (a wheel, `pip install .`); the checkout's accelerate_configs/ is a
@@ -89,14 +90,21 @@ class Preset:
         f = {**self.training_overrides(), **(fields or {})}
         named = self.architecture if f["model"] == self.model else f["model"]
         shape = overrides.pop("shape", None) or model_shape(named)
-        return plan_memory(shape, **{**self.plan_inputs(f, stack), **overrides})
+        plan = plan_memory(shape, **{**self.plan_inputs(f, stack), **overrides})
+        if plan.route == "continuous_batching" and self.is_gpu and "paged_seqs" not in overrides:
+            # the page pool holds as many full-length sequences as the preset's GPU leaves room for (at least one:
+            # with none the verdict refuses the run), the rest of the generation batch waits in the queue
+            seqs = max(1, paged_sequences(plan, int(self.min_gpu_mem_gib * GIB)))
+            plan = plan_memory(shape, **{**self.plan_inputs(f, stack), **overrides, "paged_seqs": seqs})
+        return plan
 
     def route(self, fields: dict | None = None, stack: Stack = PINNED_STACK) -> tuple[str, str]:
         """(generation route, why) of this preset run with `fields` on `stack` (planning.routes.choose_route)."""
         f = {**self.training_overrides(), **(fields or {})}
         return choose_route(use_vllm=bool(f["use_vllm"]), vllm_mode=f.get("vllm_mode", "colocate"),
                             quantization=f["quantization"], lora_r=f["lora_r"],
-                            vllm_share_weights=f.get("vllm_share_weights", True), stack=stack)
+                            vllm_share_weights=f.get("vllm_share_weights", True), stack=stack,
+                            continuous_batching=bool(f.get("use_transformers_continuous_batching")))
 
     def plan_inputs(self, f: dict, stack: Stack = PINNED_STACK) -> dict:
         """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names): the one mapping. Our

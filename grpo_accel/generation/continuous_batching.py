@@ -1,0 +1,101 @@
+"""Route `continuous_batching`: transformers' continuous batching (`generate_batch`, a paged KV cache) generating
+from the trainer's own model, its weights as they train, the page pool sized by the planner.
+
+    cfg, line = paged_config(model, generation_batch=16, prompt_tokens=512, completion_tokens=4096)
+    completions = generate_paged(model, prompt_ids, generation_config, cfg)
+
+Why not TRL 1.16's branch as it stands (`use_transformers_continuous_batching`): it calls
+`unwrapped_model.to(torch.bfloat16)` before generating, which casts a LoRA adapter's fp32 weights to bf16 in place
+and for good (tests/test_continuous_batching.py shows it on TRL's trainer), and it leaves transformers to size the
+pool from a fraction of free memory (on CPU: of the host's RAM, 36 s to set up for a 3M-parameter model). Here the
+weights keep their dtype (PEFT casts a layer's input to its adapter's dtype, as in training), and `num_blocks` comes
+from the plan (planning.generation.paged_num_blocks): the pool holds `paged_seqs` full-length sequences at once, the
+rest of the generation batch waits in transformers' queue.
+
+Attention: transformers' paged path accepts only sdpa, eager (as paged|eager) and flash implementations and refuses
+any other name ("Implementation grpo_accel_sdpa is not supported for continuous batching"). Packing's registration
+(parallel/packing.py) routes unpacked calls to stock SDPA anyway, so for generation the model steps back to the
+implementation packing replaced (`stock_attention`) and returns to the packed one after.
+
+Behaviour log-probs: none are returned, as TRL's branch returns none, and none are needed: the sampling policy is
+the trained policy itself (the same tensors, the same dtype), so TRL's importance-sampling correction, which exists
+for an engine holding another copy of the weights (vLLM), would correct nothing but kernel rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from grpo_accel.core.patches import Patches, set_attr
+from grpo_accel.parallel.packing import ATTN_NAME, UNPACKED_ATTN
+from grpo_accel.planning.generation import PAGE_SIZE, PAGED_BATCH_TOKENS, kv_bytes_per_token, paged_num_blocks
+from grpo_accel.planning.routes import PAGED_TRANSFORMERS
+
+
+def continuous_batching_missing() -> str | None:
+    """Why this transformers cannot run the route (None: it can), naming the fix."""
+    try:
+        from transformers.generation import ContinuousBatchingConfig  # noqa: F401
+    except ImportError:
+        import transformers
+
+        return (f"transformers {transformers.__version__} has no continuous batching. Fix: "
+                f"pip install 'transformers>={PAGED_TRANSFORMERS}'")
+    return None
+
+
+@contextlib.contextmanager
+def stock_attention(model):
+    """Inside: every config of `model` that packing pointed at its attention function (parallel/packing.py) names the
+    implementation it replaced again (sdpa; gpt-oss's eager), which transformers' paged path accepts; after: back."""
+    undo = Patches()
+    configs = {id(c): c for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "get_text_config")
+               for c in (m.config, m.config.get_text_config())}
+    for cfg in configs.values():
+        if getattr(cfg, "_attn_implementation", None) == ATTN_NAME:
+            undo.add(set_attr(cfg, "_attn_implementation", getattr(cfg, UNPACKED_ATTN, "sdpa")))
+    try:
+        yield
+    finally:
+        undo.undo()
+
+
+def paged_config(model, *, generation_batch: int, prompt_tokens: int, completion_tokens: int,
+                 paged_seqs: int | None = None, user: dict | None = None, page_size: int = PAGE_SIZE):
+    """(ContinuousBatchingConfig, one line saying its size) for `paged_seqs` (None: the whole generation batch)
+    sequences of prompt + completion tokens at once. `user`: the run's transformers_continuous_batching_config; a
+    num_blocks / page_size / max_batch_tokens given there wins over the plan."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    from grpo_accel.planning.architectures import model_shape
+
+    user = dict(user or {})
+    page_size = int(user.pop("page_size", page_size))
+    seqs = max(1, min(paged_seqs or generation_batch, generation_batch))
+    T = prompt_tokens + completion_tokens
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    a = 2 if dtype in (torch.bfloat16, torch.float16) else dtype.itemsize  # the cache's dtype (the model's)
+    shape = model_shape(model.config)
+    planned = paged_num_blocks(shape, a, seqs, T, page_size)
+    num_blocks = int(user.pop("num_blocks", planned))
+    # the whole pool is the plan; transformers' own check against a fraction of free memory would only shrink it
+    cfg = {"max_batch_tokens": PAGED_BATCH_TOKENS, "max_memory_percent": 1.0, **user}
+    line = (f"page pool {num_blocks} pages x {page_size} tokens x {kv_bytes_per_token(shape, a) / 1024:.0f} "
+            f"KiB/token = {num_blocks * page_size * kv_bytes_per_token(shape, a) / 2**20:.0f} MiB: {seqs} of "
+            f"{generation_batch} sequences of {T} tokens at once" + ("" if num_blocks == planned else
+                                                                      " (num_blocks as given)"))
+    return ContinuousBatchingConfig(num_blocks=num_blocks, page_size=page_size, **cfg), line
+
+
+def generate_paged(model, prompt_ids: list[list[int]], generation_config, cb_config) -> list[list[int]]:
+    """The completion token ids of each prompt (in order, `generation_config.num_return_sequences` per prompt as
+    generate_batch returns them), generated by `model` as it is: no dtype cast, packing's attention stepped aside."""
+    with stock_attention(model), torch.no_grad():
+        outputs = model.generate_batch(prompt_ids, generation_config=generation_config,
+                                       continuous_batching_config=cb_config, progress_bar=False)
+    return [list(o.generated_tokens) for o in outputs.values()]
+
+
+__all__ = ["continuous_batching_missing", "generate_paged", "paged_config", "stock_attention"]
