@@ -51,12 +51,24 @@ def preflight(rows, models: Path, need_disk_gib: float = 20.0) -> int:
         print(f"  {'ok     ' if ok else 'MISSING'} {name:<13} {what:<44} {len(who)} row(s): {', '.join(who[:4])}"
               + (" ..." if len(who) > 4 else ""))
     missing += offline_checks(models, need_disk_gib)
+    if any(Path(row.script).name == "bench_unsloth.py" for row in rows):
+        unsloth_line()  # its own site, its own import: said, not required (the other rows run without it)
     print(f"[preflight] {time.monotonic() - t0:.1f} s")
     if missing:
         print("error: the rows cannot run here. Fix: bring " + "; ".join(BRING.get(m, m) for m in missing))
         return 1
     print("[preflight] every import the rows need is here; nothing on their path downloads")
     return 0
+
+
+def unsloth_line() -> None:
+    """bench_unsloth.py --preflight's one line: does `import unsloth` work from UNSLOTH_SITE, which versions."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "bench_unsloth.py"
+    out = subprocess.run([sys.executable, str(script), "--preflight"], capture_output=True, text=True)
+    print("  unsloth: " + ((out.stdout.strip().splitlines() or [out.stderr.strip()[-300:]])[-1]))
 
 
 def offline_checks(models: Path, need_disk_gib: float) -> list[str]:

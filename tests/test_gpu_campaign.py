@@ -144,11 +144,14 @@ def test_cpu_check_twice_runs_every_script_then_skips_every_row(tmp_path):
     results = tmp_path / "results"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_campaign.py"), "--cpu-check", "--results",
            str(results)]
-    env = dict(child_env(), PIP_NO_INDEX="1", GRPO_ACCEL_CACHE=str(tmp_path / "no_cache"))  # an offline host
+    # an offline host; the vLLM rows' CPU check is the vLLM tier's (tests/vllm_engine/test_engine_rows.py)
+    env = dict(child_env(), PIP_NO_INDEX="1", GRPO_ACCEL_CACHE=str(tmp_path / "no_cache"),
+               VLLM_PYTHON=str(tmp_path / "no_vllm_python"))
     first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
     rows, _ = gc.campaign_rows(True, None)
-    present = [r.name for r in rows if r.script_path().exists()]
+    present = [r.name for r in rows if r.script_path().exists() and not r.vllm]
+    assert [r.name for r in rows if r.vllm] and "skipped, no vLLM interpreter" in first.stdout
     got = ledger(results)
     assert all(got[(name, "exit_code")] == 0 for name in present), got  # every real script, its GPU flags
     page = (results / gc.SUMMARY).read_text()
@@ -176,7 +179,13 @@ def test_list_marks_the_headline_rows_with_limits_that_cover_their_estimates_and
     head = [r for r in rows if r.headline]
     # the issue's six less the h100_110k preset (a GPU point before the campaign; past its limit on the first loan)
     assert [r.name for r in head] == ["step_32k", "seeds_20k", "long_t_64k", "packing", "shared_prompt"]
-    assert rows[:len(head)] == head and out.count(" headline ") == len(head)
+    # issue 43: the engine's rows come first in a loan (the engine has never run on a GPU), the headline rows next
+    # and issue 44: Unsloth's a and b (paired with seeds_20k and step_32k), then its longest completion
+    lead = [r.name for r in rows[:7]]
+    assert lead == ["engine_shared", "engine_4bit", "engine_decode_8k", "preset_h100_110k+engine", "unsloth_20k",
+                    "unsloth_32k", "unsloth_max_t"], lead
+    assert [r.name for r in rows if r.vllm] == lead[:4]
+    assert rows[len(lead):len(lead) + len(head)] == head and out.count(" headline ") == len(head)
     total = sum(r.limit_s for r in head)
     assert f"headline total: {total} s" in out and total <= gc.HEADLINE_BUDGET_S <= 700  # one 15-minute loan
     for r in head:

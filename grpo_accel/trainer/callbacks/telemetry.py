@@ -2,7 +2,8 @@
 
 Phases: generation, logps_no_grad (old / reference log-probs), policy_forward, backward, optimizer_step.
 Each logged step gets `memory/<phase>_peak_gib` (CUDA: max_memory_allocated; CPU: peak RSS of the
-process) and `memory/host_rss_gib`, in the tracker (wandb) and the run's metrics.csv.
+process), `memory/host_rss_gib` and `time/<phase>_s` (wall seconds), in the tracker (wandb) and the run's
+metrics.csv.
 Cost: one counter reset + read per phase (CPU: a write to /proc/self/clear_refs), negligible per step.
 """
 
@@ -51,5 +52,9 @@ class PhaseTelemetry:
         """Peaks since the last log, then forget them (each logged step reports its own phases)."""
         metrics = self.memory.metrics()
         metrics["memory/host_rss_gib"] = round(rss_bytes() / GIB, 3)
+        # wall seconds per phase, summed since the last log: the step's split (generation returns its tokens to the
+        # host, so its time is whole; a CUDA phase without a sync ends when its kernels are queued)
+        for r in self.memory.records:
+            metrics[f"time/{r.name}_s"] = round(metrics.get(f"time/{r.name}_s", 0.0) + r.seconds, 3)
         self.memory.records.clear()
         return metrics
