@@ -171,3 +171,21 @@ def test_generation_peak_within_ten_percent_of_the_plan(in_flight):
     print(f"\n{in_flight} in flight: measured {got['measured'] / 2**20:.1f} MiB, planned "
           f"{got['planned'] / 2**20:.1f} MiB ({got['line']})")
     assert abs(got["planned"] - got["measured"]) / got["measured"] < 0.10, got
+
+
+def test_a_lost_or_failed_request_stops_the_step(monkeypatch):
+    """transformers' generate_batch logs a request that failed or never came back and returns the rest: with fewer
+    completions than prompts the rewards would pair with the wrong rows, so generate_paged raises instead."""
+    from types import SimpleNamespace
+
+    from grpo_accel.generation import continuous_batching as cb
+
+    model, _ = load_model("tiny-llama")
+    ok = SimpleNamespace(generated_tokens=[5, 6], error=None)
+    config = SimpleNamespace(num_return_sequences=1)
+    for returned in ({"a": ok}, {"a": ok, "b": SimpleNamespace(generated_tokens=[], error="OOM")}):
+        monkeypatch.setattr(model, "generate_batch", lambda *a, _r=returned, **k: _r, raising=False)
+        with pytest.raises(RuntimeError, match="of 2 completions"):
+            cb.generate_paged(model, [[1, 2], [3, 4]], config, None)
+    monkeypatch.setattr(model, "generate_batch", lambda *a, **k: {"a": ok, "b": ok}, raising=False)
+    assert cb.generate_paged(model, [[1, 2], [3, 4]], config, None) == [[5, 6], [5, 6]]

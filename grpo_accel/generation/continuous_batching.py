@@ -95,6 +95,13 @@ def generate_paged(model, prompt_ids: list[list[int]], generation_config, cb_con
     with stock_attention(model), torch.no_grad():
         outputs = model.generate_batch(prompt_ids, generation_config=generation_config,
                                        continuous_batching_config=cb_config, progress_bar=False)
+    # generate_batch logs a failed or lost request and returns the others: fewer completions than prompts would
+    # pair rewards with the wrong rows downstream, so a short or failed batch stops here
+    expected = len(prompt_ids) * (getattr(generation_config, "num_return_sequences", None) or 1)
+    failed = [k for k, o in outputs.items() if getattr(o, "error", None) is not None]
+    if len(outputs) != expected or failed:
+        raise RuntimeError(f"transformers' generate_batch returned {len(outputs)} of {expected} completions "
+                           f"({len(failed)} failed: {[outputs[k].error for k in failed][:3]}); its log says why")
     return [list(o.generated_tokens) for o in outputs.values()]
 
 
