@@ -72,11 +72,12 @@ import time
 from pathlib import Path
 
 from results_io import (  # benchmarks/ is on sys.path when run as a script
+    RESULT_TAG,
     already_measured,
-    killed_result,
     killed_rows,
     run_meta,
     run_worker_process,
+    worker_result,
     write_results,
 )
 
@@ -94,7 +95,6 @@ VARIANTS = {
     "ours_head_offload": ("ours", "auto", "true", False),
     "ours_mb1": ("ours", "auto", "true", True),
 }
-RESULT_TAG = "RESULT "
 
 
 # ------------------------------------------------------------------------------------------------ worker side
@@ -355,17 +355,7 @@ def run_worker(args, impl, T, reps):
            "--ckpt-cache", str(args.ckpt_cache)] + (["--equal-lengths"] if args.equal_lengths else []) + (
                ["--preset", args.preset] if args.preset else [])
     t0 = time.perf_counter()
-    run = run_worker_process(cmd, env, ROOT)
-    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
-    if lines:
-        res = json.loads(lines[-1][len(RESULT_TAG):])
-    elif run["signal"]:  # no message of its own (the OOM killer's 9): the signal and the host's memory say why
-        res = killed_result(impl, run)
-    elif "OutOfMemoryError" in run["stderr"] or "CUDA out of memory" in run["stderr"]:
-        res = {"impl": impl, "oom": True, "error": "out of memory outside the step"}
-    else:
-        print(run["stderr"][-3000:], file=sys.stderr)
-        raise SystemExit(f"{impl} T={T} failed (rc {run['returncode']})")
+    res = worker_result(run_worker_process(cmd, env, ROOT), impl, T)
     res["wall_s"] = time.perf_counter() - t0
     return res
 

@@ -53,12 +53,19 @@ import time
 from pathlib import Path
 
 import bench_step_memory as bsm  # benchmarks/ is on sys.path when run as a script: the shapes the judge pairs
-from results_io import already_measured, killed_result, killed_rows, run_meta, run_worker_process, write_results
+from results_io import (
+    RESULT_TAG,
+    already_measured,
+    killed_rows,
+    run_meta,
+    run_worker_process,
+    worker_result,
+    write_results,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MIB = 1 << 20
-RESULT_TAG = "RESULT "
 PREFLIGHT_TAG = "preflight:"
 EXIT_NO_GPU, EXIT_PREFLIGHT_FAILS = 2, 3
 IMPL = "unsloth"
@@ -324,18 +331,8 @@ def run_worker(args, T, reps) -> dict:
 
 
 def parse_worker(run: dict, T: int, wall_s: float) -> dict:
-    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
-    if lines:
-        res = json.loads(lines[-1][len(RESULT_TAG):])
-    elif run["timed_out"]:
-        res = {"impl": IMPL, "oom": False, "timed_out": True}
-    elif run["signal"]:  # the OOM killer's 9 leaves no message: the signal and the host's memory say why
-        res = killed_result(IMPL, run)
-    elif "OutOfMemoryError" in run["stderr"] or "out of memory" in run["stderr"]:
-        res = {"impl": IMPL, "oom": True, "error": "out of memory outside the step"}
-    else:
-        print(run["stderr"][-3000:], file=sys.stderr)
-        raise SystemExit(f"unsloth T={T} failed (rc {run['returncode']})")
+    # bitsandbytes' and Unsloth's own kernels say "out of memory" without torch's "CUDA" prefix
+    res = worker_result(run, IMPL, T, oom_texts=("OutOfMemoryError", "out of memory"))
     res["wall_s"] = wall_s
     return res
 

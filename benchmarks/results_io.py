@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import datetime
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -114,6 +116,26 @@ def killed_result(impl: str, run: dict) -> dict:
           f"ran {_gib(low)} GiB)", flush=True)
     return {"impl": impl, "oom": False, "killed_by_signal": run["signal"], "host_available_gib": gib,
             "host_available_min_gib": low}
+
+
+RESULT_TAG = "RESULT "  # a worker's one result line: RESULT_TAG + json
+
+
+def worker_result(run: dict, impl: str, T: int, oom_texts=("OutOfMemoryError", "CUDA out of memory")) -> dict:
+    """A step worker's result from run_worker_process's record: its last RESULT_TAG line; else timed out, killed by
+    a signal, or out of memory outside the step (one of `oom_texts` in its stderr); anything else is a failure of
+    our own, raised with the worker's stderr."""
+    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
+    if lines:
+        return json.loads(lines[-1][len(RESULT_TAG):])
+    if run["timed_out"]:
+        return {"impl": impl, "oom": False, "timed_out": True}
+    if run["signal"]:  # no message of its own (the OOM killer's 9): the signal and the host's memory say why
+        return killed_result(impl, run)
+    if any(text in run["stderr"] for text in oom_texts):
+        return {"impl": impl, "oom": True, "error": "out of memory outside the step"}
+    print(run["stderr"][-3000:], file=sys.stderr)
+    raise SystemExit(f"{impl} T={T} failed (rc {run['returncode']})")
 
 
 def killed_rows(res: dict) -> list[tuple[str, float, str]]:
