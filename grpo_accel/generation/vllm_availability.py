@@ -31,7 +31,8 @@ VLLM_LINES = {
 }
 BITSANDBYTES_REQUIREMENT = "bitsandbytes>=0.48.1"
 BNB_PLUGIN_REQUIREMENT = "vllm-bnb-plugin==0.0.3"
-FALLBACK_LINE = ("vLLM is not installed: generating with transformers' generate() "
+# route-neutral: without vLLM the route rule (planning.routes) picks continuous batching or generate(), and says which
+FALLBACK_LINE = ("vLLM is not installed: generating with transformers "
                  "(pip install 'grpo_accel[vllm]', or on CPU: make test-vllm's venv)")
 
 
@@ -72,12 +73,12 @@ def fallback_line() -> str | None:
         return None
     if vllm_missing():
         return FALLBACK_LINE
-    return (f"vLLM is installed but cannot be imported ({reason}): generating with transformers' generate(). "
+    return (f"vLLM is installed but cannot be imported ({reason}): generating with transformers. "
             f"Fix the install (pip install -e '.[vllm]'), or --use_vllm false to silence this")
 
 
 def use_vllm_or_fallback(use_vllm: bool, log=print) -> bool:
-    """`use_vllm` unless vllm cannot be imported; then one line says generation falls back to HF generate()."""
+    """`use_vllm` unless vllm cannot be imported; then one line says generation falls back to transformers."""
     line = fallback_line() if use_vllm else None
     if line is not None:
         log(line)
@@ -194,7 +195,7 @@ def bitsandbytes_missing(install: VLLMInstall) -> str | None:
 def vllm_stack_problem(install: VLLMInstall | None, four_bit: bool) -> str | None:
     """The first reason the installed vLLM cannot serve a colocated engine (version, torch, bitsandbytes for a
     QLoRA run), as one line naming the fix; None when it can, or when no vLLM is installed (that falls back to
-    generate() with its own line)."""
+    transformers' generation with its own line)."""
     if install is None:
         return None
     try:
