@@ -17,7 +17,7 @@ import torch
 
 from grpo_accel.core.phase_memory import PhaseMemory
 from grpo_accel.planning.architectures import ARCHITECTURES, get_architecture, list_architectures, model_shape
-from grpo_accel.planning.generation import kv_cache_sequences, vllm_memory_fraction
+from grpo_accel.planning.generation import engine_kv_bytes, kv_cache_sequences, vllm_memory_fraction
 from grpo_accel.planning.memory import GIB, plan_memory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -436,3 +436,28 @@ def test_expert_adapters_cost_what_the_planner_says(dtype):
     base = plan_memory(big, **kw).device["recompute_working_set"]
     assert base - plan_memory(dataclasses.replace(big, lora_experts=False), **kw).device["recompute_working_set"] == \
         expert_adapter_bytes(big, 2, 16)[1] > 6 * GIB
+
+
+@pytest.mark.parametrize("name", ["h100_110k", "a100_80gb_bf16"])
+def test_generation_phase_is_the_training_side_plus_the_engines_whole_budget(name):
+    """While a colocated engine generates, the device holds the training side's resident bytes (the trainer's own
+    weights, adapter, optimizer states: no training transients) and the engine's whole gpu_memory_utilization budget
+    (vLLM gives its KV cache all the budget its weights and runtime leave); shared weights are counted once, inside
+    the engine's budget. The run's fraction leaves the training side its room, so the phase fits the GPU."""
+    from grpo_accel.app.presets import get_preset
+    from grpo_accel.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION
+
+    plan, gpu = get_preset(name).plan(), int(79.1 * GIB)
+    d = plan.device
+    budget = vllm_memory_fraction(plan, gpu) * gpu
+    trainer_own = 0 if plan.route == "vllm_shared" else d["weights"]
+    resident = trainer_own + d["lora_weights"] + d["optimizer_states"] + d["reward_models"]
+    expected = resident + budget + CUDA_CONTEXT_BYTES + FRAGMENTATION * resident
+    assert plan.generation_bytes(gpu) == pytest.approx(expected, abs=4)
+    assert plan.generation_bytes(gpu, optimizer_states=False) == pytest.approx(
+        expected - 1.05 * d["optimizer_states"], abs=4)
+    assert plan.generation_bytes(gpu) <= gpu
+    # the engine's KV cache is more than the plan's whole sequences, less than one sequence more
+    per_seq = plan.device["vllm_kv_cache"]  # the plan's KV term holds one full-length sequence (vllm_kv_seqs=1)
+    seqs = kv_cache_sequences(plan, gpu)
+    assert seqs * per_seq <= engine_kv_bytes(plan, gpu) < (seqs + 1) * per_seq

@@ -214,6 +214,27 @@ def startup(spec, tokenizer, train_ds) -> int:
     return longest
 
 
+def run_inputs(spec):
+    """(reward functions, tokenizer, data, longest prompt) of a run, every start-up check passed: what the run needs
+    before any weights load."""
+    script_args, config = spec.script, spec.config
+    reward_funcs = resolve_rewards(script_args.rewards)
+    check_reward_weights(config.reward_weights, reward_names(script_args.rewards))
+    tokenizer = load_tokenizer(script_args.model)
+    if not tokenizer.chat_template:
+        raise ModelLoadError(f"the tokenizer of {script_args.model!r} has no chat template. Fix: use an "
+                             f"instruct/chat model, or set tokenizer.chat_template in a local copy.")
+    data = load_run_data(script_args.dataset, script_args.train_size, script_args.eval_size,
+                         level=script_args.dataset_level, seed=config.seed, config=script_args.dataset_config,
+                         split=script_args.dataset_split, system_prompt=script_args.system_prompt)
+    longest_prompt = startup(spec, tokenizer, data.train)
+    log(f"model {script_args.model} ({script_args.model_dtype}), dataset {script_args.dataset}: "
+        f"{len(data.train)} train / {len(data.held_out) if data.held_out is not None else 0} held-out prompts")
+    if data.note:
+        log(data.note)
+    return reward_funcs, tokenizer, data, longest_prompt
+
+
 def run(spec) -> int:
     script_args, config = spec.script, spec.config
     check_output_dir(config.output_dir)
@@ -229,20 +250,7 @@ def run(spec) -> int:
     elif resume and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
         raise ConfigError(f"{resume} is not a complete checkpoint (no trainer_state.json). Fix: pass "
                           f"--resume_from_checkpoint latest, or another checkpoint-N directory.")
-    reward_funcs = resolve_rewards(script_args.rewards)
-    check_reward_weights(config.reward_weights, reward_names(script_args.rewards))
-    tokenizer = load_tokenizer(script_args.model)
-    if not tokenizer.chat_template:
-        raise ModelLoadError(f"the tokenizer of {script_args.model!r} has no chat template. Fix: use an "
-                             f"instruct/chat model, or set tokenizer.chat_template in a local copy.")
-    data = load_run_data(script_args.dataset, script_args.train_size, script_args.eval_size,
-                         level=script_args.dataset_level, seed=config.seed, config=script_args.dataset_config,
-                         split=script_args.dataset_split, system_prompt=script_args.system_prompt)
-    longest_prompt = startup(spec, tokenizer, data.train)
-    log(f"model {script_args.model} ({script_args.model_dtype}), dataset {script_args.dataset}: "
-        f"{len(data.train)} train / {len(data.held_out) if data.held_out is not None else 0} held-out prompts")
-    if data.note:
-        log(data.note)
+    reward_funcs, tokenizer, data, longest_prompt = run_inputs(spec)
     if script_args.overwrite_output_dir and not resume and holds_a_run(config.output_dir):
         clear_run_dir(config.output_dir)
     configure_tracking(config)
@@ -270,17 +278,24 @@ def load_rewards(reward_funcs: list, dtype) -> tuple[list, list]:
     return funcs, tokenizers
 
 
-def _train(spec, tokenizer, data, reward_funcs, resume, longest_prompt) -> int:
+def build_trainer(spec, tokenizer, data, reward_funcs, longest_prompt):
+    """The run's GRPOAccelTrainer, its model, rewards and generation route (an engine sized by the plan) as the
+    command builds them; also benchmarks/bench_engine_prefill.py's, which measures that engine at full length."""
     from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
-    script_args, config = spec.script, spec.config
-    eval_ds = data.held_out
+    script_args = spec.script
     model, engine = load_training_model(spec, tokenizer, longest_prompt)
     check_lora_targets(model, script_args)
     reward_funcs, reward_tokenizers = load_rewards(reward_funcs, dtypes.torch_dtype(script_args.model_dtype))
-    trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=config, vllm_engine=engine,
-                               longest_prompt=longest_prompt, train_dataset=data.train, processing_class=tokenizer,
-                               reward_processing_classes=reward_tokenizers, peft_config=lora_config(script_args))
+    return GRPOAccelTrainer(model=model, reward_funcs=reward_funcs, args=spec.config, vllm_engine=engine,
+                            longest_prompt=longest_prompt, train_dataset=data.train, processing_class=tokenizer,
+                            reward_processing_classes=reward_tokenizers, peft_config=lora_config(script_args))
+
+
+def _train(spec, tokenizer, data, reward_funcs, resume, longest_prompt) -> int:
+    script_args, config = spec.script, spec.config
+    eval_ds = data.held_out
+    trainer = build_trainer(spec, tokenizer, data, reward_funcs, longest_prompt)
     is_main = trainer.accelerator.is_main_process
     log(f"log-prob head: {trainer.logprob_impl}; activation offload: {offload_line(trainer)}")
     os.makedirs(config.output_dir, exist_ok=True)

@@ -50,48 +50,90 @@ def pages_per_sequence(T: int, page_size: int = PAGE_SIZE) -> int:
     return -(-T // page_size)
 
 
-def paged_pool_bytes(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE) -> int:
+def shared_prompt_pages(prompt: int, page_size: int = PAGE_SIZE) -> int:
+    """Pages of a `prompt`-token prompt its group's sequences share. transformers prefills all but the prompt's last
+    token, then forks the G - 1 others (scheduler._schedule_request: `token_budget = len(request_tokens) - 1`), and a
+    fork shares the pages full at that point and copies the partial one (cache_allocator.count_shareable_blocks:
+    `past_length // tokens_per_page`): (prompt - 1) // page_size."""
+    return max(0, prompt - 1) // page_size
+
+
+def paged_pages(seqs: int, T: int, page_size: int = PAGE_SIZE, prompt: int = 0, group: int = 1,
+                batch: int | None = None) -> int:
+    """Full-attention pages in use for `seqs` sequences of T tokens at once. `group` > 1: each prompt generates
+    `group` sequences forked from one prefill (block sharing on), its full pages stored once per group in flight
+    (at most min(seqs, batch / group) groups: a `batch`-sequence generation batch; None: `seqs`), and each sequence
+    its own pages from the partial last prompt page on: at most 1 + ceil(completion / page_size) (exactly that when
+    the completion is a multiple of the page size), whatever the prompt's length up to `prompt`."""
+    whole = seqs * pages_per_sequence(T, page_size)
+    shared = shared_prompt_pages(prompt, page_size) if group > 1 else 0
+    if not shared:
+        return whole
+    groups = min(seqs, -(-(batch or seqs) // group))
+    own = min(pages_per_sequence(T, page_size), 1 + pages_per_sequence(T - prompt, page_size))
+    return min(whole, groups * shared + seqs * own)
+
+
+def paged_pool_bytes(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE, prompt: int = 0,
+                     group: int = 1, batch: int | None = None) -> int:
     """The page pool that holds `seqs` sequences of T tokens at once, whole pages each (a sliding layer's pages
-    cover its window only), plus the two trash pages transformers keeps."""
-    tokens = pages_per_sequence(T, page_size) * page_size
-    return seqs * shape.kv_cache_bytes(tokens, a) + TRASH_PAGES * page_size * kv_bytes_per_token(shape, a)
+    cover its window only, never shared: transformers' sliding allocator has supports_block_sharing = False), a
+    group's shared prompt pages once (`paged_pages`), plus the two trash pages transformers keeps."""
+    full, sliding = shape.layers - shape.sliding_layers, shape.sliding_layers
+    full_tokens = paged_pages(seqs, T, page_size, prompt, group, batch) * page_size
+    sliding_tokens = seqs * min(pages_per_sequence(T, page_size) * page_size, shape.sliding_window or T)
+    per_layer_token = 2 * shape.kv_dim * a
+    return ((full * full_tokens + sliding * sliding_tokens) * per_layer_token
+            + TRASH_PAGES * page_size * kv_bytes_per_token(shape, a))
 
 
-def paged_num_blocks(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE) -> int:
+def paged_num_blocks(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE, prompt: int = 0,
+                     group: int = 1, batch: int | None = None) -> int:
     """ContinuousBatchingConfig.num_blocks for that pool: transformers counts the pool in whole-model blocks
     (page_size tokens of every layer's K and V), so this is the pool's bytes over one block's, the trash pages off."""
     block = page_size * kv_bytes_per_token(shape, a)
-    return -(-(paged_pool_bytes(shape, a, seqs, T, page_size) - TRASH_PAGES * block) // block)
+    pool = paged_pool_bytes(shape, a, seqs, T, page_size, prompt, group, batch)
+    return -(-(pool - TRASH_PAGES * block) // block)
 
 
 def _paged_terms(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE,
-                 batch_tokens: int = PAGED_BATCH_TOKENS) -> tuple[float, float]:
+                 batch_tokens: int = PAGED_BATCH_TOKENS, prompt: int = 0, group: int = 1,
+                 batch: int | None = None) -> tuple[float, float]:
     """(page pool, working set) of transformers' continuous batching holding `seqs` sequences of T tokens at once.
-    Working set, per forward of `batch_tokens` tokens (one layer's at a time): SDPA's additive mask [M, pool + M]
-    per attention kind and the int64 read index into the pool, allocated once at pool size; each layer's K and V read
-    back from the pages for every sequence in flight (index_select), repeated to every query head under GQA; the
-    sampler's fp32 logits, scores and probabilities [seqs, V]; a prefill chunk through one layer."""
-    pool = paged_pool_bytes(shape, a, seqs, T, page_size)
-    pool_tokens = pool // kv_bytes_per_token(shape, a)
+
+    Working set: what lives through the whole call, plus the largest of what one forward step holds at a time.
+    Whole call (input_outputs._setup_static_tensors): the SDPA mask [M, read + M] in the model's dtype per attention
+    kind, `read` the pool's tokens without the trash pages (cache.max_tokens_read), and the int64 read and write
+    indices [read + M] and [M] per kind (one row each, not one per query token). One forward of at most
+    min(M, seqs x prompt) tokens (decode rows take one, prefills at most their prompt): in a layer's attention, K
+    and V of every sequence in flight read back from the pages (full_attention.update's index_select), repeated to
+    every query head under GQA (sdpa_attention: repeat_kv, masked SDPA), beside that layer's activations for the
+    step's tokens (q, K, V, MLP); after the last layer, the sampler's fp32 logits, scores and probabilities
+    [seqs, V]. The read-back K and V are gone before the logits exist, so the two are a max, not a sum."""
+    pool = paged_pool_bytes(shape, a, seqs, T, page_size, prompt, group, batch)
+    read = paged_num_blocks(shape, a, seqs, T, page_size, prompt, group, batch) * page_size
     kinds = 2 if shape.sliding_layers else 1
     M = batch_tokens
-    mask = kinds * M * (pool_tokens + M) * (a + 8)
+    static = kinds * (M * (read + M) * a + (read + 2 * M) * 8)
     kv_dim, q_dim = shape.kv_dim, shape.heads * shape.head_dim
     read_back = seqs * T * (2 * kv_dim + (2 * q_dim if q_dim > kv_dim else 0)) * a
+    step_tokens = min(M, seqs * prompt) if prompt else M
+    layer = step_tokens * (3 * shape.hidden + q_dim + 2 * kv_dim + 3 * shape.intermediate) * a
     sampler = 3 * seqs * shape.vocab * 4
-    prefill = M * (3 * shape.hidden + q_dim + 2 * kv_dim + 3 * shape.intermediate) * a
-    return pool, mask + read_back + sampler + prefill
+    return pool, static + max(read_back + layer, sampler)
 
 
 def generation_terms(shape: ModelShape, a: int, generation: str, generation_batch: int, vllm_kv_seqs: int,
-                     prompt: int, T: int, paged_seqs: int | None = None) -> dict:
+                     prompt: int, T: int, paged_seqs: int | None = None, paged_group: int = 1) -> dict:
     """The generation-phase device terms of a plan: a colocated engine's KV cache, which must hold `vllm_kv_seqs`
     full-length sequences (vLLM refuses to start below one), and its runtime; generate()'s cache and working set
     over the whole generation batch; continuous batching's page pool for `paged_seqs` full-length sequences at once
-    (None: the whole generation batch) and its working set; a vLLM server nothing here."""
+    (None: the whole generation batch), `paged_group` of them sharing each prompt's pages, and its working set; a
+    vLLM server nothing here."""
     engine = generation in COLOCATED
     kv, working = _generate_terms(shape, a, generation_batch, prompt, T) if generation == "generate" else (0, 0)
-    pool, paged_working = (_paged_terms(shape, a, min(paged_seqs or generation_batch, generation_batch), T)
+    pool, paged_working = (_paged_terms(shape, a, min(paged_seqs or generation_batch, generation_batch), T,
+                                        prompt=prompt, group=paged_group, batch=generation_batch)
                            if generation == "continuous_batching" else (0, 0))
     return {"vllm_kv_cache": vllm_kv_seqs * shape.kv_cache_bytes(T, a) if engine else 0,
             "vllm_runtime": VLLM_RUNTIME_BYTES if engine else 0, "generate_kv_cache": kv,
@@ -112,15 +154,23 @@ def vllm_memory_fraction(plan, gpu_bytes: int, cap: float = 0.95) -> float:
     return fraction
 
 
+def engine_kv_bytes(plan, gpu_bytes: int) -> int:
+    """The KV cache a colocated engine allocates when it gets `vllm_memory_fraction` of the GPU: vLLM gives its KV
+    cache all of its budget that its weights (shared ones included: it loaded them) and runtime leave, whole
+    sequences or not."""
+    budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
+    return int(budget - plan.vllm_bytes + plan.device["vllm_kv_cache"])
+
+
 def kv_cache_sequences(plan, gpu_bytes: int) -> int:
     """Full-length sequences the KV cache holds when vLLM gets `vllm_memory_fraction` of the GPU."""
     inp = plan.inputs
     per_seq = plan.shape.kv_cache_bytes(inp["max_prompt_length"] + inp["max_completion_length"],
                                         dtype_bytes(inp["model_dtype"]))
-    budget = vllm_memory_fraction(plan, gpu_bytes) * gpu_bytes
-    return int((budget - plan.vllm_bytes + plan.device["vllm_kv_cache"]) // per_seq)
+    return engine_kv_bytes(plan, gpu_bytes) // per_seq
 
 
-__all__ = ["GENERATION_TERMS", "PAGED_BATCH_TOKENS", "PAGE_SIZE", "VLLM_RUNTIME_BYTES", "generation_terms",
+__all__ = ["GENERATION_TERMS", "PAGED_BATCH_TOKENS", "PAGE_SIZE", "VLLM_RUNTIME_BYTES", "engine_kv_bytes",
+           "generation_terms",
            "kv_bytes_per_token", "kv_cache_sequences", "paged_num_blocks", "paged_pool_bytes",
            "pages_per_sequence", "vllm_memory_fraction"]

@@ -35,7 +35,7 @@ from grpo_accel.planning.activations import (
     layer_saved_bytes_per_token,
 )
 from grpo_accel.planning.architectures import ModelShape, model_shape
-from grpo_accel.planning.generation import GENERATION_TERMS, generation_terms
+from grpo_accel.planning.generation import GENERATION_TERMS, generation_terms, vllm_memory_fraction
 from grpo_accel.planning.routes import COLOCATED, PINNED_STACK, ROUTES, choose_route
 
 # bitsandbytes NF4 with double quantization: 4 bits per weight, an 8-bit absmax per 64-weight block, and an fp32
@@ -167,7 +167,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 offload_recompute_tokens=OFFLOAD_RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
-                generation_batch=None, reward_models=(), paged_seqs=None) -> MemoryPlan:
+                generation_batch=None, reward_models=(), paged_seqs=None, paged_group=None) -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
 
     generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
@@ -175,7 +175,9 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     use_vllm and vllm_share_weights (given beside it, they must agree). generation_batch: sequences
     one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former).
     paged_seqs: full-length sequences continuous batching's page pool holds at once (None: the generation batch;
-    `paged_sequences` finds the most that fit a GPU). reward_models: (shape, rows) of each reward model
+    `paged_sequences` finds the most that fit a GPU). paged_group: sequences forked from each prompt, its full pages
+    stored once (None: num_generations where it divides the generation batch, as TRL's sampler lays a group's
+    copies side by side; 1: no block sharing). reward_models: (shape, rows) of each reward model
     (`reward_model_bytes`)."""
     if generation is None:
         generation = choose_route(use_vllm=bool(use_vllm), quantization=quantization, lora_r=lora_r,
@@ -274,7 +276,9 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     # generation batch's cache; a vLLM server nothing here
     dev["vllm_weights"] = {"vllm_4bit": _weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
                            "vllm_copy": _weights_bytes(shape, a, "none")}.get(generation, 0)
-    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T, paged_seqs))
+    group = paged_group or (num_generations if generation_batch % num_generations == 0 else 1)
+    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T, paged_seqs,
+                                group))
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
     live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
     dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
@@ -331,6 +335,25 @@ class MemoryPlan:
         """What vLLM's gpu_memory_utilization budget must cover: its weights (the shared ones too), KV, runtime."""
         shared = self.device["weights"] if self.inputs["use_vllm"] and self.inputs["vllm_share_weights"] else 0
         return int(shared + sum(self.device[k] for k in ("vllm_weights", "vllm_kv_cache", "vllm_runtime")))
+
+    def generation_bytes(self, gpu_bytes: int | None = None, optimizer_states: bool = True) -> int:
+        """The device bytes alive while this run generates: every term but the training transients, with the margin
+        the peak gets (CUDA context, fragmentation). `gpu_bytes`: a colocated engine on that GPU, as the run sizes
+        it (vllm_memory_fraction), whose KV cache takes the engine's whole budget (generation.engine_kv_bytes), not
+        the plan's whole sequences; vLLM measures its own use against that budget, so no fragmentation is added to
+        it. `optimizer_states=False`: before the first step, when none exist yet."""
+        terms = {k: v for k, v in self.device.items() if k not in TRAINING_TRANSIENT_TERMS + ("allocator_margin",)}
+        if not optimizer_states:
+            terms["optimizer_states"] = 0
+        engine = 0
+        if gpu_bytes is not None and self.route in COLOCATED:
+            # the engine's budget holds its weights (the shared ones too: it loaded them), runtime and KV cache
+            engine = vllm_memory_fraction(self, gpu_bytes) * gpu_bytes
+            own = ("vllm_weights", "vllm_kv_cache", "vllm_runtime")
+            terms["weights"] -= self.vllm_bytes - sum(terms.pop(k) for k in own)  # the shared weights: the engine's
+        live = sum(terms.values())
+        margin = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if self.inputs["device"] == "cuda" else 0
+        return int(live + engine + margin)
 
     def replan(self, **changes) -> MemoryPlan:
         inputs = {**self.inputs, **changes}
