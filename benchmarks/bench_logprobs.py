@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+from campaign.results_io import merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_io import (  # benchmarks/ is on sys.path when run as a script
+from campaign.results_io import (  # benchmarks/ is on sys.path when run as a script
     already_measured,
     killed_result,
     killed_rows,
@@ -267,7 +267,7 @@ def parse_args():
     p.add_argument("--out", type=Path, default=RESULTS / "packing.csv")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from the CSV")
     p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and device "
-                   "(gpu_campaign.py's retry of a failed row runs only what failed)")
+                   "(campaign/run.py's retry of a failed row runs only what failed)")
     return p.parse_args()
 
 

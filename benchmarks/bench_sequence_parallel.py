@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
+from campaign.results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

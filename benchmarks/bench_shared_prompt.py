@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_io import (  # benchmarks/ is on sys.path when run as a script
+from campaign.results_io import (  # benchmarks/ is on sys.path when run as a script
     already_measured,
     killed_result,
     killed_rows,
@@ -231,7 +231,7 @@ def parse_args():
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", type=Path, default=RESULTS / "shared_prompt.csv")
     p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and device "
-                   "(gpu_campaign.py's retry of a failed row runs only what failed)")
+                   "(campaign/run.py's retry of a failed row runs only what failed)")
     return p.parse_args()
 
 

@@ -71,7 +71,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_io import (  # benchmarks/ is on sys.path when run as a script
+from campaign.results_io import (  # benchmarks/ is on sys.path when run as a script
     RESULT_TAG,
     already_measured,
     killed_rows,
@@ -132,7 +132,7 @@ def build_model(arch, device, dtype, quant, ckpt_cache, layers: int = 0, config_
     if quant != "4bit":
         with torch.device(device):  # random init straight on the device: no 32 GB fp32 detour on the host
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    from random_models import save_random_model
+    from campaign.random_models import save_random_model
 
     from grpo_accel.data.models import quantization_config
 
@@ -424,7 +424,7 @@ def run_steps(args, save, done=lambda op, impl, shape, metric="oom": False):
 
 def plan_for(arch: str, quant: str, G: int, P: int, impl: str, T: int = 1024):
     """The planner's model of one variant's CUDA step (bf16, LoRA r=16): --find-max-t's first probe, and the
-    prediction gpu_campaign.py's summary holds against each measured GPU row."""
+    prediction campaign/run.py's summary holds against each measured GPU row."""
     from grpo_accel.planning.memory import plan_memory
 
     kind, logprob_impl, offload, mb1 = VARIANTS[impl]
@@ -565,7 +565,7 @@ def parse_args():
                         "(0 = glibc's dynamic default, whose retained free memory dominates the RSS peak)")
     p.add_argument("--out", type=Path, default=RESULTS / "step_memory.csv")
     p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and "
-                   "device (gpu_campaign.py's retry of a failed row runs only what failed)")
+                   "device (campaign/run.py's retry of a failed row runs only what failed)")
     return p.parse_args()
 
 

@@ -2,7 +2,7 @@
 
     # here (CPU): which Unsloth / transformers / TRL would run, and whether `import unsloth` works (one line)
     UNSLOTH_SITE=/tmp/unsloth_site python benchmarks/bench_unsloth.py --preflight
-    # on a GPU loan, after benchmarks/unsloth_wheels.sh here and its install line there (docs/unsloth.md):
+    # on a GPU loan, after benchmarks/campaign/unsloth_wheels.sh here and its install line there (docs/unsloth.md):
     # a. the seeds' shape, Llama-3.1-8B LoRA bf16, 512 + 19,968 tokens, G=8
     python benchmarks/bench_unsloth.py --arch llama-3.1-8b --num-generations 8 --prompt-length 512 \
         --completion-length 19968 --reps 1
@@ -14,9 +14,9 @@
         --completion-length 65536 --t-step 32768 --max-t 262144 --reps 0
 
 Each step runs in its own worker process whose sys.path starts with UNSLOTH_SITE (unsloth 2026.10.9, unsloth_zoo,
-trl 1.15.0, datasets 4.x: benchmarks/unsloth_wheels.sh); this parent and our rows keep trl 1.16. The worker uses
-Unsloth as its docs tell a GRPO user to: `import unsloth` first, FastLanguageModel.from_pretrained (load_in_4bit for
-QLoRA, fast_inference=False: no vLLM), FastLanguageModel.get_peft_model (r=16, alpha 32, dropout 0 on q,k,v,o,gate,
+trl 1.15.0, datasets 4.x: benchmarks/campaign/unsloth_wheels.sh); this parent and our rows keep trl 1.16. The worker
+uses Unsloth as its docs tell a GRPO user to: `import unsloth` first, FastLanguageModel.from_pretrained (load_in_4bit
+for QLoRA, fast_inference=False: no vLLM), FastLanguageModel.get_peft_model (r=16, alpha 32, dropout 0 on q,k,v,o,gate,
 up,down: our rows' adapter) with use_gradient_checkpointing="unsloth", then trl's GRPOConfig / GRPOTrainer, which
 `import unsloth` replaced by its own (the worker refuses to measure if they are still TRL's).
 
@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 import bench_step_memory as bsm  # benchmarks/ is on sys.path when run as a script: the shapes the judge pairs
-from results_io import (
+from campaign.results_io import (
     RESULT_TAG,
     already_measured,
     killed_rows,
@@ -84,9 +84,9 @@ WORKER_ENV = dict(UNSLOTH_DISABLE_CPU_FALLBACK="1", UNSLOTH_DISABLE_STATISTICS="
                   TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
 NO_GPU = ("error: bench_unsloth.py needs a CUDA GPU (Unsloth's GRPO runs on its GPU path only): run it on a GPU "
           "loan (docs/unsloth.md); here, --preflight says what would run")
-NO_SITE = ("error: no Unsloth site (UNSLOTH_SITE={site!r} holds no unsloth): run benchmarks/unsloth_wheels.sh here, "
-           "carry .whl-unsloth, then on the host `pip install --no-index --no-deps --target /tmp/unsloth_site "
-           ".whl-unsloth/*.whl` and export UNSLOTH_SITE=/tmp/unsloth_site")
+NO_SITE = ("error: no Unsloth site (UNSLOTH_SITE={site!r} holds no unsloth): run "
+           "benchmarks/campaign/unsloth_wheels.sh here, carry .whl-unsloth, then on the host `pip install --no-index "
+           "--no-deps --target /tmp/unsloth_site .whl-unsloth/*.whl` and export UNSLOTH_SITE=/tmp/unsloth_site")
 
 
 # ------------------------------------------------------------------------------------------------ both sides
@@ -292,7 +292,7 @@ def worker_save(a):
     """The random checkpoint (random_models.save_random_model), in a process of its own: the parent never holds a
     CUDA context, and the Unsloth workers import nothing before unsloth."""
     sys.path.append(str(ROOT))  # grpo_accel.planning, where no editable install puts it on the path
-    from random_models import save_random_model
+    from campaign.random_models import save_random_model
 
     print(save_random_model(a.arch, Path(a.ckpt_cache), "bfloat16"), flush=True)
 
@@ -411,7 +411,7 @@ def preflight(args) -> int:
     pins = pin_problems(args.site, versions) if site_has_unsloth(args.site) else []
     tail = f" | would run {would}" + (f" | {'; '.join(pins)}" if pins else "")
     if not site_has_unsloth(args.site):
-        print(f"{PREFLIGHT_TAG} no Unsloth at UNSLOTH_SITE={args.site!r} (benchmarks/unsloth_wheels.sh, "
+        print(f"{PREFLIGHT_TAG} no Unsloth at UNSLOTH_SITE={args.site!r} (benchmarks/campaign/unsloth_wheels.sh, "
               f"docs/unsloth.md){tail}", flush=True)
         return EXIT_PREFLIGHT_FAILS
     with tempfile.TemporaryDirectory() as cwd:

@@ -24,8 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_io import ROOT, merge_csv, run_meta  # noqa: E402
+from campaign.results_io import ROOT, merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
 
 RESULTS = ROOT / "benchmarks" / "results"
 RUN_SCRIPT = ROOT / "tests" / "vllm_engine" / "grpo_run.py"

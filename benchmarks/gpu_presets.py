@@ -5,7 +5,7 @@ For each preset this runs exactly what a user runs,
     accelerate launch --config_file accelerate_configs/<preset>.yaml launch/train.py --model <dir> ...
 
 with random weights of the preset's architecture saved locally (the hub is unreachable on our GPU hosts; memory and
-speed depend on shapes, not trained values; random_models.py saves them once per architecture with a byte-level
+speed depend on shapes, not trained values; campaign/random_models.py saves them once per architecture with a byte-level
 ChatML tokenizer built in code, so nothing is downloaded). Completions are shortened where HF generate() would take
 too long (`--completion-length`, default 1024; the CSV records both lengths), no held-out evaluation, 2 steps. Per
 preset it writes the measured peak allocated and reserved memory over every phase (the run's own telemetry,
@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel from a checkout
 
-from random_models import save_random_model  # noqa: E402  (benchmarks/ is on sys.path as a script)
-from results_io import ROOT, host_available_gib, merge_csv, run_meta  # noqa: E402
+from campaign.random_models import save_random_model  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from campaign.results_io import ROOT, host_available_gib, merge_csv, run_meta  # noqa: E402
 
 from grpo_accel.planning.routes import Stack  # noqa: E402
 
@@ -101,7 +101,7 @@ def predicted_reserved_gib(name: str, flags: list[str], prompt_tokens: int, stac
     """The planner for the same flags as the launch, at the measured prompt length, on the generation stack the
     point ran on (default: the GPU hosts', so generate()), as torch's peak reserved memory reports it (the plan's
     peak without the CUDA context: MemoryPlan.reserved_bytes). --model is dropped: the random checkpoint has the
-    preset's architecture, which the planner knows by name, so campaign_summary.py can re-plan a point measured on
+    preset's architecture, which the planner knows by name, so campaign/summary.py can re-plan a point measured on
     another host (whose model folder is not here) with this checkout's planner."""
     from grpo_accel.app.run_spec import resolve_run_spec
 
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         all_rows = merge_csv(done, Path(args.csv), key=("op", "impl", "device", "metric"))  # now: a kill loses none
         rows += done
     csv_path = Path(args.csv)
-    # every preset measured on this device, not only this call's: gpu_campaign.py runs one preset per call
+    # every preset measured on this device, not only this call's: campaign/run.py runs one preset per call
     plot([r for r in all_rows if r["device"] == dev and r["op"] == "preset_2_steps"], csv_path.with_suffix(".png"))
     print(f"[gpu_presets] wrote {csv_path} and {csv_path.with_suffix('.png')}")
     return 0 if all(r["value"] for r in rows if r["metric"] == "completed") else 1

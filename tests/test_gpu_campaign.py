@@ -1,4 +1,4 @@
-"""benchmarks/gpu_campaign.py: rows in order, each in its own process group with its own limit, the ledger that
+"""benchmarks/campaign/run.py: rows in order, each in its own process group with its own limit, the ledger that
 resumes a campaign across GPU loans, and the summary.
 
     OMP_NUM_THREADS=1 pytest tests/test_gpu_campaign.py            # the plumbing with stand-in scripts (seconds)
@@ -16,10 +16,11 @@ import pytest
 from support.launch import ROOT, child_env
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import gpu_campaign as gc  # noqa: E402
+import campaign.run as gc  # noqa: E402
 
 # Stand-ins for benchmark scripts: one writes a long-format row; one starts a worker and hangs, as a stuck step does.
-WRITES = """import sys, results_io
+WRITES = """import sys
+from campaign import results_io
 out = sys.argv[sys.argv.index("--out") + 1]
 results_io.write_results([dict(op="x", impl="a", shape="s,", metric="value", value="1.5", unit="u")],
                          __import__("pathlib").Path(out), ("v", "abc", "dev"))
@@ -63,10 +64,10 @@ META = dict(cpu=True, versions="v", sha="abc", device="dev", date="2026-01-01")
 def no_planner(monkeypatch, request):
     """The stand-in rows test plumbing: the summary's planner (TRL's imports, seconds) is a constant there; the
     planner test below calls it for real."""
-    import campaign_summary
+    import campaign.summary
 
     if "replans" not in request.node.name:
-        monkeypatch.setattr(campaign_summary, "plan_now_gib", lambda preset, prompt, completion: 1.0)
+        monkeypatch.setattr(campaign.summary, "plan_now_gib", lambda preset, prompt, completion: 1.0)
 
 
 def ledger(results, sha=None):
@@ -75,7 +76,7 @@ def ledger(results, sha=None):
 
 
 def test_rows_run_in_order_a_hang_is_killed_and_a_rerun_resumes(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "benchmarks"))  # the stand-ins import results_io
+    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "benchmarks"))  # the stand-ins import campaign.results_io
     rows, results = stand_in_rows(tmp_path), tmp_path / "results"
     t0 = time.monotonic()
     entries = gc.run_campaign(rows, [("preset_big", "needs more memory")], META, results, tmp_path / "logs",
@@ -142,7 +143,7 @@ def test_every_row_has_a_shape_its_script_writes_and_a_limit_under_a_loan():
 @pytest.mark.long  # one --cpu-check: 2 min 53 s on 2 busy cores (issue 35): make test-distributed
 def test_cpu_check_twice_runs_every_script_then_skips_every_row(tmp_path):
     results = tmp_path / "results"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_campaign.py"), "--cpu-check", "--results",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "campaign", "run.py"), "--cpu-check", "--results",
            str(results)]
     # an offline host; the vLLM rows' CPU check is the vLLM tier's (tests/vllm_engine/test_engine_rows.py)
     env = dict(child_env(), PIP_NO_INDEX="1", GRPO_ACCEL_CACHE=str(tmp_path / "no_cache"),
@@ -197,7 +198,7 @@ def test_list_marks_the_headline_rows_with_limits_that_cover_their_estimates_and
 
 
 def test_a_killed_worker_is_reported_with_its_signal_and_the_hosts_free_memory():
-    from results_io import host_available_gib, killed_result, killed_rows, run_worker_process
+    from campaign.results_io import host_available_gib, killed_result, killed_rows, run_worker_process
 
     run = run_worker_process([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
                              dict(os.environ), ROOT, poll_s=0.05)
@@ -216,7 +217,7 @@ def test_each_variant_reaches_the_csv_as_it_ends_so_a_killed_bench_keeps_it(tmp_
     """bench_shared_prompt's first variant ends, the second's worker is killed by a signal, then the bench itself is
     killed (as the campaign kills a row at its limit): the CSV holds the first's figures and the second's signal."""
     import bench_shared_prompt as bench
-    from results_io import killed_result
+    from campaign.results_io import killed_result
 
     out = tmp_path / "shared_prompt.csv"
     killed = dict(returncode=-9, signal=9, host_available_gib=3.5, host_available_min_gib=0.25)
@@ -273,7 +274,7 @@ def test_a_killed_row_is_failed_with_its_signal_in_the_summary(tmp_path, monkeyp
 
 
 def test_preflight_names_what_to_bring_when_an_import_fails(tmp_path, monkeypatch, capsys):
-    import campaign_preflight as pre
+    import campaign.preflight as pre
 
     real = pre.check_import
     monkeypatch.setattr(pre, "check_import", lambda name: (False, "ModuleNotFoundError: No module named 'pydantic'")
@@ -291,7 +292,7 @@ def test_preflight_names_what_to_bring_when_an_import_fails(tmp_path, monkeypatc
 
 
 def test_the_offline_tokenizer_round_trips_bytes_and_renders_chatml(tmp_path):
-    from random_models import offline_tokenizer
+    from campaign.random_models import offline_tokenizer
     from transformers import AutoTokenizer
 
     tok = offline_tokenizer()
@@ -307,7 +308,7 @@ def test_the_offline_tokenizer_round_trips_bytes_and_renders_chatml(tmp_path):
 
 
 def test_the_planner_error_starts_with_the_first_gpu_point_and_replans_with_this_checkout(tmp_path, monkeypatch):
-    import campaign_summary as summary
+    import campaign.summary as summary
 
     calls = []
     monkeypatch.setattr(summary, "plan_now_gib", lambda p, prompt, c: calls.append((p, prompt, c)) or 7.0)

@@ -4,7 +4,7 @@
 # archive (a loan returns at most 8 files): results.tgz holds benchmarks/results (CSVs, PNGs, ledger, summary,
 # failed rows' tails) and the per-row logs; campaign.log beside it.
 #
-#   GRPO_ACCEL_GIT_SHA=<sha> bash benchmarks/gpu_loan.sh [CALL_S] [campaign flags...]
+#   GRPO_ACCEL_GIT_SHA=<sha> bash benchmarks/campaign/loan.sh [CALL_S] [campaign flags...]
 #
 # CALL_S (default 590): the seconds this call may take in all. The campaign gets what is left after the install
 # and the preflight, less 30 s for packing; a hard `timeout` stops it 15 s before CALL_S so the archive is always
@@ -21,14 +21,14 @@ pack() { tar czf "$out/.results.tgz" -C /tmp loan_results loan_logs 2>/dev/null 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site
   # vLLM 0.26 from the bundle's three calls (receive.sh install puts it there): our wheels beside it are one set
-  # (benchmarks/loan_wheels.sh --with-bundle); flashinfer is not in the bundle, so not its sampler
+  # (benchmarks/campaign/loan_wheels.sh --with-bundle); flashinfer is not in the bundle, so not its sampler
   if [ -d /root/vllm_site ]; then export PYTHONPATH=$PYTHONPATH:/root/vllm_site VLLM_USE_FLASHINFER_SAMPLER=0; fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 benchmarks/gpu_campaign.py --preflight
+  python3 benchmarks/campaign/run.py --preflight
   budget=$((call_s - SECONDS - 30))
   echo "[loan] campaign budget ${budget} s (call ${call_s} s, ${SECONDS} s used)"
   timeout --kill-after=5 $((call_s - SECONDS - 15)) \
-    python3 benchmarks/gpu_campaign.py --budget-s "$budget" --mirror /tmp/loan_results --logs /tmp/loan_logs "$@"
+    python3 benchmarks/campaign/run.py --budget-s "$budget" --mirror /tmp/loan_results --logs /tmp/loan_logs "$@"
   echo "[loan] campaign exit $?, ${SECONDS} s"
 } 2>&1 | tee "$log"
 kill $packer 2>/dev/null; pack

