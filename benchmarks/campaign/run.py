@@ -55,7 +55,7 @@ def flags(sizes: dict) -> list[str]:
 
 
 RESUMABLE = ("bench_step_memory.py", "bench_packing.py", "bench_shared_prompt.py", "bench_engine.py",
-             "bench_unsloth.py")  # their --resume
+             "bench_unsloth.py", "bench_engine_prefill.py")  # their --resume
 
 
 def interpreter(row: Row, cpu: bool) -> str | None:
@@ -77,6 +77,8 @@ def command(row: Row, cpu: bool, results: Path, logs: Path, models: Path, retry:
                       "--timeout-s", str(max(30, row.limit(cpu) - 15))]  # its own timeout first: it records it
     if row.script in ("bench_step_memory.py", "bench_unsloth.py") and row.gpu.get("quant") == "4bit":
         cmd += ["--ckpt-cache", str(models)]  # the presets' checkpoint folder: one random checkpoint per arch
+    if row.script == "bench_engine_prefill.py":
+        cmd += ["--models-dir", str(models), "--timeout-s", str(max(30, row.limit(cpu) - 15))]
     if retry and Path(row.script).name in RESUMABLE:
         cmd.append("--resume")
     return cmd + ["--out", str(results / row.csv)]

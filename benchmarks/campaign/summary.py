@@ -105,6 +105,26 @@ def judge_preset(v: RowView):
     return text + f" (planner / reserved {_fmt(err, 3)})", "met" if err and abs(err - 1) <= 0.10 else "missed"
 
 
+def judge_engine_prefill(v: RowView):
+    """Row engine_prefill_<preset> (issue 43 e): one full-length sequence through the preset's engine; the plan's
+    generation phase (MemoryPlan.generation_bytes, the engine's whole budget) within 10% of torch's peak reserved."""
+    preset = v.row.name.removeprefix("engine_prefill_")
+    got = v.m("cpu" if v.cpu else preset)
+    if not got:
+        return "", ""
+    if "prefill_s" not in got:
+        return "did not finish: " + ", ".join(k for k in ("oom", "timed_out", "killed_by_signal") if got.get(k)), \
+            "missed"
+    text = (f"{_fmt(got.get('prefill_tokens'), 0)} tokens prefilled in {_fmt(got['prefill_s'], 1)} s; KV cache "
+            f"{_fmt(got.get('kv_cache_gib'), 1)} GiB (plan {_fmt(got.get('plan_kv_cache_gib'), 1)})")
+    if v.cpu:  # the host RSS holds vLLM's and torch's libraries, which the plan does not count
+        return text + f"; host RSS peak {_fmt(got.get('peak_allocated_gib'))} GiB", NO_GOAL
+    err = got.get("plan_over_reserved")
+    text += (f"; reserved {_fmt(got.get('peak_reserved_gib'))} GiB, used {_fmt(got.get('used_gib'))} GiB, plan's "
+             f"generation phase {_fmt(got.get('plan_generation_reserved_gib'))} GiB (plan / reserved {_fmt(err, 3)})")
+    return text, "met" if err and abs(err - 1) <= 0.10 else "missed"
+
+
 def judge_step_32k(v: RowView):
     trl, ours = v.m("trl_tuned"), v.m("ours_mb1")
     if not trl or not ours:

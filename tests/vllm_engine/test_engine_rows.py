@@ -29,7 +29,8 @@ def test_engine_rows_cpu_check(tmp_path):
     import campaign.run as gc
 
     rows = [r for r in gc.campaign_rows(True, None)[0] if r.vllm]
-    assert [r.name for r in rows] == ["engine_shared", "engine_decode_8k", "preset_cpu+engine"]  # 4bit: GPU only
+    assert [r.name for r in rows] == ["engine_shared", "engine_decode_8k", "preset_cpu+engine",
+                                      "engine_prefill_h100_110k"]  # 4bit: GPU only
     results = tmp_path / "results"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "campaign", "run.py"), "--cpu-check", "--results",
            str(results), "--logs", str(tmp_path / "logs"), "--rows", *[r.name for r in rows]]
@@ -52,3 +53,11 @@ def test_engine_rows_cpu_check(tmp_path):
     with (results / "presets_gpu.csv").open() as f:
         preset = {r["metric"]: float(r["value"]) for r in csv.DictReader(f) if r["impl"] == "cpu+engine"}
     assert preset["completed"] == 1.0 and preset["generation_time_s"] > 0, preset
+    # the user's command generated through the engine, not generate() (the cpu preset's own route)
+    assert "generation route vllm_shared" in (tmp_path / "logs" / "presets" / "cpu.log").read_text()
+    with (results / "engine_prefill.csv").open() as f:
+        prefill = {r["metric"]: float(r["value"]) for r in csv.DictReader(f) if r["impl"] == "cpu"}
+    # one sequence of the engine's whole length: the cpu preset's longest prompt + its 512-token completions, less 4
+    assert prefill["prefill_tokens"] > 512 and prefill["prefill_s"] > 0, prefill
+    # the engine's KV cache as vllm_setup.engine_config sizes it on CPU (every sequence + 1 block), >= the plan's
+    assert prefill["kv_cache_gib"] >= prefill["plan_kv_cache_gib"] > 0, prefill
