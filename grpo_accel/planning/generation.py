@@ -60,7 +60,8 @@ def shared_prompt_pages(prompt: int, page_size: int = PAGE_SIZE) -> int:
 
 def paged_pages(seqs: int, T: int, page_size: int = PAGE_SIZE, prompt: int = 0, group: int = 1,
                 batch: int | None = None) -> int:
-    """Full-attention pages in use for `seqs` sequences of T tokens at once. `group` > 1: each prompt generates
+    """Full-attention pages in use for `seqs` sequences of T tokens at once (the pool's size is `paged_pool_bytes`,
+    which says why it holds whole copies). `group` > 1: each prompt generates
     `group` sequences forked from one prefill (block sharing on), its full pages stored once per group in flight
     (at most min(seqs, batch / group) groups: a `batch`-sequence generation batch; None: `seqs`), and each sequence
     its own pages from the partial last prompt page on: at most 1 + ceil(completion / page_size) (exactly that when
@@ -74,31 +75,29 @@ def paged_pages(seqs: int, T: int, page_size: int = PAGE_SIZE, prompt: int = 0, 
     return min(whole, groups * shared + seqs * own)
 
 
-def paged_pool_bytes(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE, prompt: int = 0,
-                     group: int = 1, batch: int | None = None) -> int:
+def paged_pool_bytes(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE) -> int:
     """The page pool that holds `seqs` sequences of T tokens at once, whole pages each (a sliding layer's pages
-    cover its window only, never shared: transformers' sliding allocator has supports_block_sharing = False), a
-    group's shared prompt pages once (`paged_pages`), plus the two trash pages transformers keeps."""
-    full, sliding = shape.layers - shape.sliding_layers, shape.sliding_layers
-    full_tokens = paged_pages(seqs, T, page_size, prompt, group, batch) * page_size
-    sliding_tokens = seqs * min(pages_per_sequence(T, page_size) * page_size, shape.sliding_window or T)
-    per_layer_token = 2 * shape.kv_dim * a
-    return ((full * full_tokens + sliding * sliding_tokens) * per_layer_token
-            + TRASH_PAGES * page_size * kv_bytes_per_token(shape, a))
+    cover its window only), plus the two trash pages transformers keeps.
+
+    A group's shared prompt pages (`paged_pages`) are not taken off: on the index path (SDPA, eager) one forward
+    reads back at most the pool's tokens (scheduler._process_candidates skips a request once `cache_budget`,
+    cache.max_tokens_read = the pool's tokens, cannot cover its length), shared pages read once per sequence. A
+    pool sized to the shared pages holds every sequence but serves only pool / T of them per forward: 161
+    forwards instead of 65 for 8 x 264 tokens (tests/test_continuous_batching.py). Sharing saves prefills there,
+    not memory; the block-table decode path (flash) has no such budget, unmeasured here."""
+    tokens = pages_per_sequence(T, page_size) * page_size
+    return seqs * shape.kv_cache_bytes(tokens, a) + TRASH_PAGES * page_size * kv_bytes_per_token(shape, a)
 
 
-def paged_num_blocks(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE, prompt: int = 0,
-                     group: int = 1, batch: int | None = None) -> int:
+def paged_num_blocks(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE) -> int:
     """ContinuousBatchingConfig.num_blocks for that pool: transformers counts the pool in whole-model blocks
     (page_size tokens of every layer's K and V), so this is the pool's bytes over one block's, the trash pages off."""
     block = page_size * kv_bytes_per_token(shape, a)
-    pool = paged_pool_bytes(shape, a, seqs, T, page_size, prompt, group, batch)
-    return -(-(pool - TRASH_PAGES * block) // block)
+    return -(-(paged_pool_bytes(shape, a, seqs, T, page_size) - TRASH_PAGES * block) // block)
 
 
 def _paged_terms(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE,
-                 batch_tokens: int = PAGED_BATCH_TOKENS, prompt: int = 0, group: int = 1,
-                 batch: int | None = None) -> tuple[float, float]:
+                 batch_tokens: int = PAGED_BATCH_TOKENS, prompt: int = 0) -> tuple[float, float]:
     """(page pool, working set) of transformers' continuous batching holding `seqs` sequences of T tokens at once.
 
     Working set: what lives through the whole call, plus the largest of what one forward step holds at a time.
@@ -110,13 +109,13 @@ def _paged_terms(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = 
     every query head under GQA (sdpa_attention: repeat_kv, masked SDPA), beside that layer's activations for the
     step's tokens (q, K, V, MLP); after the last layer, the sampler's fp32 logits, scores and probabilities
     [seqs, V]. The read-back K and V are gone before the logits exist, so the two are a max, not a sum."""
-    pool = paged_pool_bytes(shape, a, seqs, T, page_size, prompt, group, batch)
-    read = paged_num_blocks(shape, a, seqs, T, page_size, prompt, group, batch) * page_size
+    pool = paged_pool_bytes(shape, a, seqs, T, page_size)
+    read = paged_num_blocks(shape, a, seqs, T, page_size) * page_size
     kinds = 2 if shape.sliding_layers else 1
     M = batch_tokens
     static = kinds * (M * (read + M) * a + (read + 2 * M) * 8)
     kv_dim, q_dim = shape.kv_dim, shape.heads * shape.head_dim
-    read_back = seqs * T * (2 * kv_dim + (2 * q_dim if q_dim > kv_dim else 0)) * a
+    read_back = min(seqs * T, read) * (2 * kv_dim + (2 * q_dim if q_dim > kv_dim else 0)) * a
     step_tokens = min(M, seqs * prompt) if prompt else M
     layer = step_tokens * (3 * shape.hidden + q_dim + 2 * kv_dim + 3 * shape.intermediate) * a
     sampler = 3 * seqs * shape.vocab * 4
@@ -124,16 +123,15 @@ def _paged_terms(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = 
 
 
 def generation_terms(shape: ModelShape, a: int, generation: str, generation_batch: int, vllm_kv_seqs: int,
-                     prompt: int, T: int, paged_seqs: int | None = None, paged_group: int = 1) -> dict:
+                     prompt: int, T: int, paged_seqs: int | None = None) -> dict:
     """The generation-phase device terms of a plan: a colocated engine's KV cache, which must hold `vllm_kv_seqs`
     full-length sequences (vLLM refuses to start below one), and its runtime; generate()'s cache and working set
     over the whole generation batch; continuous batching's page pool for `paged_seqs` full-length sequences at once
-    (None: the whole generation batch), `paged_group` of them sharing each prompt's pages, and its working set; a
-    vLLM server nothing here."""
+    (None: the whole generation batch) and its working set; a vLLM server nothing here."""
     engine = generation in COLOCATED
     kv, working = _generate_terms(shape, a, generation_batch, prompt, T) if generation == "generate" else (0, 0)
     pool, paged_working = (_paged_terms(shape, a, min(paged_seqs or generation_batch, generation_batch), T,
-                                        prompt=prompt, group=paged_group, batch=generation_batch)
+                                        prompt=prompt)
                            if generation == "continuous_batching" else (0, 0))
     return {"vllm_kv_cache": vllm_kv_seqs * shape.kv_cache_bytes(T, a) if engine else 0,
             "vllm_runtime": VLLM_RUNTIME_BYTES if engine else 0, "generate_kv_cache": kv,

@@ -167,7 +167,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 offload_recompute_tokens=OFFLOAD_RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
-                generation_batch=None, reward_models=(), paged_seqs=None, paged_group=None) -> MemoryPlan:
+                generation_batch=None, reward_models=(), paged_seqs=None) -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
 
     generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
@@ -175,9 +175,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     use_vllm and vllm_share_weights (given beside it, they must agree). generation_batch: sequences
     one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former).
     paged_seqs: full-length sequences continuous batching's page pool holds at once (None: the generation batch;
-    `paged_sequences` finds the most that fit a GPU). paged_group: sequences forked from each prompt, its full pages
-    stored once (None: num_generations where it divides the generation batch, as TRL's sampler lays a group's
-    copies side by side; 1: no block sharing). reward_models: (shape, rows) of each reward model
+    `paged_sequences` finds the most that fit a GPU). reward_models: (shape, rows) of each reward model
     (`reward_model_bytes`)."""
     if generation is None:
         generation = choose_route(use_vllm=bool(use_vllm), quantization=quantization, lora_r=lora_r,
@@ -276,9 +274,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     # generation batch's cache; a vLLM server nothing here
     dev["vllm_weights"] = {"vllm_4bit": _weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
                            "vllm_copy": _weights_bytes(shape, a, "none")}.get(generation, 0)
-    group = paged_group or (num_generations if generation_batch % num_generations == 0 else 1)
-    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T, paged_seqs,
-                                group))
+    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T, paged_seqs))
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
     live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
     dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
