@@ -21,7 +21,8 @@ HEADER_START, HEADER_INDENT = "# Generation route: ", "#   "
 
 def weighed_routes(preset) -> list[tuple[str, object]]:
     """(label, plan) of the preset's own route first, then each alternative a user of its GPU would weigh: the other
-    training precision's colocated route (QLoRA <-> bf16/fp16 LoRA), an FP8 engine copy, and generate()."""
+    training precision's colocated route (QLoRA <-> bf16/fp16 LoRA), an FP8 engine copy, and without vLLM
+    transformers' continuous batching and generate()."""
     route, _ = preset.route()
     out = [(route, preset.plan())]
     if route in ("vllm_4bit", "vllm_shared"):
@@ -31,6 +32,8 @@ def weighed_routes(preset) -> list[tuple[str, object]]:
         out.append((other[0], preset.plan(other[1])))
         if route == "vllm_4bit":
             out.append(("vllm_fp8", preset.plan(generation="vllm_fp8")))
+    if route not in ("generate", "continuous_batching"):  # without vLLM: transformers' two routes
+        out.append(("without vLLM, continuous_batching", preset.plan(generation="continuous_batching")))
     if route != "generate":
         out.append(("generate()", preset.plan(generation="generate")))
     return out
@@ -46,6 +49,11 @@ def _describe(label: str, plan, gpu: int) -> str:
             text += f" (KV cache for {min(seqs, batch)} of {batch} sequences at once)"
         except ValueError:
             pass
+    if plan.route == "continuous_batching":
+        seqs = min(inp["paged_seqs"] or inp["generation_batch"], inp["generation_batch"])
+        queued = ", the rest queued" if seqs < inp["generation_batch"] else ""
+        text += (f" (a page pool of {plan.device['paged_kv_cache'] / GIB:.1f} GiB: {seqs} of "
+                 f"{inp['generation_batch']} sequences at once{queued})")
     if plan.route == "generate":
         T = inp["max_prompt_length"] + inp["max_completion_length"]
         per_token = kv_bytes_per_token(plan.shape, 4 if inp["model_dtype"] == "fp32" else 2)

@@ -1,7 +1,7 @@
 """Generation routes: how a run's completions are generated, and which one a run gets on a given stack.
 
     route, why = choose_route(use_vllm=True, vllm_mode="colocate", quantization="4bit", lora_r=16, stack=PINNED_STACK)
-    # ("vllm_4bit", "colocated vLLM quantizes its own 4-bit copy (vllm-bnb-plugin) ...")
+    # ("vllm_4bit", "colocated vLLM quantizing its own 4-bit NF4 copy (bitsandbytes: ...) ...")
 
 A route decides what sits on the GPU while generating, so the planner (`memory.plan_memory(generation=...)`) sizes
 the route that will run, not the one that was asked for. The rule, per training precision, first route that the
@@ -10,7 +10,8 @@ stack has wins:
   QLoRA (4-bit NF4 base)          vllm_4bit (the engine quantizes its own NF4 copy of the same checkpoint, NF4 with
                                   double quantization as the trainer; vLLM quantizes its fused qkv / gate_up tensors
                                   whole, so the scales differ a little: 0.73 nats max on the self-check text on
-                                  CPU bf16, vs 0.20 for two unquantized bf16 copies; needs vllm-bnb-plugin), then
+                                  CPU bf16, vs 0.20 for two unquantized bf16 copies; bitsandbytes in vLLM 0.26's
+                                  tree, vllm-bnb-plugin on 0.32), then
                                   vllm_fp8 (an FP8 copy, CUDA vLLM only)
   full fine-tuning                vllm_copy (its own copy, every weight pushed, asleep while training on CUDA)
   vllm_mode="server"              vllm_server (nothing on these GPUs)
@@ -30,7 +31,8 @@ from dataclasses import dataclass, field
 
 ROUTES = {
     "vllm_shared": "colocated vLLM sharing the trainer's base weights (one copy), adapter pushed from memory",
-    "vllm_4bit": "colocated vLLM quantizing its own 4-bit NF4 copy (vllm-bnb-plugin), adapter pushed from memory",
+    "vllm_4bit": "colocated vLLM quantizing its own 4-bit NF4 copy (bitsandbytes: in vLLM 0.26's tree, "
+                 "vllm-bnb-plugin on 0.32), adapter pushed from memory",
     "vllm_fp8": "colocated vLLM with its own FP8 copy (CUDA), adapter pushed from memory",
     "vllm_copy": "colocated vLLM with its own copy (full fine-tuning), every weight pushed, asleep while training",
     "vllm_server": "a `trl vllm-serve` machine generates: nothing of it on these GPUs",
