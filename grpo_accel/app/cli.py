@@ -41,8 +41,9 @@ def cmd_presets(args) -> int:
     print(_table(preset_table_rows(), headers))
     print("\npeak GiB: the planner's prediction per GPU (host RAM for the cpu presets); "
           "`grpo-accel plan --preset NAME` for the breakdown.\ngeneration: the route with the vllm extra installed "
-          "(vllm_4bit: vLLM's own 4-bit copy via vllm-bnb-plugin; vllm_shared: vLLM on the trainer's weights; "
-          "vllm_copy: its own copy, asleep while training; generate: transformers' generate()); without vLLM every "
+          "(vllm_4bit: vLLM's own 4-bit copy, bitsandbytes in vLLM 0.26's tree or vllm-bnb-plugin on 0.32; "
+          "vllm_shared: vLLM on the trainer's weights; vllm_copy: its own copy, asleep while training; generate: "
+          "transformers' generate()); without vLLM every "
           "preset generates with transformers' continuous batching (route continuous_batching, a planned page pool),"
           " which the plan sizes (`grpo-accel plan` on that machine).")
     return 0
