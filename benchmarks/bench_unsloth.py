@@ -449,7 +449,23 @@ def parse_args(argv=None):
                    help="the random checkpoints' folder (bench_step_memory's default: one save per arch)")
     p.add_argument("--out", type=Path, default=RESULTS / "step_memory.csv")
     p.add_argument("--resume", action="store_true", help="skip what --out already has from this sha and device")
+    p.add_argument("--with-ours", nargs="*", metavar="IMPL", default=None,
+                   help="first run bench_step_memory.py's IMPLs (default: ours_mb1 trl_tuned) at the same shape, in "
+                        "this call, into the same CSV (its --resume: an IMPL measured at this sha is not run again)")
     return p.parse_args(argv)
+
+
+OURS = ("ours_mb1", "trl_tuned")  # --with-ours: what an Unsloth figure is compared with, measured in the same call
+
+
+def ours_command(args) -> list[str]:
+    """bench_step_memory.py at this run's shape: the same flags, so its CSV shape is this one's (one pairing key)."""
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "bench_step_memory.py"), "--impls",
+           *(args.with_ours or OURS), "--arch", args.arch, "--quant", args.quant, "--num-generations",
+           str(args.num_generations), "--prompt-length", str(args.prompt_length), "--completion-length",
+           str(args.completion_length), "--reps", str(args.reps), "--ckpt-cache", str(args.ckpt_cache), "--out",
+           str(args.out), "--resume"]
+    return cmd + (["--equal-lengths"] if args.equal_lengths else [])
 
 
 def refuse(args) -> str | None:
@@ -480,13 +496,19 @@ def main(argv=None) -> int:
                                                                         args.completion_length), metric):
         print(f"{IMPL}: measured before at this sha and device (--resume): skipped", flush=True)
         return 0
+    ours_failed = False
+    if args.with_ours is not None and not args.find_max_t:
+        # ours and tuned TRL first, in this call: the same GPU state, checkpoint and sha as Unsloth's figure
+        print(f"[unsloth] ours first: {' '.join(ours_command(args)[1:])}", flush=True)
+        ours_failed = subprocess.run(ours_command(args), cwd=ROOT).returncode != 0
     args.checkpoint = ensure_checkpoint(args)
+
     def save(rows):  # each probe's rows as soon as it ends: a later one killed loses none of them
         write_results(rows, args.out, meta)
         return rows
 
     rows = find_max_t(args, save) if args.find_max_t else run_step(args, save)
-    return 1 if any(r["metric"] == "killed_by_signal" for r in rows) else 0
+    return 1 if ours_failed or any(r["metric"] == "killed_by_signal" for r in rows) else 0
 
 
 if __name__ == "__main__":

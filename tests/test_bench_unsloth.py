@@ -144,6 +144,26 @@ def test_csv_shape_is_bench_step_memorys_for_the_same_flags(bu, monkeypatch, fla
         assert expected == "llama-3.1-8b,lora-r16,G=8,P=512,T=19968,bf16,padded"
 
 
+@pytest.mark.parametrize("flags", [
+    ["--arch", "llama-3.1-8b", "--num-generations", "2", "--prompt-length", "512", "--completion-length", "19968"],
+    ["--arch", "qwen3-8b", "--quant", "4bit", "--num-generations", "2", "--completion-length", "32768",
+     "--equal-lengths"],
+])
+def test_with_ours_runs_our_step_at_unsloths_csv_shape(bu, monkeypatch, flags):
+    """--with-ours: bench_step_memory.py with the flags it is handed writes its rows under Unsloth's CSV shape (the
+    judge's pairing key), resumes what this sha measured, and runs ours and tuned TRL by default."""
+    import bench_step_memory as bsm
+
+    args = bu.parse_args([*flags, "--with-ours"])
+    cmd = bu.ours_command(args)
+    assert Path(cmd[1]).name == "bench_step_memory.py" and "--resume" in cmd
+    monkeypatch.setattr(sys, "argv", [*cmd[1:], "--device", "cuda"])
+    ours = bsm.parse_args()
+    T = args.completion_length
+    assert bsm._shape(ours, T) == bu.shape(args, T)
+    assert ours.impls == ["ours_mb1", "trl_tuned"] and ours.out == args.out and ours.reps == args.reps
+
+
 def test_training_values_are_the_ones_our_rows_get_from_trl(bu, tmp_path):
     """Unsloth's GRPOConfig has its own defaults: the worker pins our rows' (TRL's GRPOConfig defaults)."""
     from trl import GRPOConfig

@@ -253,12 +253,18 @@ def test_each_variant_reaches_the_csv_as_it_ends_so_a_killed_bench_keeps_it(tmp_
     assert ran == ["shared", "packed", "trl_padded"]
 
 
-def test_a_retried_bench_row_resumes_its_variants_and_a_first_try_does_not(tmp_path):
+def test_a_bench_row_resumes_its_variants_unless_redone(tmp_path):
+    """Every try skips what this sha measured (a retry runs only what failed; seeds_20k skips what unsloth_20k's
+    --with-ours measured in its call); --redo NAME measures again."""
     rows, _ = gc.campaign_rows(False, gc.assumed_h100())
     for row in rows:
-        first, retry = (gc.command(row, False, tmp_path, tmp_path, tmp_path, retry=r) for r in (False, True))
-        assert "--resume" not in first, row.name
-        assert ("--resume" in retry) == (row.script != "gpu_presets.py"), row.name  # a preset run is one variant
+        redo, again = (gc.command(row, False, tmp_path, tmp_path, tmp_path, resume=r) for r in (False, True))
+        assert "--resume" not in redo, row.name
+        assert ("--resume" in again) == (row.script != "gpu_presets.py"), row.name  # a preset run is one variant
+    # the Unsloth rows measure ours and tuned TRL at their own shapes first: the headline rows' shapes
+    by = {r.name: r for r in rows}
+    for name, pair in (("unsloth_20k", "seeds_20k"), ("unsloth_32k", "step_32k")):
+        assert "--with-ours" in by[name].args and by[name].shape_prefix(False) == by[pair].shape_prefix(False)
 
 
 def test_a_killed_row_is_failed_with_its_signal_in_the_summary(tmp_path, monkeypatch):

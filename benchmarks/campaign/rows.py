@@ -188,24 +188,30 @@ _UNSLOTH_NOTE = ("Unsloth 2026.10.9 in its own site (UNSLOTH_SITE: trl 1.15 ther
 
 
 def unsloth_rows() -> list[Row]:
-    """Issue 44: Unsloth's GRPO step beside ours and tuned TRL (their rows: seeds_20k, step_32k at the same shape,
-    same call), then its longest completion. GPU only: Unsloth refuses to import without one."""
+    """Issue 44: Unsloth's GRPO step beside ours and tuned TRL, all three in the row's one call (--with-ours: the
+    shapes of seeds_20k and step_32k, whose rows then skip what is measured at this sha), then its longest
+    completion. GPU only: Unsloth refuses to import without one."""
     seeds = dict(arch="llama-3.1-8b", quant="none", num_generations=2, prompt_length=512, completion_length=19968)
     step32 = dict(arch="qwen3-8b", quant="4bit", num_generations=2, prompt_length=64, completion_length=32768)
     probe = dict(arch="qwen3-8b", quant="4bit", num_generations=2, prompt_length=64, completion_length=65536,
                  t_step=32768, max_t=262144)
     needs = ("torch", "matplotlib")  # the parent's; the worker's imports are --preflight's (its own site)
     return [
-        Row("unsloth_20k", "Unsloth's GRPO step at the seeds' shape: Llama-3.1-8B LoRA bf16, 512 + 19968, G=2, beside "
-            "seeds_20k's ours and tuned TRL", "ours reserved <= 0.8x Unsloth's; time per token <= 1.1x", 180,
-            "bench_unsloth.py", "step_memory.csv", "grpo_step_fwd_bwd", summary.judge_unsloth, ("--reps", "1"),
-            seeds, {}, _STEP, cpu_args="skip", needs=needs, estimate=(100.0, "45 s Unsloth import + 30 s load + "
-                                                                      "warm-up and one step ~15 s"),
+        Row("unsloth_20k", "Unsloth's GRPO step at the seeds' shape: Llama-3.1-8B LoRA bf16, 512 + 19968, G=2, after "
+            "ours and tuned TRL at the same shape in the same call (--with-ours; seeds_20k then finds them measured)",
+            "ours reserved <= 0.8x Unsloth's; time per token <= 1.1x", 300,
+            "bench_unsloth.py", "step_memory.csv", "grpo_step_fwd_bwd", summary.judge_unsloth,
+            ("--reps", "1", "--with-ours"), seeds, {}, _STEP, cpu_args="skip", needs=needs,
+            estimate=(175.0, "ours and TRL ~75 s (seeds_20k's 61 s and a measured step each) + 45 s Unsloth import "
+                      "+ 30 s load + warm-up and one step ~15 s"), note=_UNSLOTH_NOTE),
+        Row("unsloth_32k", "Unsloth's GRPO step, Qwen3-8B QLoRA, 64 + 32768, G=2, after ours and tuned TRL at the "
+            "same shape in the same call (--with-ours; step_32k then finds them measured)",
+            "ours reserved <= 0.8x Unsloth's; time per token <= 1.1x", 380, "bench_unsloth.py", "step_memory.csv",
+            "grpo_step_fwd_bwd", summary.judge_unsloth, ("--reps", "1", "--with-ours"), step32, {}, _STEP,
+            cpu_args="skip", needs=needs,
+            estimate=(265.0, "ours and TRL with the checkpoint save ~155 s (step_32k's estimate) + 45 s import + "
+                      "4-bit load 30 s + 2 steps ~30 s"),
             note=_UNSLOTH_NOTE),
-        Row("unsloth_32k", "Unsloth's GRPO step, Qwen3-8B QLoRA, 64 + 32768, G=2, beside step_32k's ours and tuned TRL",
-            "ours reserved <= 0.8x Unsloth's; time per token <= 1.1x", 180, "bench_unsloth.py", "step_memory.csv",
-            "grpo_step_fwd_bwd", summary.judge_unsloth, ("--reps", "1"), step32, {}, _STEP, cpu_args="skip",
-            needs=needs, estimate=(110.0, "45 s import + 4-bit load 30 s + 2 steps ~30 s"), note=_UNSLOTH_NOTE),
         Row("unsloth_max_t", "Unsloth's longest completion, Qwen3-8B QLoRA, G=2: 64K, 96K, 128K, ... each probe its "
             "own process, until one fails", "ours (max_t_ours: 256K) >= 1.5x Unsloth's longest", 560,
             "bench_unsloth.py", "step_memory.csv", "grpo_max_completion_length", summary.judge_unsloth_max_t,

@@ -68,9 +68,10 @@ def interpreter(row: Row, cpu: bool) -> str | None:
     return str(py) if py.exists() else None
 
 
-def command(row: Row, cpu: bool, results: Path, logs: Path, models: Path, retry: bool = False) -> list[str]:
-    """The row's script with its flags; on a `retry` of a failed row the benches skip the variants already measured
-    at this sha (--resume): only what failed runs again."""
+def command(row: Row, cpu: bool, results: Path, logs: Path, models: Path, resume: bool = False) -> list[str]:
+    """The row's script with its flags; with `resume` the benches skip the variants already measured at this sha
+    (--resume): a failed row's next try runs only what failed, and a row whose variants another row measured in
+    its own call (unsloth_20k's --with-ours: seeds_20k's) does not measure them twice. --redo NAME: no resume."""
     cmd = [interpreter(row, cpu), str(row.script_path()), *row.flags_of(cpu), *flags(row.sizes(cpu))]
     if row.script == "gpu_presets.py":  # its --out is the runs' folder; --csv the results
         return cmd + ["--csv", str(results / row.csv), "--out", str(logs / "presets"), "--models-dir", str(models),
@@ -79,7 +80,7 @@ def command(row: Row, cpu: bool, results: Path, logs: Path, models: Path, retry:
         cmd += ["--ckpt-cache", str(models)]  # the presets' checkpoint folder: one random checkpoint per arch
     if row.script == "bench_engine_prefill.py":
         cmd += ["--models-dir", str(models), "--timeout-s", str(max(30, row.limit(cpu) - 15))]
-    if retry and Path(row.script).name in RESUMABLE:
+    if resume and Path(row.script).name in RESUMABLE:
         cmd.append("--resume")
     return cmd + ["--out", str(results / row.csv)]
 
@@ -200,7 +201,7 @@ def run_campaign(rows, skipped, meta, results: Path, logs: Path, models: Path, b
             print(f"[campaign] stopped before {row.name}: its limit is {limit} s, {left:.0f} s of --budget-s left. "
                   f"Run the same command again to go on.", flush=True)
             break
-        cmd = command(row, cpu, results, logs, models, retry=state is not None and row.name not in redo)
+        cmd = command(row, cpu, results, logs, models, resume=row.name not in redo)
         print(f"[campaign] {row.name} (limit {limit} s): {' '.join(cmd[1:])}", flush=True)
         log = logs / f"{row.name}.log"
         code, seconds = run_limited(cmd, log, limit, env)
