@@ -51,6 +51,7 @@ class GRPOAccelConfig(GRPOConfig):
     def __post_init__(self):
         self._check_numbers()  # before TRL's own checks, which name its internals rather than the flag
         self._refuse_accelerates_sp()
+        self._check_continuous_batching_config()
         for name, spec in SETTINGS.items():  # each of our fields as the config keeps it, or its one error line
             setattr(self, name, spec.parse(getattr(self, name)))
         share = self.share_prompt
@@ -115,6 +116,45 @@ class GRPOAccelConfig(GRPOConfig):
             raise ConfigError(f"--sequence_parallel_size {sp} with colocated vLLM is not supported (untested). Fix: "
                               f"--vllm_mode server with a `trl vllm-serve` node (as preset 8xh100_sp8_512k), or "
                               f"--use_vllm false.")
+
+    def _check_continuous_batching_config(self) -> None:
+        """--transformers_continuous_batching_config: a JSON object (the command line; transformers parses a string
+        starting with `{`) or a mapping (--config YAML, Python) of ContinuousBatchingConfig's keyword arguments. TRL
+        reads it only when its trainer is built, after the weights load, and then fails with a traceback: `dict()` of
+        a non-JSON string, or ContinuousBatchingConfig's TypeError on a misspelt key."""
+        import json
+
+        value, flag = self.transformers_continuous_batching_config, "--transformers_continuous_batching_config"
+        example = f"""{flag} '{{"num_blocks": 16, "page_size": 32}}'"""
+        if value is None:
+            return
+        if isinstance(value, str):
+            try:
+                parsed = json.loads(value) if value.startswith("{") else None  # as transformers parses it
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{flag} {value!r} is not valid JSON ({exc.msg} at character {exc.pos}). Fix: a "
+                                  f"JSON object, e.g. {example}.") from exc
+            if not isinstance(parsed, dict):
+                raise ConfigError(f"{flag} {value!r} is not a JSON object of ContinuousBatchingConfig's arguments. "
+                                  f"Fix: {example}.")
+            value = parsed
+        if not isinstance(value, dict):
+            raise ConfigError(f"{flag} must be a mapping of ContinuousBatchingConfig's arguments, got "
+                              f"{type(value).__name__}. Fix: {example}.")
+        try:
+            from transformers.generation import ContinuousBatchingConfig
+        except ImportError:  # no continuous batching in this transformers: the route's own check names the fix
+            return
+        import difflib
+        import inspect
+
+        known = [k for k in inspect.signature(ContinuousBatchingConfig.__init__).parameters if k != "self"]
+        for key in value:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                raise ConfigError(f"{flag}: {key!r} is not an argument of transformers' ContinuousBatchingConfig"
+                                  f"{f'; did you mean {close[0]!r}?' if close else '.'} Fix: use its names "
+                                  f"({', '.join(known[:4])}, ...).")
 
     def _refuse_accelerates_sp(self) -> None:
         """accelerate's ParallelismConfig sp_size / cp_size: TRL refuses it (its batches are built after generation),

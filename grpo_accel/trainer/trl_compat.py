@@ -30,7 +30,13 @@ _PAGED = ("route continuous_batching (issue 45): TRL 1.16's branch casts the mod
           "generate_batch (a LoRA adapter's fp32 weights stay bf16); ours generates from the weights as they are "
           "(trainer/paged_generation.py), steps packing's attention back to SDPA for the paged path and sizes "
           "num_blocks from the plan. fp32 full fine-tuning, where TRL's branch casts nothing: one step equals TRL's "
-          "(tests/test_continuous_batching.py). No behaviour log-probs, as TRL's: the sampler is the trained policy")
+          "(tests/test_continuous_batching.py); through the command (launch/train.py, fp32 LoRA, every CPU saver on, "
+          "the pool by flag, 2 Adam steps): the same completions token for token and every logged figure as TRL's "
+          "(tests/test_continuous_batching_command.py). QLoRA (NF4 base): TRL's branch runs it but casts in place "
+          "what its half dtype does not match (fp16 run: the bf16 adapter becomes fp16; bf16 run over an fp32-loaded "
+          "base: embeddings and norms become bf16); ours generates paged and trains with the adapter's dtype and the "
+          "whole base byte for byte as loaded (same file). No behaviour log-probs, as TRL's: the sampler is the "
+          "trained policy")
 # field -> (status, cases or why). For "compared" the text starts with the case ids of tests/test_trl_compat.py.
 FIELDS: dict[str, tuple[str, str]] = {
     "model_init_kwargs": ("compared", "kl_full_reference; TRL loads the model (and its reference) by path with them"),
@@ -117,7 +123,13 @@ FIELDS: dict[str, tuple[str, str]] = {
     "use_transformers_continuous_batching": ("own path", _PAGED),
     "transformers_continuous_batching_config": ("own path", "its num_blocks, page_size, max_batch_tokens win over the "
                                                             "plan's; the other fields reach ContinuousBatchingConfig "
-                                                            "as given"),
+                                                            "as given. On the command line a JSON object "
+                                                            "(`--transformers_continuous_batching_config "
+                                                            "'{\"num_blocks\": 16, \"page_size\": 32}'`), in a "
+                                                            "--config YAML a mapping; a value that is neither, or a "
+                                                            "key ContinuousBatchingConfig lacks, is refused before "
+                                                            "loading (TRL's trainer failed after it, with a "
+                                                            "traceback)"),
     "use_transformers_paged": ("not affected", _GEN),
 }
 
