@@ -208,10 +208,11 @@ def rows_of(res: dict, args) -> list[dict]:
 
 
 def done(path: Path, meta, variant: str, C: int, args) -> bool:
-    """--resume: figures (or an out-of-memory) of this variant and C at this sha, device and shape are in the CSV."""
+    """--resume: figures, an out-of-memory or a timeout (past --timeout-s: a retry would run as long again) of this
+    variant and C at this sha, device and shape are in the CSV."""
     if not path.exists():
         return False
-    want = {(OP, variant, shape_of(args), m, meta[1], meta[2]) for m in (f"decode_tok_s_{C}", f"oom_{C}")}
+    want = {(OP, variant, shape_of(args), f"{m}_{C}", meta[1], meta[2]) for m in ("decode_tok_s", "oom", "timed_out")}
     with path.open() as f:
         return any((r["op"], r["impl"], r["shape"], r["metric"], r["git_sha"], r["device"]) in want
                    for r in csv.DictReader(f))

@@ -17,6 +17,7 @@ Any work that has a GPU runs this first (after the wheels' install line, ../shar
 
     python benchmarks/gpu_presets.py                                  # every single-GPU preset this GPU can run
     python benchmarks/gpu_presets.py --presets h100_110k t4_qlora --completion-length 2048
+    python benchmarks/gpu_presets.py --presets h100_110k --generation continuous_batching   # route continuous_batching
     python benchmarks/gpu_presets.py --cpu-check --out /tmp/check     # no GPU: the same plumbing on the cpu preset
 
 On a host without a GPU only `--cpu-check` runs (tests/test_gpu_presets_script.py does that in `make test`).
@@ -71,8 +72,10 @@ def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher:
                generation: str = "generate"):
     """Launch one preset for 2 steps; (flags, completed, seconds, log tail). `generation` "generate" pins
     generate() (--use_vllm false: a host with vLLM then measures what the plan without it predicts); "engine"
-    leaves the preset's own route (its colocated engine where vLLM is installed)."""
-    flags = ["--use_vllm", "false"] if generation == "generate" else []
+    leaves the preset's own route (its colocated engine where vLLM is installed); "continuous_batching" pins
+    transformers' continuous batching (TRL's use_transformers_continuous_batching, route continuous_batching)."""
+    flags = {"generate": ["--use_vllm", "false"], "engine": [], "continuous_batching": [
+        "--use_vllm", "false", "--use_transformers_continuous_batching", "true"]}[generation]
     if generation == "engine" and name == "cpu":  # the cpu preset pins generate(); its --cpu-check wants the engine
         flags = ["--use_vllm", "true"]
     flags += ["--model", str(model_dir), "--max_completion_length", str(completion), "--max_steps", "2",
@@ -95,16 +98,20 @@ def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher:
     return flags, code, time.time() - t0, tail
 
 
-# --generation generate: the stack of a run pinned to generate() (every point before the vLLM bundle, issue 43)
+# --generation generate: the stack of a run pinned to generate() (every point before the vLLM bundle, issue 43);
+# continuous_batching plans on it too (vLLM off, the route is transformers')
 GPU_HOST_STACK = Stack(vllm=False, bnb_4bit=False, cuda=True)
+SUFFIX = {"generate": "", "engine": "+engine", "continuous_batching": "+cb"}  # the CSV impl: preset name + this
 
 
-def predicted_reserved_gib(name: str, flags: list[str], prompt_tokens: int, stack: Stack = GPU_HOST_STACK) -> float:
+def predicted_reserved_gib(name: str, flags: list[str], prompt_tokens: int, stack: Stack = GPU_HOST_STACK,
+                           route: str | None = None) -> float:
     """The planner for the same flags as the launch, at the measured prompt length, on the generation stack the
     point ran on (default: the GPU hosts', so generate()), as torch's peak reserved memory reports it (the plan's
     peak without the CUDA context: MemoryPlan.reserved_bytes). --model is dropped: the random checkpoint has the
     preset's architecture, which the planner knows by name, so campaign/summary.py can re-plan a point measured on
-    another host (whose model folder is not here) with this checkout's planner."""
+    another host (whose model folder is not here) with this checkout's planner. `route`: the generation route the
+    plan must size (it raises otherwise: a plan of another route would be compared with this run's memory)."""
     from grpo_accel.app.run_spec import resolve_run_spec
 
     if "--model" in flags:
@@ -112,7 +119,10 @@ def predicted_reserved_gib(name: str, flags: list[str], prompt_tokens: int, stac
         flags = flags[:i] + flags[i + 2:]
     spec = resolve_run_spec(["--preset", name, *flags], for_plan=True)
     spec.stack = stack
-    return spec.plan(max_prompt_length=prompt_tokens).reserved_bytes / 2**30
+    plan = spec.plan(max_prompt_length=prompt_tokens)
+    if route is not None and plan.route != route:
+        raise ValueError(f"preset {name} with {flags} plans route {plan.route}, not {route}")
+    return plan.reserved_bytes / 2**30
 
 
 def longest_prompt(model_dir: Path) -> int:
@@ -163,9 +173,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=int, default=900)
     ap.add_argument("--cpu-check", action="store_true", help="no GPU: the cpu preset with a saved tiny-llama")
     ap.add_argument("--csv", default=str(RESULTS / "presets_gpu.csv"))
-    ap.add_argument("--generation", choices=("generate", "engine"), default="generate",
+    ap.add_argument("--generation", choices=tuple(SUFFIX), default="generate",
                     help="generate: --use_vllm false, planned without vLLM; engine: the preset's own route, planned "
-                         "on this machine's stack (its vLLM); the CSV's impl gets a '+engine' suffix")
+                         "on this machine's stack (its vLLM), the CSV's impl gets a '+engine' suffix; "
+                         "continuous_batching: --use_vllm false --use_transformers_continuous_batching true, planned "
+                         "without vLLM (route continuous_batching), impl suffix '+cb'")
     args = ap.parse_args(argv)
 
     import torch
@@ -217,7 +229,8 @@ def main(argv=None) -> int:
                 from grpo_accel.generation.vllm_setup import local_stack
 
                 stack = local_stack()
-            values["predicted_reserved_gib"] = round(predicted_reserved_gib(name, flags, prompt, stack), 3)
+            route = "continuous_batching" if args.generation == "continuous_batching" else None
+            values["predicted_reserved_gib"] = round(predicted_reserved_gib(name, flags, prompt, stack, route), 3)
             if values.get("peak_reserved_gib"):
                 values["predicted_over_reserved"] = round(
                     values["predicted_reserved_gib"] / values["peak_reserved_gib"], 3)
@@ -226,7 +239,7 @@ def main(argv=None) -> int:
         units = {"completed": "bool", "wall_s": "s", "step_time_s": "s", "generation_time_s": "s",
                  "predicted_over_reserved": "ratio",
                  "killed_by_signal": "signal"}
-        impl = name + ("+engine" if args.generation == "engine" else "")
+        impl = name + SUFFIX[args.generation]
         done = [dict(op="preset_2_steps", impl=impl, shape=shape, metric=metric, value=value,
                      unit=units.get(metric, "GiB" if metric.endswith("_gib") else "tokens"), device=dev,
                      versions=versions, git_sha=sha, date=date) for metric, value in values.items()]

@@ -181,10 +181,12 @@ def test_list_marks_the_headline_rows_with_limits_that_cover_their_estimates_and
     # the issue's six less the h100_110k preset (a GPU point before the campaign; past its limit on the first loan)
     assert [r.name for r in head] == ["step_32k", "seeds_20k", "long_t_64k", "packing", "shared_prompt"]
     # issue 43: the engine's rows come first in a loan (the engine has never run on a GPU), the headline rows next
-    # and issue 44: Unsloth's a and b (paired with seeds_20k and step_32k), then its longest completion
-    lead = [r.name for r in rows[:8]]
+    # and issue 44: Unsloth's a and b (paired with seeds_20k and step_32k), then its longest completion; issue 45:
+    # route continuous_batching against generate(), then the h100_110k preset's command on it (no vLLM)
+    lead = [r.name for r in rows[:10]]
     assert lead == ["engine_shared", "engine_4bit", "engine_decode_8k", "preset_h100_110k+engine",
-                    "engine_prefill_h100_110k", "unsloth_20k", "unsloth_32k", "unsloth_max_t"], lead
+                    "engine_prefill_h100_110k", "unsloth_20k", "unsloth_32k", "unsloth_max_t", "cb_generation",
+                    "preset_h100_110k+cb"], lead
     assert [r.name for r in rows if r.vllm] == lead[:5]
     assert rows[len(lead):len(lead) + len(head)] == head and out.count(" headline ") == len(head)
     total = sum(r.limit_s for r in head)

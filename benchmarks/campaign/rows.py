@@ -221,6 +221,44 @@ def unsloth_rows() -> list[Row]:
     ]
 
 
+def cb_rows(cpu: bool) -> list[Row]:
+    """Issue 45 (5): route continuous_batching (transformers' generate_batch on the trainer's own weights, a planned
+    page pool) on a GPU: against generate() at 1K and 8K, then the h100_110k preset's command on it. No vLLM."""
+    preset = "cpu" if cpu else PRESET_ENGINE  # the CPU check: the cpu preset, as the engine's preset row
+    return [
+        Row("cb_generation", "route continuous_batching vs HF generate(), Qwen3-8B shape bf16 LoRA r16 (random B), "
+            "G=8 (one prompt x 8), P=128, C=1K and 8K, EOS off: decode tokens/s and the generation's peak vs the "
+            "plan's pool + working set", "the figures; paged peak allocated within 10% of its plan", 560,
+            "bench_continuous_batching.py", "continuous_batching.csv", "cb_generation", summary.judge_cb_generation,
+            ("--variants", "paged", "generate", "--completion-lengths", "1024", "8192", "--timeout-s", "540"),
+            dict(arch="qwen3-8b", dtype="bfloat16", num_generations=8, prompt_length=128),
+            dict(arch="smollm2-135m-instruct", num_generations=2, prompt_length=8), "{arch},",
+            cpu_args=("--cpu-check", "--variants", "paged", "generate", "--completion-lengths", "8"),
+            estimate=(520.0, "4 processes x (17 s start + ~15 s load of the saved bf16 checkpoint) + 1K: generate 8 x "
+                      "1K ~40 s, paged ~60 s + 8K: generate ~370 s, paged ~550 s (36 layers read back a pool of "
+                      "66K tokens per step): ~1,150 s, two or three calls; this limit covers the first"),
+            note="Each (variant, C) its own process, written as it ends, C=1K first; with --resume a call killed at "
+                 "the limit leaves the next only what is left; a variant past --timeout-s 540 is recorded as timed "
+                 "out, not retried. The pool from paged_config (the plan) for all 8 sequences; the plan's terms are "
+                 "generation_terms'. Peaks are above the state before the timed call (the model and its adapter), "
+                 "allocated and reserved."),
+        Row(f"preset_{preset}+cb", f"the user's command, preset {preset}, 2 GRPO steps generating through route "
+            "continuous_batching (--use_vllm false --use_transformers_continuous_batching true) at 1K-token "
+            "completions: time split, reserved vs the plan", "completes; planner (route continuous_batching) within "
+            "10% of measured reserved", 420, "gpu_presets.py", "presets_gpu.csv", "preset_2_steps",
+            summary.judge_preset, ("--presets", preset, "--completion-length", "1024", "--generation",
+                                   "continuous_batching"),
+            cpu_args=("--presets", "cpu", "--completion-length", "8", "--generation", "continuous_batching",
+                      "--cpu-check"),
+            needs=Row.needs + ("accelerate", "deepspeed", "pydantic", "bitsandbytes"),
+            estimate=(330.0, "checkpoint (saved by cb_generation's bf16 one) + NF4 load ~30 s + 2 steps of paged "
+                      "generation from the NF4 weights (~100 s each at 1K) and training"),
+            note="Planned on a stack without vLLM (gpu_presets.GPU_HOST_STACK), which must give route "
+                 "continuous_batching (gpu_presets refuses another); the preset's pool holds the sequences its "
+                 "plan fits (paged_sequences), the rest wait in transformers' queue."),
+    ]
+
+
 def _headline() -> list[Row]:
     step32 = dict(arch="qwen3-8b", quant="4bit", num_generations=2, prompt_length=64, completion_length=32768)
     seeds = dict(arch="llama-3.1-8b", num_generations=2, prompt_length=512, completion_length=19968)
@@ -367,10 +405,12 @@ def preset_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]]]
 
 def campaign_rows(cpu: bool, gpu_props) -> tuple[list[Row], list[tuple[str, str]]]:
     """The engine rows first (issue 43: the engine has never run on a GPU), Unsloth's (issue 44: a and b, then its
-    longest completion; they pair with seeds_20k and step_32k), then the headline rows (step_32k saves
+    longest completion; they pair with seeds_20k and step_32k), route continuous_batching's (issue 45), then the
+    headline rows (step_32k saves
     the Qwen3-8B checkpoint the other 4-bit rows and the presets load), then the h100_110k preset (a GPU point before
     the campaign; on the first loan it ran past its limit), the gpt-oss rows, the longer rows, the other presets.
     --cpu-check leaves out the rows marked cpu_args="skip"."""
     presets, skipped = preset_rows(cpu, gpu_props)
-    rows = engine_rows(cpu) + unsloth_rows() + _headline() + presets[:1] + gpt_oss_rows() + _later() + presets[1:]
+    rows = (engine_rows(cpu) + unsloth_rows() + cb_rows(cpu) + _headline() + presets[:1] + gpt_oss_rows() + _later()
+            + presets[1:])
     return [r for r in rows if not (cpu and r.cpu_args == "skip")], skipped

@@ -55,7 +55,7 @@ def flags(sizes: dict) -> list[str]:
 
 
 RESUMABLE = ("bench_step_memory.py", "bench_packing.py", "bench_shared_prompt.py", "bench_engine.py",
-             "bench_unsloth.py", "bench_engine_prefill.py")  # their --resume
+             "bench_unsloth.py", "bench_engine_prefill.py", "bench_continuous_batching.py")  # their --resume
 
 
 def interpreter(row: Row, cpu: bool) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import itertools
 from pathlib import Path
 
 MIB_PER_GB = 1e9 / 2**20  # the seeds' table is in decimal GB
@@ -260,6 +261,40 @@ def judge_engine(v: RowView):
            and sh.get("logprob_gap_max", 1e9) <= 1.5 * cp.get("logprob_gap_max", 0) + 1e-3
            and speed and all(r is not None and r >= 0.9 for r in speed.values()))
     return text, "met" if met else "missed"
+
+
+def judge_cb_generation(v: RowView):
+    """Issue 45 (5): route continuous_batching vs generate() per completion length (bench_continuous_batching.py):
+    tokens/s of both, each one's generation peak, and paged's peak against its plan (pool + working set): met when
+    that is within 10% at every length the row runs (the GPU's allocated peak; CPU: RSS, no goal)."""
+    p, g = v.m("paged"), v.m("generate")
+    if not (p or g):
+        return "", ""
+    Cs = sorted({int(k.rsplit("_", 1)[1]) for x in (p, g) for k in x if k.rsplit("_", 1)[-1].isdigit()})
+
+    def one(x: dict, C: int, name: str) -> str:
+        for flag, words in (("oom", "out of memory"), ("timed_out", "timed out"), ("killed_by_signal", "killed")):
+            if x.get(f"{flag}_{C}"):
+                return f"{name} {words}"
+        if f"decode_tok_s_{C}" not in x:
+            return f"{name} not measured"
+        return f"{name} {_fmt(x[f'decode_tok_s_{C}'], 1)} tok/s, peak {_fmt(x.get(f'peak_gib_{C}'))} GiB"
+
+    parts, errs = [], {}
+    for C in Cs:
+        err = _ratio(p.get(f"plan_gib_{C}"), p.get(f"peak_gib_{C}"))
+        errs[C] = err
+        speed = _ratio(p.get(f"decode_tok_s_{C}"), g.get(f"decode_tok_s_{C}"))
+        parts.append(f"C={C}: {one(p, C, 'paged')} (plan {_fmt(p.get(f'plan_gib_{C}'))}, plan / peak {_fmt(err, 3)}); "
+                     f"{one(g, C, 'generate')}; paged / generate tokens/s {_fmt(speed)}x")
+    text = "; ".join(parts)
+    if v.cpu:
+        return text, NO_GOAL
+    flags = list(v.row.flags_of(False))
+    want = [int(c) for c in itertools.takewhile(str.isdigit, flags[flags.index("--completion-lengths") + 1:])]
+    if any(C not in errs or errs[C] is None for C in want):
+        return text, "open (a length not measured yet)"
+    return text, "met" if all(abs(errs[C] - 1) <= 0.10 for C in want) else "missed"
 
 
 def judge_packing(v: RowView):
