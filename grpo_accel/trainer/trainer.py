@@ -42,12 +42,8 @@ from grpo_accel.core.settings import (
     share_prompt_pays,
     shared_group_tokens,
 )
-from grpo_accel.generation.vllm_colocate import (
-    SharedVLLM,
-    SharedVLLMGeneration,
-    sampling_settings,
-    unsupported_options,
-)
+from grpo_accel.generation.vllm_colocate import SharedVLLM, unsupported_options
+from grpo_accel.generation.vllm_generation import SharedVLLMGeneration, sampling_settings
 from grpo_accel.generation.vllm_setup import colocated_route, start_colocated_engine
 from grpo_accel.head.logprob_head import head_unsupported_reason, install_logprob_head
 from grpo_accel.offload import OffloadConfig, install_activation_offload, remove_activation_offload

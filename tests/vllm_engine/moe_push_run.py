@@ -24,6 +24,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from grpo_accel.data.models import build_tiny_model, load_tokenizer
     from grpo_accel.generation import vllm_colocate as vc
+    from grpo_accel.generation import vllm_generation as vg
 
     tokenizer = load_tokenizer(twin)
     model = build_tiny_model(twin, tokenizer, head_dim=64).eval()
@@ -33,7 +34,7 @@ def main() -> None:
     ids = tokenizer(FIXED)["input_ids"]
     engine = vc.SharedVLLM(model_dir, vc.EngineConfig(max_model_len=256, max_num_seqs=4, max_lora_rank=0,
                                                       kv_cache_bytes=2**26, num_threads=1))
-    sync = vc.SharedVLLMGeneration(engine, lambda: model, {})
+    sync = vg.SharedVLLMGeneration(engine, lambda: model, {})
 
     def gap() -> float:
         return (engine.prompt_logprobs(ids, use_adapter=False) - vc.hf_token_logprobs(model, ids)).abs().max().item()

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.vllm
 from conftest import report  # noqa: E402
 
 from grpo_accel.generation import vllm_colocate as vc  # noqa: E402
+from grpo_accel.generation import vllm_generation as vg  # noqa: E402
 
 FIXED = "Question: what is 17 + 25? Think step by step, then answer.\nAnswer: 17 + 25 = 42. The answer is 42."
 
@@ -135,7 +136,7 @@ def test_trl_generation_adapter(engine, peft_model, tokenizer):
     """The object attach_shared_vllm puts on a TRL trainer: sync_weights + generate in TRL's formats."""
     args = types.SimpleNamespace(repetition_penalty=1.0, temperature=0.7, top_p=1.0, top_k=None, min_p=None,
                                  max_completion_length=12, generation_kwargs=None)
-    gen = vc.SharedVLLMGeneration(engine, policy=lambda: peft_model, sampling=vc.sampling_settings(args))
+    gen = vg.SharedVLLMGeneration(engine, policy=lambda: peft_model, sampling=vg.sampling_settings(args))
     gen.sync_weights()
     prompt = tokenizer("What is 2 + 2?")["input_ids"]
     prompt_ids, completion_ids, logprobs, token_ids = gen.generate([prompt, prompt], None, 2)

