@@ -204,6 +204,8 @@ def rows_of(res: dict, args) -> list[dict]:
     for key in ("peak", "peak_reserved", "plan", "plan_pool", "kv_cache"):
         if f"{key}_bytes" in res:
             add(f"{key}_gib", round(res[f"{key}_bytes"] / GIB, 4), "GiB")
+    if "peak_bytes" in res and not getattr(args, "cuda", False):  # how the CPU peak was taken
+        add("malloc_mmap_threshold", float(args.cpu_mmap_threshold), "bytes")
     return rows
 
 
@@ -225,6 +227,11 @@ def run_variant(variant: str, C: int, args, model_dir: Path) -> dict:
     if args.paged_seqs:
         cmd += ["--paged-seqs", str(args.paged_seqs)]
     env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    if args.cpu_mmap_threshold and not args.cuda:
+        # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed and then serves blocks of
+        # that size from its heap, which keeps them in RSS after they are freed: a fixed threshold makes the RSS peak
+        # follow the live tensors (as bench_step_memory.py and the long test in tests/test_continuous_batching.py)
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.cpu_mmap_threshold)
     t0 = time.time()
     run = run_worker_process(cmd, env, ROOT, timeout_s=args.timeout_s)
     res = worker_result(run, variant, C) | {"C": C}
@@ -282,6 +289,9 @@ def main(argv=None) -> None:
     p.add_argument("--csv", "--out", type=Path, default=RESULTS / "continuous_batching.csv")
     p.add_argument("--timeout-s", type=int, default=1800, help="per (variant, C) process")
     p.add_argument("--cpu-check", action="store_true", help="tiny sizes: the campaign's plumbing check")
+    p.add_argument("--cpu-mmap-threshold", type=int, default=64 << 10,
+                   help="CPU: glibc MALLOC_MMAP_THRESHOLD_ for the workers, so the RSS peak follows live tensors "
+                        "(0: glibc's dynamic default)")
     p.add_argument("--resume", action="store_true", help="skip (variant, C) already in --csv at this sha and shape")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -302,7 +312,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: vllm_shared needs vLLM: {no_vllm}")
     import torch
 
-    cuda = torch.cuda.is_available()
+    cuda = args.cuda = torch.cuda.is_available()
     meta = run_meta("cuda" if cuda else "cpu", packages=("torch", "transformers", "vllm"))
     if args.arch == EMBEDDED:
         from grpo_accel.data.models import embedded_model_dir
