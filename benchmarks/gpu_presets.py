@@ -80,11 +80,14 @@ def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher:
         flags = ["--use_vllm", "true"]
     flags += ["--model", str(model_dir), "--max_completion_length", str(completion), "--max_steps", "2",
              "--train_size", "16", "--eval_size", "0", "--logging_steps", "1", "--save_steps", "1000",
-             "--report_to", "none", "--output_dir", str(out / "runs" / name)]
+             # one folder per preset and route (the +engine, +cb and generate() rows of one preset must not meet),
+             # replaced by a retry: each launch is a fresh measurement
+             "--report_to", "none", "--output_dir", str(out / "runs" / run_name(name, generation)),
+             "--overwrite_output_dir", "true"]
     cmd = [*launcher, "--config_file", str(ROOT / "accelerate_configs" / f"{name}.yaml"),
            str(ROOT / "launch" / "train.py"), *flags]
     t0 = time.time()
-    log = out / f"{name}.log"
+    log = out / f"{run_name(name, generation)}.log"
     with log.open("w") as f:
         try:
             code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=ROOT).returncode
@@ -102,6 +105,11 @@ def run_preset(name: str, model_dir: Path, completion: int, out: Path, launcher:
 # continuous_batching plans on it too (vLLM off, the route is transformers')
 GPU_HOST_STACK = Stack(vllm=False, bnb_4bit=False, cuda=True)
 SUFFIX = {"generate": "", "engine": "+engine", "continuous_batching": "+cb"}  # the CSV impl: preset name + this
+
+
+def run_name(name: str, generation: str) -> str:
+    """The CSV impl, the run's folder and its log's name: the preset's name + its route's suffix."""
+    return name + SUFFIX[generation]
 
 
 def predicted_reserved_gib(name: str, flags: list[str], prompt_tokens: int, stack: Stack = GPU_HOST_STACK,
@@ -221,7 +229,7 @@ def main(argv=None) -> int:
                   "completion_length_preset": preset.max_completion_length, "wall_s": round(seconds, 1)}
         if code is not None and code < 0:
             values.update(killed_by_signal=-code, host_available_gib=round(host_available_gib() or 0, 2))
-        metrics_csv = out / "runs" / name / "metrics.csv"
+        metrics_csv = out / "runs" / run_name(name, args.generation) / "metrics.csv"
         if ok and metrics_csv.exists():
             values.update(measured_peaks(metrics_csv))
             stack = GPU_HOST_STACK
@@ -239,7 +247,7 @@ def main(argv=None) -> int:
         units = {"completed": "bool", "wall_s": "s", "step_time_s": "s", "generation_time_s": "s",
                  "predicted_over_reserved": "ratio",
                  "killed_by_signal": "signal"}
-        impl = name + SUFFIX[args.generation]
+        impl = run_name(name, args.generation)
         done = [dict(op="preset_2_steps", impl=impl, shape=shape, metric=metric, value=value,
                      unit=units.get(metric, "GiB" if metric.endswith("_gib") else "tokens"), device=dev,
                      versions=versions, git_sha=sha, date=date) for metric, value in values.items()]

@@ -232,7 +232,8 @@ def cb_rows(cpu: bool) -> list[Row]:
             "bench_continuous_batching.py", "continuous_batching.csv", "cb_generation", summary.judge_cb_generation,
             ("--variants", "paged", "generate", "--completion-lengths", "1024", "8192", "--timeout-s", "540"),
             dict(arch="qwen3-8b", dtype="bfloat16", num_generations=8, prompt_length=128),
-            dict(arch="smollm2-135m-instruct", num_generations=2, prompt_length=8), "{arch},",
+            # the CPU check on random tiny weights: an offline host has no embedded model to fetch (the GPU path's)
+            dict(arch="tiny-llama", num_generations=2, prompt_length=8), "{arch},",
             cpu_args=("--cpu-check", "--variants", "paged", "generate", "--completion-lengths", "8"),
             estimate=(520.0, "4 processes x (17 s start + ~15 s load of the saved bf16 checkpoint) + 1K: generate 8 x "
                       "1K ~40 s, paged ~60 s + 8K: generate ~370 s, paged ~550 s (36 layers read back a pool of "

@@ -79,7 +79,9 @@ def command(row: Row, cpu: bool, results: Path, logs: Path, models: Path, resume
     if row.script in ("bench_step_memory.py", "bench_unsloth.py") and row.gpu.get("quant") == "4bit":
         cmd += ["--ckpt-cache", str(models)]  # the presets' checkpoint folder: one random checkpoint per arch
     if row.script == "bench_engine_prefill.py":
-        cmd += ["--models-dir", str(models), "--timeout-s", str(max(30, row.limit(cpu) - 15))]
+        cmd += ["--timeout-s", str(max(30, row.limit(cpu) - 15))]
+    if row.script in ("bench_engine.py", "bench_engine_prefill.py", "bench_continuous_batching.py"):
+        cmd += ["--models-dir", str(models)]  # one random checkpoint per arch on the host's disk, free_disk's folder
     if resume and Path(row.script).name in RESUMABLE:
         cmd.append("--resume")
     return cmd + ["--out", str(results / row.csv)]

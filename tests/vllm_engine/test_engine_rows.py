@@ -54,7 +54,7 @@ def test_engine_rows_cpu_check(tmp_path):
         preset = {r["metric"]: float(r["value"]) for r in csv.DictReader(f) if r["impl"] == "cpu+engine"}
     assert preset["completed"] == 1.0 and preset["generation_time_s"] > 0, preset
     # the user's command generated through the engine, not generate() (the cpu preset's own route)
-    assert "generation route vllm_shared" in (tmp_path / "logs" / "presets" / "cpu.log").read_text()
+    assert "generation route vllm_shared" in (tmp_path / "logs" / "presets" / "cpu+engine.log").read_text()
     with (results / "engine_prefill.csv").open() as f:
         prefill = {r["metric"]: float(r["value"]) for r in csv.DictReader(f) if r["impl"] == "cpu"}
     # one sequence of the engine's whole length: the cpu preset's longest prompt + its 512-token completions, less 4
