@@ -31,8 +31,11 @@ def grpo_run(mode: str, tmp_path_factory, *extra: str, **env: str) -> dict:
     key = " ".join((mode, *extra, *(f"{k}={v}" for k, v in sorted(env.items()))))
     if key not in _RESULTS:
         out_dir = tmp_path_factory.mktemp(f"grpo_{mode}")
+        # a fixed glibc mmap threshold: blocks freed by the engine's and the trainer's threads leave RSS instead of
+        # staying in a heap whose size depends on timing (the shared run's peak moved 90 MiB between two runs)
         proc = run_process_group([sys.executable, RUN_SCRIPT, mode, "--threads", THREADS, *extra], 840, cwd=ROOT,
-                                 env=child_env(OMP_NUM_THREADS=THREADS, GRPO_RUN_OUT=str(out_dir), **env))
+                                 env=child_env(OMP_NUM_THREADS=THREADS, GRPO_RUN_OUT=str(out_dir),
+                                               MALLOC_MMAP_THRESHOLD_="131072", **env))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         line = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_RUN ")][-1]
         _RESULTS[key] = json.loads(line[len("GRPO_RUN "):]) | {"stdout": proc.stdout}
@@ -109,8 +112,9 @@ def test_sharing_saves_a_model_copy_of_host_memory(tmp_path_factory):
            f"{shared['peak_rss'] / mib:.0f} MiB, unshared engine {unshared['peak_rss'] / mib:.0f} MiB; goal "
            f"(training + KV {shared['kv_cache_bytes'] / mib:.0f} MiB + 10%) {goal / mib:.0f} MiB")
     assert unshared["peak_rss"] - shared["peak_rss"] > 0.5 * base  # the copy that sharing avoids
-    # The goal is <= 1.10 (measured 1.07-1.08, benchmarks/bench_vllm_memory.py); 1.15 here keeps CI from failing on
-    # allocator noise while still catching a second copy of the weights (unshared: ~1.26).
+    # The goal is <= 1.10 (measured 1.07-1.08, benchmarks/bench_vllm_memory.py; with the fixed mmap threshold, on a
+    # host running three other jobs: 1.099 on vLLM 0.26, 1.132 on 0.32); 1.15 here keeps CI from failing on
+    # allocator noise while still catching a second copy of the weights (unshared: ~1.26-1.40).
     assert shared["peak_rss"] <= 1.15 * (hf["peak_rss"] + shared["kv_cache_bytes"])
 
 
