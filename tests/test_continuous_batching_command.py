@@ -32,6 +32,7 @@ import torch
 from peft import LoraConfig
 from support.launch import assert_user_error
 from support.rewards import length_reward
+from support.trainers import saved_tiny_model
 from test_own_data import assert_same_steps, chat, launch, trl_steps, write_jsonl
 from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
 from trl import GRPOConfig, GRPOTrainer
@@ -104,11 +105,7 @@ def test_every_saver_two_steps_equal_trl_continuous_batching(tmp_path, capsys, p
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """tiny-llama saved (a model built in code refuses 4-bit loading), as tests/test_qlora.py does."""
-    model, tokenizer = load_model("tiny-llama")
-    path = tmp_path_factory.mktemp("tiny-llama-saved")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return saved_tiny_model(tmp_path_factory.mktemp("tiny-llama-saved"))
 
 
 @pytest.mark.parametrize("half, loaded, cast", [("fp16", torch.float16, "adapter"), ("bf16", torch.float32, "base")])

@@ -15,21 +15,15 @@ Two things are set on every trainer here, and why:
 import pytest
 import torch
 from support.compare import assert_rel_close, rel_norm
-from support.trainers import K, count_packed_forwards, qlora_trainer, run_hook, unequal_batch
+from support.trainers import K, count_packed_forwards, qlora_trainer, run_hook, saved_tiny_model, unequal_batch
 from trl import GRPOTrainer
-
-from grpo_accel.data.models import load_model
 
 pytest.importorskip("bitsandbytes")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    model, tokenizer = load_model("tiny-llama")
-    path = tmp_path_factory.mktemp("tiny-llama-saved")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return saved_tiny_model(tmp_path_factory.mktemp("tiny-llama-saved"))
 
 
 @pytest.fixture(scope="module")

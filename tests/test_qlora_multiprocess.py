@@ -12,6 +12,7 @@ import pytest
 import torch
 from support.compare import assert_rel_close, rel_norm
 from support.launch import ROOT, WORKERS, child_env, free_port, run_process_group
+from support.trainers import saved_tiny_model
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("bitsandbytes")
@@ -21,12 +22,7 @@ RUNS = ["ddp", "zero2", "sp", "zero3"]
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from grpo_accel.data.models import load_model
-
-    model_dir = tmp_path_factory.mktemp("tiny-llama-saved")
-    model, tokenizer = load_model("tiny-llama")
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = saved_tiny_model(tmp_path_factory.mktemp("tiny-llama-saved"))
     out = tmp_path_factory.mktemp("qlora") / "result.pt"
     cmd = [sys.executable, os.path.join(WORKERS, "qlora_multiprocess_worker.py"), "--model_dir", str(model_dir),
            "--runs", ",".join(RUNS), "--out", str(out), "--port", str(free_port())]

@@ -38,6 +38,15 @@ def make_trainer(tmp_path, model="tiny-llama", *, peft=True, attn=None, quantiza
                             train_dataset=arithmetic_dataset("train", 8), peft_config=lora)
 
 
+def saved_tiny_model(path, name="tiny-llama") -> str:
+    """`name` built in code and saved with its tokenizer under `path`: 4-bit loading (and a worker process) needs a
+    folder, a model built in code is refused."""
+    model, tokenizer = load_model(name)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def qlora_trainer(tmp_path, model_dir, quantization="4bit", **overrides):
     """test_qlora's trainer: the saved tiny-llama in `model_dir` loaded 4-bit (or not), LoRA on every linear with
     adapters drawn at random in fp32 (seeded, the same on every trainer; see test_qlora's docstring), in train mode."""
