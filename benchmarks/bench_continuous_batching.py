@@ -68,7 +68,7 @@ def plan_terms(model, variant: str, G: int, P: int, C: int, paged_seqs: int | No
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     a = 2 if dtype in (torch.bfloat16, torch.float16) else dtype.itemsize
     route = "continuous_batching" if variant == "paged" else "generate"
-    t = generation_terms(model_shape(model.config), a, route, G, 0, P, P + C, paged_seqs=paged_seqs)
+    t = generation_terms(model_shape(model.config), a, route, G, 0, P, P + C, paged_seqs=paged_seqs, group=G)
     if variant == "paged":
         return {"plan": t["paged_kv_cache"] + t["paged_working_set"], "plan_pool": t["paged_kv_cache"]}
     return {"plan": t["generate_kv_cache"] + t["generate_working_set"]}

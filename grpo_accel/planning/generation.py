@@ -96,42 +96,79 @@ def paged_num_blocks(shape: ModelShape, a: int, seqs: int, T: int, page_size: in
     return -(-(paged_pool_bytes(shape, a, seqs, T, page_size) - TRASH_PAGES * block) // block)
 
 
+def fork_copy_bytes(shape: ModelShape, a: int, seqs: int, page_size: int = PAGE_SIZE,
+                    batch_tokens: int = PAGED_BATCH_TOKENS, prompt: int = 0, group: int = 1,
+                    batch: int | None = None) -> int:
+    """The transient of transformers' page copy when groups fork (generate_paged sends a sampled group's prompt once
+    with num_return_sequences = G): after the forward that prefilled all but a prompt's last token, each fork gets a
+    copy of every page it cannot share, and the copies of all forks of that step go in one index_select of whole
+    blocks (one page of every layer of an allocator kind), one kind after the other, in chunks of at most 1 GiB
+    (continuous_api: perform_cache_copy; cache_allocator.copy_blocks). Full-attention layers share the full pages
+    and copy the partial one (none when prompt - 1 is a multiple of the page); sliding layers share nothing
+    (SlidingAttentionCacheAllocator.supports_block_sharing) and copy their window's pages. Groups forking in one step:
+    those whose prefill ends in it, at most 1 + batch_tokens // (prompt - 1), and no more than the batch holds (None:
+    `seqs` sequences). Measured: 7 forks of a 128-token prompt in 256-token
+    pages of SmolLM2-135M fp32 copy 78.8 MiB at once, 40% of that generation's peak (benchmarks/
+    bench_continuous_batching.py, where the plan had missed it)."""
+    past = prompt - 1
+    if group <= 1 or past < 1:
+        return 0
+    groups = min(-(-(batch or seqs) // group), 1 + batch_tokens // past)
+    kinds = [(shape.layers - shape.sliding_layers, 1 if past % page_size else 0),
+             (shape.sliding_layers, pages_per_sequence(min(past, shape.sliding_window or past), page_size))]
+    biggest = 0
+    for layers, pages in kinds:
+        block = page_size * 2 * layers * shape.kv_dim * a
+        if not (block and pages):
+            continue
+        copies = groups * (group - 1) * pages
+        biggest = max(biggest, min(copies, max(1, (1 << 30) // block)) * block)
+    return biggest
+
+
 def _paged_terms(shape: ModelShape, a: int, seqs: int, T: int, page_size: int = PAGE_SIZE,
-                 batch_tokens: int = PAGED_BATCH_TOKENS, prompt: int = 0) -> tuple[float, float]:
+                 batch_tokens: int = PAGED_BATCH_TOKENS, prompt: int = 0, group: int = 1,
+                 batch: int | None = None) -> tuple[float, float]:
     """(page pool, working set) of transformers' continuous batching holding `seqs` sequences of T tokens at once.
 
     Working set: what lives through the whole call, plus the largest of what one forward step holds at a time.
     Whole call (input_outputs._setup_static_tensors): the SDPA mask [M, read + M] in the model's dtype per attention
     kind, `read` the pool's tokens without the trash pages (cache.max_tokens_read), and the int64 read and write
-    indices [read + M] and [M] per kind (one row each, not one per query token). One forward of at most
+    indices [read + M] and [M] per kind (one row each, not one per query token), and the small int32 inputs and
+    outputs (7 rows of M + 1 and up to 3 for the logits processors' arguments, 128-byte aligned; 2 output rows with
+    log-probs). Async double-buffering (transformers' default only on the flash path with CUDA graphs, where no mask
+    is allocated) doubles the indices, far less than the mask counted here. One forward of at most
     min(M, seqs x prompt) tokens (decode rows take one, prefills at most their prompt): in a layer's attention, K
     and V of every sequence in flight read back from the pages (full_attention.update's index_select), repeated to
     every query head under GQA (sdpa_attention: repeat_kv, masked SDPA), beside that layer's activations for the
     step's tokens (q, K, V, MLP); after the last layer, the sampler's fp32 logits, scores and probabilities
-    [seqs, V]. The read-back K and V are gone before the logits exist, so the two are a max, not a sum."""
+    [seqs, V]. The read-back K and V are gone before the logits exist, so the two are a max, not a sum; and between
+    forwards, the page copy of a step's forks (fork_copy_bytes), alive with neither."""
     pool = paged_pool_bytes(shape, a, seqs, T, page_size)
     read = paged_num_blocks(shape, a, seqs, T, page_size) * page_size
     kinds = 2 if shape.sliding_layers else 1
     M = batch_tokens
-    static = kinds * (M * (read + M) * a + (read + 2 * M) * 8)
+    static = kinds * (M * (read + M) * a + (read + 2 * M) * 8) + 12 * (M + 32) * 4
     kv_dim, q_dim = shape.kv_dim, shape.heads * shape.head_dim
     read_back = min(seqs * T, read) * (2 * kv_dim + (2 * q_dim if q_dim > kv_dim else 0)) * a
     step_tokens = min(M, seqs * prompt) if prompt else M
     layer = step_tokens * (3 * shape.hidden + q_dim + 2 * kv_dim + 3 * shape.intermediate) * a
     sampler = 3 * seqs * shape.vocab * 4
-    return pool, static + max(read_back + layer, sampler)
+    fork = fork_copy_bytes(shape, a, seqs, page_size, M, prompt, group, batch)
+    return pool, static + max(read_back + layer, sampler, fork)
 
 
 def generation_terms(shape: ModelShape, a: int, generation: str, generation_batch: int, vllm_kv_seqs: int,
-                     prompt: int, T: int, paged_seqs: int | None = None) -> dict:
+                     prompt: int, T: int, paged_seqs: int | None = None, group: int = 1) -> dict:
     """The generation-phase device terms of a plan: a colocated engine's KV cache, which must hold `vllm_kv_seqs`
     full-length sequences (vLLM refuses to start below one), and its runtime; generate()'s cache and working set
     over the whole generation batch; continuous batching's page pool for `paged_seqs` full-length sequences at once
-    (None: the whole generation batch) and its working set; a vLLM server nothing here."""
+    (None: the whole generation batch) and its working set, `group` sequences sampled per prompt (forked from one
+    prefill); a vLLM server nothing here."""
     engine = generation in COLOCATED
     kv, working = _generate_terms(shape, a, generation_batch, prompt, T) if generation == "generate" else (0, 0)
     pool, paged_working = (_paged_terms(shape, a, min(paged_seqs or generation_batch, generation_batch), T,
-                                        prompt=prompt)
+                                        prompt=prompt, group=group, batch=generation_batch)
                            if generation == "continuous_batching" else (0, 0))
     return {"vllm_kv_cache": vllm_kv_seqs * shape.kv_cache_bytes(T, a) if engine else 0,
             "vllm_runtime": VLLM_RUNTIME_BYTES if engine else 0, "generate_kv_cache": kv,
@@ -170,5 +207,5 @@ def kv_cache_sequences(plan, gpu_bytes: int) -> int:
 
 __all__ = ["GENERATION_TERMS", "PAGED_BATCH_TOKENS", "PAGE_SIZE", "VLLM_RUNTIME_BYTES", "engine_kv_bytes",
            "generation_terms",
-           "kv_bytes_per_token", "kv_cache_sequences", "paged_num_blocks", "paged_pool_bytes",
+           "fork_copy_bytes", "kv_bytes_per_token", "kv_cache_sequences", "paged_num_blocks", "paged_pool_bytes",
            "pages_per_sequence", "vllm_memory_fraction"]

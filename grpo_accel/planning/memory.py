@@ -274,7 +274,8 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     # generation batch's cache; a vLLM server nothing here
     dev["vllm_weights"] = {"vllm_4bit": _weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
                            "vllm_copy": _weights_bytes(shape, a, "none")}.get(generation, 0)
-    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T, paged_seqs))
+    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T, paged_seqs,
+                                group=num_generations))
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
     live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
     dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
