@@ -28,6 +28,18 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
+def only_on_line(line: str, why: str) -> None:
+    """Skip unless the installed vLLM is on `line`: for a check whose subject is the trainer around the engine, not
+    the engine's line (CI runs this folder once per line, within its hour). `why` names where each line's own part
+    of it is checked."""
+    import vllm
+
+    from grpo_accel.generation.vllm_availability import vllm_line
+
+    if vllm_line(vllm.__version__) != line:
+        pytest.skip(f"runs on the vLLM {line} tier only (make test-vllm VLLM_LINE={line}): {why}")
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     from grpo_accel.data.models import embedded_model_dir

@@ -16,15 +16,11 @@ from support.launch import ROOT, child_env
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
+from conftest import only_on_line  # noqa: E402
+
 
 def test_engine_rows_cpu_check(tmp_path):
-    import vllm
-
-    from grpo_accel.generation.vllm_availability import vllm_line
-
-    if vllm_line(vllm.__version__) != "0.26":  # the rows' plumbing is line-agnostic: run it once, in CI's hour
-        pytest.skip("the loan brings CUDA vLLM 0.26: its rows are checked in the 0.26 tier (make test-vllm "
-                    "VLLM_LINE=0.26)")
+    only_on_line("0.26", "the loan brings CUDA vLLM 0.26, and the rows' plumbing is line-agnostic")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import campaign.run as gc
 
