@@ -107,9 +107,10 @@ def fork_copy_bytes(shape: ModelShape, a: int, seqs: int, page_size: int = PAGE_
     and copy the partial one (none when prompt - 1 is a multiple of the page); sliding layers share nothing
     (SlidingAttentionCacheAllocator.supports_block_sharing) and copy their window's pages. Groups forking in one step:
     those whose prefill ends in it, at most 1 + batch_tokens // (prompt - 1), and no more than the batch holds (None:
-    `seqs` sequences). Measured: 7 forks of a 128-token prompt in 256-token
-    pages of SmolLM2-135M fp32 copy 78.8 MiB at once, 40% of that generation's peak (benchmarks/
-    bench_continuous_batching.py, where the plan had missed it)."""
+    `seqs` sequences). Counted for any group > 1: with allow_block_sharing off or greedy decoding nothing forks, and
+    the plan is over by this term. Measured: 7 forks of a 128-token prompt in 256-token pages of SmolLM2-135M fp32
+    copy 78.8 MiB at once, 40% of that generation's peak (benchmarks/bench_continuous_batching.py, where the plan
+    had missed it)."""
     past = prompt - 1
     if group <= 1 or past < 1:
         return 0
