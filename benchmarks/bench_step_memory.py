@@ -444,7 +444,7 @@ def planned_max_t(args, impl) -> int:
     import torch
 
     from grpo_accel.offload.residency import host_available_bytes
-    from grpo_accel.planning.memory import find_max_completion_length
+    from grpo_accel.planning.fitting import find_max_completion_length
 
     plan = plan_for(args.arch, args.quant, args.num_generations, args.prompt_length, impl)
     t, _ = find_max_completion_length(plan, torch.cuda.get_device_properties(0).total_memory,

@@ -28,7 +28,7 @@ _EXPORTS = {
     "list_presets": "grpo_accel.app.presets",
     "plan_memory": "grpo_accel.planning.memory",
     "MemoryPlan": "grpo_accel.planning.memory",
-    "find_max_completion_length": "grpo_accel.planning.memory",
+    "find_max_completion_length": "grpo_accel.planning.fitting",
     "model_shape": "grpo_accel.planning.architectures",
 }
 __all__ = ["GRPOAccelConfig", "GRPOAccelTrainer", "MemoryPlan", "Preset", "find_max_completion_length", "get_preset",
@@ -38,7 +38,8 @@ assert sorted(_EXPORTS) == __all__
 if TYPE_CHECKING:
     from grpo_accel.app.presets import Preset, get_preset, list_presets
     from grpo_accel.planning.architectures import model_shape
-    from grpo_accel.planning.memory import MemoryPlan, find_max_completion_length, plan_memory
+    from grpo_accel.planning.fitting import find_max_completion_length
+    from grpo_accel.planning.memory import MemoryPlan, plan_memory
     from grpo_accel.trainer.config import GRPOAccelConfig
     from grpo_accel.trainer.trainer import GRPOAccelTrainer
 

@@ -12,7 +12,8 @@ from support.offload_model import FORCED, LAYER_BYTES, B, T, V, tiny_llama
 
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape
-from grpo_accel.planning.memory import find_max_completion_length, fit_host, plan_memory
+from grpo_accel.planning.fitting import find_max_completion_length, fit_host
+from grpo_accel.planning.memory import plan_memory
 
 
 @pytest.mark.parametrize("kept_layers", [0, 1, 3])

@@ -243,7 +243,8 @@ def test_gpt_oss_presets_plan_their_lengths():
     from grpo_accel.app.presets.table import H200_GPT_OSS_COMPLETION, H200_GPT_OSS_PLAN
     from grpo_accel.app.startup_checks import context_tokens
     from grpo_accel.planning.architectures import get_architecture
-    from grpo_accel.planning.memory import GIB, find_max_completion_length
+    from grpo_accel.planning.fitting import find_max_completion_length
+    from grpo_accel.planning.memory import GIB
 
     b200, h200 = get_preset("b200_380k"), get_preset("h200_gpt_oss_512k")
     assert b200.architecture == h200.architecture == "gpt-oss-20b" and b200.max_completion_length == 380_000

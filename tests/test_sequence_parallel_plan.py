@@ -6,7 +6,8 @@ QLoRA on 8 x H100 with SP = 8 against one H100 (predictions, not measurements: n
 
 from grpo_accel.app.presets import PRESETS
 from grpo_accel.core.units import GIB
-from grpo_accel.planning.memory import find_max_completion_length, plan_memory
+from grpo_accel.planning.fitting import find_max_completion_length
+from grpo_accel.planning.memory import plan_memory
 
 KW = dict(model_dtype="bf16", quantization="4bit", lora_r=16, num_generations=8, max_prompt_length=512,
           max_completion_length=110_000, per_device_train_batch_size=1, offload_activations=True, use_vllm=True,

@@ -156,7 +156,7 @@ def print_max_completion(spec, plan, gpu_bytes: int, host: int | None) -> None:
     """The longest completion the planner fits on this GPU (and host), beside the model's context."""
     from grpo_accel.app.startup_checks import context_tokens, model_config
     from grpo_accel.core.units import GIB
-    from grpo_accel.planning.memory import find_max_completion_length
+    from grpo_accel.planning.fitting import find_max_completion_length
 
     limit = 1 << 24  # 16.8M tokens: past that a plan is no longer a useful prediction
     longest, fitted = find_max_completion_length(plan, gpu_bytes, host, limit=limit)

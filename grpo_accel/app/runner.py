@@ -200,7 +200,7 @@ def startup(spec, tokenizer, train_ds) -> int:
     raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes, host_bytes))
     if host_bytes is not None:
         from grpo_accel.core.settings import device_budget_bytes, device_budget_gib
-        from grpo_accel.planning.memory import fit_host
+        from grpo_accel.planning.fitting import fit_host
 
         fitted = fit_host(spec.plan(), host_bytes)
         budget = fitted.inputs["offload_device_budget_bytes"]

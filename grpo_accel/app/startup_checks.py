@@ -157,7 +157,7 @@ def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None) -> 
     """The planner's verdict on this GPU; with `host_bytes`, offloaded layer inputs the host cannot hold are
     planned on the device (`fit_host`), and a host too small even then is named."""
     from grpo_accel.core.units import GIB
-    from grpo_accel.planning.memory import fit_host
+    from grpo_accel.planning.fitting import fit_host
 
     if gpu_bytes is None:
         return None

@@ -20,11 +20,12 @@ from grpo_accel.generation.continuous_batching import generate_paged, paged_conf
 
 def planned_paged_seqs(trainer, prompt_tokens: int, generation_batch: int) -> int | None:
     """Full-length sequences the page pool holds at once: on CUDA the most the planner fits beside this run's
-    training step on this GPU (planning.memory.paged_sequences); elsewhere (CPU: host RAM) the whole batch (None)."""
+    training step on this GPU (planning.fitting.paged_sequences); elsewhere (CPU: host RAM) the whole batch (None)."""
     if torch.device(trainer.accelerator.device).type != "cuda":
         return None
     from grpo_accel.planning.architectures import model_shape
-    from grpo_accel.planning.memory import paged_sequences, plan_memory
+    from grpo_accel.planning.fitting import paged_sequences
+    from grpo_accel.planning.memory import plan_memory
 
     args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())

@@ -18,7 +18,8 @@ from grpo_accel.core.errors import UserError
 from grpo_accel.core.settings import SETTINGS, RunSettings, generations_per_process
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape
-from grpo_accel.planning.memory import PLANNED_SETTINGS, MemoryPlan, paged_sequences, plan_memory
+from grpo_accel.planning.fitting import paged_sequences
+from grpo_accel.planning.memory import PLANNED_SETTINGS, MemoryPlan, plan_memory
 from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
 
 # package data: the YAMLs travel with the package (a wheel, `pip install .`); the checkout's accelerate_configs/ is a
