@@ -60,8 +60,8 @@ TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_
 
 def auto_logprob_block(n_tokens: int, vocab: int, device: str, act_bytes: int, chunk: int | None = None):
     """(chunk tokens, vocab tile, bytes of the live blocks): the kernel's own block planning
-    (grpo_accel.ops.logprobs.plan_blocks_for_budget) at the budget it takes with >= 16 GiB free."""
-    from grpo_accel.ops.logprobs import live_blocks, plan_blocks_for_budget, planned_budget_bytes
+    (grpo_accel.ops.block_plan.plan_blocks_for_budget) at the budget it takes with >= 16 GiB free."""
+    from grpo_accel.ops.block_plan import live_blocks, plan_blocks_for_budget, planned_budget_bytes
 
     bpe = 4 * live_blocks(None, True) + (2 if act_bytes == 2 else 0)  # fp32 blocks (+ entropy grad) + a half copy
     chunk, tile = plan_blocks_for_budget(n_tokens, vocab, device, planned_budget_bytes(device), bpe, chunk)
