@@ -22,9 +22,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:  # the shipped text: no torch, TRL or transformers to import for it
+        from grpo_accel.app.train_help import print_help
+
+        return print_help()
     from grpo_accel.app.runner import main_guarded, train_from_argv
 
-    return main_guarded(train_from_argv, sys.argv[1:] if argv is None else list(argv))
+    return main_guarded(train_from_argv, argv)
 
 
 if __name__ == "__main__":
