@@ -211,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = build_parser().parse_known_args(argv)
     if args.command == "plan":
+        if argv is None:  # the console command: a process that plans and exits, never loading an adapter
+            from grpo_accel._compat.eager_peft import peft_unseen
+
+            with peft_unseen():  # ~5 s of peft and bitsandbytes imports that TRL's config class does not need
+                return run_guarded(cmd_plan, args, rest)
         return run_guarded(cmd_plan, args, rest)
     if rest:
         build_parser().parse_args(argv)  # argparse's own message for unknown arguments, exit 2
