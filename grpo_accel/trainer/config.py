@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 from trl import GRPOConfig
@@ -67,7 +68,15 @@ class GRPOAccelConfig(GRPOConfig):
             import torch
 
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-        super().__post_init__()
+        with warnings.catch_warnings():
+            if self.activation_checkpointing is None:
+                # transformers 5.2x deprecates `gradient_checkpointing` for `activation_checkpointing`, and TRL 1.16
+                # defaults and documents the old name (True), so every GRPOConfig warns before our first line with
+                # nothing for the user to change (our presets and planner keep TRL's name). This one message only,
+                # for this call only: `gradient_checkpointing_kwargs` and every other warning still reach the user.
+                warnings.filterwarnings("ignore", message=r"`gradient_checkpointing` is deprecated",
+                                        category=FutureWarning)
+            super().__post_init__()
         self._share_batches_over_sp_groups()
         self._refuse_what_sp_does_not_run()
 

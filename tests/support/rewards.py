@@ -8,6 +8,15 @@ def length_reward(prompts, completions, **kwargs):
     return [len(t) / 100 for t in texts]
 
 
+def length_reward_that_warns(prompts, completions, **kwargs):
+    """length_reward, warning once as a user's own code may: the run must still show a warning of its own after
+    grpo_accel filters upstream ones the user cannot act on."""
+    import warnings
+
+    warnings.warn("support.rewards: a warning of the run's own", UserWarning, stacklevel=1)
+    return length_reward(prompts, completions, **kwargs)
+
+
 def broken_reward(prompts, completions, **kwargs):
     raise KeyError("solution")
 
