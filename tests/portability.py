@@ -51,10 +51,30 @@ def probe(env: dict) -> tuple[str, int]:
     return cap, int(threads)
 
 
-def offered_levels(native: str) -> list[str]:
-    """The levels at or below this CPU's own, then `native`."""
+# Instruction-set extensions above a level's cap that oneDNN or MKL use when the CPU has them (bf16/int8 matmuls):
+# on a CPU with none of them, capping at the CPU's own top level changes no kernel, and that cell is `native` again.
+ABOVE = {"avx2": ("avx512f", "avx_vnni", "amx_bf16", "amx_tile"),
+         "avx512": ("avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def offered_levels(native: str, flags: set[str] | None = None) -> list[str]:
+    """The levels at or below this CPU's own, then `native`; the CPU's own level is left out where it is `native`
+    exactly (no extension above its cap: an AVX2-only EPYC's avx2 cell ran the same kernels as its native one, ~2 min
+    of CI for nothing). Flags unknown (no /proc/cpuinfo): every level is kept."""
     top = next((i for i, name in enumerate(ORDER) if native.lower().startswith(name)), 0)
-    return ORDER[:top + 1] + ["native"]
+    levels = ORDER[:top + 1]
+    flags = cpu_flags() if flags is None else flags
+    if top > 0 and flags and not any(f in flags for f in ABOVE.get(levels[-1], ())):
+        levels = levels[:-1]
+    return levels + ["native"]
 
 
 def cells(levels: list[str], threads: list[int], default_threads: int, every: bool) -> list[tuple[str, int]]:
