@@ -1,0 +1,83 @@
+"""The command line answers in seconds: what `launch/train.py --help`, `grpo-accel presets` and `grpo-accel plan`
+import, and that the fast paths print what the slow ones would. The seconds themselves are measured by
+benchmarks/bench_cli_startup.py (whole-process time, median of 5), not here: a timed test fails on a busy machine."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+from support.launch import ROOT, child_env
+
+from grpo_accel.app import cli, train_help
+
+
+def imported_modules(args: list[str]) -> tuple[set[str], subprocess.CompletedProcess]:
+    """The modules a fresh `python -X importtime ARGS` imported (from its import-time report), and the process."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *args], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    names = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    return names, proc
+
+
+def test_shipped_help_is_the_live_parsers():
+    """The text launch/train.py --help prints without importing TRL is the live parser's, for the installed TRL and
+    transformers. Fails after a TRL upgrade or a new flag: `python -m grpo_accel.app.train_help --write`."""
+    shipped = train_help.shipped_help()
+    assert shipped is not None, (f"{train_help.HELP_FILE.name} was written for other versions than "
+                                 f"'{train_help.versions_line()}': python -m grpo_accel.app.train_help --write")
+    assert shipped == train_help.live_help(), "stale: python -m grpo_accel.app.train_help --write"
+    assert "--max_completion_length" in shipped and "--offload_activations" in shipped  # TRL's fields and ours
+
+
+def test_help_for_other_versions_is_the_live_parsers(tmp_path, monkeypatch, capsys):
+    """Written for another TRL, the shipped text is not used: the live parser prints (slow, never stale)."""
+    stale = tmp_path / "train_help.txt"
+    stale.write_text("# trl 0.0.1, transformers 0.0.1\nusage: stale\n")
+    monkeypatch.setattr(train_help, "HELP_FILE", stale)
+    assert train_help.shipped_help() is None
+    train_help.print_help()
+    assert capsys.readouterr().out == train_help.live_help()
+
+
+def test_train_help_imports_neither_torch_nor_trl():
+    names, proc = imported_modules([os.path.join("launch", "train.py"), "--help"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == train_help.shipped_help()
+    assert not names & {"torch", "transformers", "trl"}, sorted(names & {"torch", "transformers", "trl"})
+
+
+def test_presets_import_no_torch():
+    names, proc = imported_modules(["-m", "grpo_accel.app.cli", "presets"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "h100_110k" in proc.stdout and "torch" not in names
+
+
+@pytest.mark.parametrize("preset", ["h100_110k", "a100_80gb_bf16"])
+def test_plan_command_skips_peft_and_prints_the_in_process_plan(preset, capsys):
+    """The console command plans without peft and bitsandbytes (~5 s of imports, grpo_accel/_compat/eager_peft.py):
+    it prints exactly what the same plan prints in a process that imported them, and no upstream warning."""
+    names, proc = imported_modules(["-m", "grpo_accel.app.cli", "plan", "--preset", preset])
+    assert "trl" in names and not names & {"peft", "bitsandbytes"}, sorted(names & {"peft", "bitsandbytes"})
+    import peft  # noqa: F401  (this process has it, as launch/train.py's does)
+
+    code = cli.main(["plan", "--preset", preset])
+    assert (proc.returncode, proc.stdout) == (code, capsys.readouterr().out)
+    assert "Warning" not in "".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:"))
+
+
+def test_the_config_filters_only_trls_default_deprecation():
+    """GRPOConfig's default gradient_checkpointing=True trips transformers' deprecation in every config: filtered for
+    that message and that call only. A deprecated name the user sets themselves still warns, and the process's
+    warning filters are as before."""
+    from grpo_accel.trainer.config import GRPOAccelConfig
+
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GRPOAccelConfig(output_dir="unused", use_cpu=True)
+        assert not [w for w in caught if "gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
+        GRPOAccelConfig(output_dir="unused", use_cpu=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert [w for w in caught if "`gradient_checkpointing_kwargs` is deprecated" in str(w.message)]
+    assert warnings.filters == filters
