@@ -392,12 +392,24 @@ def _step(module, x):
     module(x).backward(torch.ones_like(x))
 
 
+# How far over the measured peak the plan's expert-adapter term may be: the CPUs' spread (docstring below), never under.
+EXPERT_PEAK_MARGIN = 1.15
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_expert_adapters_cost_what_the_planner_says(dtype):
     """PEFT's LoRA on Qwen3-MoE's 3-D experts builds each layer's adapted weights whole in every forward: what the
     forward saves beyond the frozen-expert layer equals the planner's (autograd's saved tensors, byte for byte), and
-    the forward + backward peak beyond it is the planner's within 5% (the adapters' own .grad tensors aside: the
-    planner counts those in "gradients"), at 256 and 2048 tokens alike: a per-layer cost, not a per-token one."""
+    the forward + backward peak beyond it is never above the planner's and at most EXPERT_PEAK_MARGIN below it (the
+    adapters' own .grad tensors aside: the planner counts those in "gradients"), at 256 and 2048 tokens alike: a
+    per-layer cost, not a per-token one.
+
+    Why a one-sided bound: the peak's transients around the bf16 expert GEMMs differ by CPU. Per expert weight,
+    fp32: 11.8 bytes on an AVX-512 Xeon and an AVX2 EPYC alike; bf16: 11.5 on the Xeon (AVX512-BF16/AMX bf16 GEMM
+    kernels) and 10.8 on the AVX2-only EPYC (no bf16 dot product in hardware: other kernels; which of their
+    temporaries differs was not isolated, and no cap on the Xeon reproduces the EPYC's figure). The plan
+    (EXPERT_ADAPTER_PEAK_BYTES = 12) keeps the largest, as a plan must; the margin is the spread seen between CPUs,
+    not one machine's figure: 12 / 10.8 = 1.11, under 1.15."""
     from peft import LoraConfig, get_peft_model
 
     from grpo_accel.data.models import build_tiny_model, load_tokenizer
@@ -428,7 +440,7 @@ def test_expert_adapters_cost_what_the_planner_says(dtype):
         saved = measured[True, T][0] - measured[False, T][0]
         peak = measured[True, T][1] - measured[False, T][1]
         assert saved == planned_saved, (T, saved, planned_saved)
-        assert peak == pytest.approx(planned_peak, rel=0.05), (T, peak, planned_peak)
+        assert peak <= planned_peak <= peak * EXPERT_PEAK_MARGIN, (T, peak, planned_peak, peak / planned_peak)
     # what a plan then carries: Qwen3-30B-A3B's 48 layers of 128 experts, LoRA r=16, bf16, checkpointed: the
     # re-run of one layer holds its adapted experts' peak
     big = model_shape("qwen3-30b-a3b")
