@@ -28,16 +28,29 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
+# CI runs this folder once per supported line (make test-vllm, make test-vllm VLLM_LINE=0.26). The line below runs
+# every test; the other runs the checks whose subject is vLLM itself (engine start, weight sharing, adapter and full
+# pushes, generation against HF, MoE, the 4-bit engine, TRL's adapter, the fallback) and the GPU campaign's engine rows,
+# but not the checks whose subject is the trainer around the engine (resume, savers, host memory of whole runs, two
+# ranks, the user's command): those ran twice for one defect, ~8 min of CI's 45 (issue 51).
+WHOLE_TIER_LINE = "0.32"
+
+
 def only_on_line(line: str, why: str) -> None:
-    """Skip unless the installed vLLM is on `line`: for a check whose subject is the trainer around the engine, not
-    the engine's line (CI runs this folder once per line, within its hour). `why` names where each line's own part
-    of it is checked."""
+    """Skip unless the installed vLLM is on `line`: for a check that belongs to one line (the GPU campaign's engine
+    rows: the loan brings 0.26). `why` names where each line's own part of it is checked."""
     import vllm
 
     from grpo_accel.generation.vllm_availability import vllm_line
 
     if vllm_line(vllm.__version__) != line:
         pytest.skip(f"runs on the vLLM {line} tier only (make test-vllm VLLM_LINE={line}): {why}")
+
+
+def trainer_check(why: str) -> None:
+    """A check whose subject is the trainer around the engine: on WHOLE_TIER_LINE only. `why` names the engine-level
+    check that covers, on both lines, the part of vLLM it relies on."""
+    only_on_line(WHOLE_TIER_LINE, why)
 
 
 @pytest.fixture(scope="session")

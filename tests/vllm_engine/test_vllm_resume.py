@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
-from conftest import only_on_line, report  # noqa: E402
+from conftest import report, trainer_check  # noqa: E402
 from support.launch import ROOT, child_env, run_process_group  # noqa: E402
 
 RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "resume_run.py")
@@ -30,7 +30,7 @@ def phase(name: str, out_dir) -> dict:
 
 
 def test_engine_holds_the_resumed_adapter_before_first_generation(tmp_path):
-    only_on_line("0.26", "the adapter push it relies on is checked on both lines by test_vllm_colocate.py's "
+    trainer_check("the adapter push it relies on is checked on both lines by test_vllm_colocate.py's "
                  "test_adapter_sync_after_optimizer_steps; the resume is the trainer's")
     trained = phase("train", tmp_path)
     assert trained["shared"] and trained["global_step"] == 2

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
-from conftest import only_on_line, report  # noqa: E402
+from conftest import report, trainer_check  # noqa: E402
 from support.launch import DDP_YAML, ROOT, child_env, error_line, run_process_group, run_train  # noqa: E402
 
 RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "grpo_run.py")
@@ -69,7 +69,7 @@ def test_offload_tiles_and_mini_batches_keep_the_shared_runs_numbers(tmp_path_fa
     packed groups, attention over tiles; the checkpoint re-runs the same ops). Measured: grad norm 3e-7 relative,
     loss 1e-7 absolute; bounds 1e-5 relative and 1e-6 (the loss is O(0.1), a sum of advantage x ratio terms of
     O(1))."""
-    only_on_line("0.26", "the shared engine and its adapter sync are checked on both lines by "
+    trainer_check("the shared engine and its adapter sync are checked on both lines by "
                  "test_lora_shares_base_and_syncs_adapter; the savers here act on the training side")
     plain = grpo_run("shared", tmp_path_factory)
     r = grpo_run("shared", tmp_path_factory, *SAVERS, GRPO_ACCEL_OFFLOAD_FORCE_COPIES="1")
@@ -106,6 +106,8 @@ def test_full_finetuning_pushes_every_weight(tmp_path_factory):
 
 
 def test_sharing_saves_a_model_copy_of_host_memory(tmp_path_factory):
+    trainer_check("test_vllm_colocate.py's test_host_memory_does_not_grow_by_a_model_copy measures the engine's "
+                  "sharing on both lines; this is whole runs' host memory")
     hf, shared, unshared = (grpo_run(m, tmp_path_factory) for m in ("hf", "shared", "unshared"))
     base = shared["param_bytes"]
     mib = 2**20
@@ -122,6 +124,8 @@ def test_sharing_saves_a_model_copy_of_host_memory(tmp_path_factory):
 
 def test_launch_train_use_vllm(tmp_path):
     """The user's command with --use_vllm true: engine started by the runner, shared, artifacts written."""
+    trainer_check("the engine's start and sharing are the session engine's and "
+                  "test_lora_shares_base_and_syncs_adapter's on both lines")
     out = tmp_path / "run"
     proc = run_train(["--model", "smollm2-135m-instruct", "--train_size", "16", "--eval_size", "4",
                       "--eval_max_new_tokens", "8", "--max_completion_length", "16", "--num_generations", "4",
@@ -239,6 +243,8 @@ def test_cuda_qlora_engine_quantizes_its_own_copy(tmp_path_factory):
 def test_two_ranks_each_with_an_engine_under_zero2(tmp_path):
     """accelerate launch with the 2-process DeepSpeed ZeRO-2 CPU preset: one in-process engine per rank (as TRL's
     colocate mode), LoRA base shared on each, the adapter synced on each rank after every optimizer step."""
+    trainer_check("two ranks with an engine each (vLLM's external_launcher) are test_two_ranks_each_with_an_engine_"
+                  "under_ddp's on both lines; ZeRO-2 is the trainer's")
     pytest.importorskip("deepspeed")
     out = tmp_path / "zero2"
     proc = launch_two_ranks(os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml"), out)
