@@ -5,7 +5,7 @@ import os
 import re
 
 import pytest
-from support.launch import TINY_ARGS, error_line, run_train
+from support.launch import TINY_ARGS, error_line, train
 
 from grpo_accel.app.report import atomic_write_text
 from grpo_accel.app.runner import main_guarded
@@ -48,14 +48,16 @@ def write(path, text):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_input(case, tmp_path):
+def test_bad_input(case, tmp_path, capsys):
+    """launch/train.py's main in this process (support.launch.train: the same code path without ~12 s of imports a
+    case; test_new_user.py checks the error path through a real `accelerate launch` process)."""
     make_args, message = CASES[case]
     extra = make_args(tmp_path)
     out = tmp_path / "run"
     args = [*TINY_ARGS, "--output_dir", str(out), *extra] if "--output_dir" not in extra else [*TINY_ARGS, *extra]
-    result = run_train(args)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert re.search(message, error_line(result.stderr)), error_line(result.stderr)
+    code, _, err = train(args, capsys)
+    assert code == 2, err[-3000:]
+    assert re.search(message, error_line(err)), error_line(err)
     assert not out.exists()
 
 

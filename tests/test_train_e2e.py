@@ -8,7 +8,7 @@ import re
 
 import pytest
 from safetensors.torch import load_file
-from support.launch import TINY_ARGS, error_line, run_train
+from support.launch import TINY_ARGS, error_line, run_train, train
 
 from grpo_accel.app.tracking import read_wandb_history
 
@@ -87,19 +87,21 @@ def test_wandb_offline_metrics_read_back(tiny_run):
     (["--preset", "h100_110k"], "needs a CUDA GPU.*try cpu"),
     (["--quantization", "4bit"], "4-bit"),
 ])
-def test_bad_input_fails_fast_with_the_fix(tmp_path, args, message):
+def test_bad_input_fails_fast_with_the_fix(tmp_path, args, message, capsys):
+    """launch/train.py's main in this process (support.launch.train: the same code path without ~12 s of imports a
+    case; test_new_user.py checks the error path through a real `accelerate launch` process)."""
     out = tmp_path / "run"
-    result = run_train([*TINY_ARGS, "--output_dir", str(out), *args])
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert re.search(message, error_line(result.stderr))
+    code, _, err = train([*TINY_ARGS, "--output_dir", str(out), *args], capsys)
+    assert code == 2, err[-2000:]
+    assert re.search(message, error_line(err))
     assert not out.exists(), "a run that never started must leave no run directory"
 
 
-def test_dataset_without_fields(tmp_path):
+def test_dataset_without_fields(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"problem": "1+1", "solution": "2"}\n')
-    result = run_train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--dataset", str(data)])
-    assert result.returncode == 2 and "no 'prompt' column, nor 'question' and 'answer'" in error_line(result.stderr)
+    code, _, err = train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--dataset", str(data)], capsys)
+    assert code == 2 and "no 'prompt' column, nor 'question' and 'answer'" in error_line(err)
 
 
 def test_reward_that_raises_is_named(tmp_path):
