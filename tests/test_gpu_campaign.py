@@ -146,8 +146,11 @@ def test_cpu_check_twice_runs_every_script_then_skips_every_row(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "campaign", "run.py"), "--cpu-check", "--results",
            str(results)]
     # an offline host; the vLLM rows' CPU check is the vLLM tier's (tests/vllm_engine/test_engine_rows.py)
+    # one sha for both runs: the ledger is keyed by it, and a commit made while the first ran (its ~6 min) made the
+    # second run every row again and time out
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     env = dict(child_env(), PIP_NO_INDEX="1", GRPO_ACCEL_CACHE=str(tmp_path / "no_cache"),
-               VLLM_PYTHON=str(tmp_path / "no_vllm_python"))
+               VLLM_PYTHON=str(tmp_path / "no_vllm_python"), GRPO_ACCEL_GIT_SHA=sha.strip() or "unknown")
     first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
     rows, _ = gc.campaign_rows(True, None)
