@@ -69,7 +69,7 @@ class GRPOAccelConfig(GRPOConfig):
 
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         with warnings.catch_warnings():
-            if self.activation_checkpointing is None:
+            if getattr(self, "activation_checkpointing", None) is None:  # the field since transformers 5.2x
                 # transformers 5.2x deprecates `gradient_checkpointing` for `activation_checkpointing`, and TRL 1.16
                 # defaults and documents the old name (True), so every GRPOConfig warns before our first line with
                 # nothing for the user to change (our presets and planner keep TRL's name). This one message only,
