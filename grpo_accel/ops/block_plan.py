@@ -10,9 +10,9 @@ _MIB = 1 << 20
 # CPU: blocks that fit the last-level cache make the elementwise passes 2-6x faster per element than blocks
 # streamed from DRAM (32 MiB-L3 EPYC, 1 thread: `sub_` 0.4 ms on 4M fp32 vs 3.3 ms on 16M; a row dot 2.1 vs
 # 48.6 ms); the GEMMs keep ~85 GF/s down to [512, 2048] blocks. At H=576 the GEMMs are ~90% of the time anyway.
-_CPU_BUDGET_BYTES = 32 * _MIB
+CPU_BUDGET_BYTES = 32 * _MIB
 # CUDA: bigger blocks mean fewer kernel launches (~15 per block); 1/16 of free memory leaves the rest to the model.
-_CUDA_BUDGET_MAX_BYTES = 1024 * _MIB
+CUDA_BUDGET_MAX_BYTES = 1024 * _MIB
 _DEFAULT_VOCAB_TILE = {"cpu": 4096, "cuda": 16384}
 # A widened tile is a multiple of 128 columns: the tile width is the leading dimension of the block and of its
 # transpose in the d(weight) GEMM, and cuBLAS leaves its tensor-core kernels for leading dimensions that are not
@@ -28,7 +28,7 @@ def live_blocks(softcap, compute_entropy):
 
 def planned_budget_bytes(device_type: str) -> int:
     """The budget the memory planner assumes: the CUDA cap (>= 16 GiB free when the head runs), or the CPU one."""
-    return _CUDA_BUDGET_MAX_BYTES if device_type == "cuda" else _CPU_BUDGET_BYTES
+    return CUDA_BUDGET_MAX_BYTES if device_type == "cuda" else CPU_BUDGET_BYTES
 
 
 def plan_blocks_for_budget(n_rows, vocab, device_type, budget, bytes_per_elem, chunk_size=None, vocab_tile=None):

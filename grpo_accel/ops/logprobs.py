@@ -26,8 +26,8 @@ from contextlib import nullcontext
 import torch
 
 from grpo_accel.ops.block_plan import (
-    _CPU_BUDGET_BYTES,
-    _CUDA_BUDGET_MAX_BYTES,
+    CPU_BUDGET_BYTES,
+    CUDA_BUDGET_MAX_BYTES,
     live_blocks,
     plan_blocks_for_budget,
 )
@@ -68,8 +68,8 @@ def block_budget_bytes(device) -> int:
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return min(free // 16, _CUDA_BUDGET_MAX_BYTES)
-    return _CPU_BUDGET_BYTES
+        return min(free // 16, CUDA_BUDGET_MAX_BYTES)
+    return CPU_BUDGET_BYTES
 
 
 _HAS_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype")
