@@ -1,7 +1,7 @@
 """benchmarks/bench_continuous_batching.py at tiny sizes (--cpu-check, one length): both routes' figures reach the
 long-format CSV, and --resume measures nothing twice. ~30 s on one core (two processes importing transformers).
 
-    OMP_NUM_THREADS=1 pytest tests/test_bench_continuous_batching.py
+    OMP_NUM_THREADS=1 pytest -m long tests/test_bench_continuous_batching.py
 
 Memory is checked for presence only: at these sizes paged's peak is above generate()'s, not below (its pool is whole
 256-token pages: 2 x 1 page of 45 KiB/token for 2 x 16 tokens, ~60 MiB against generate()'s ~1 MiB of cache), so the
@@ -12,6 +12,7 @@ import csv
 import subprocess
 import sys
 
+import pytest
 from support.launch import ROOT, child_env
 
 SCRIPT = f"{ROOT}/benchmarks/bench_continuous_batching.py"
@@ -25,6 +26,7 @@ def run(*argv):
     return proc.stdout
 
 
+@pytest.mark.long  # the benchmark script end to end (~50 s, three processes): make test-distributed, as the others
 def test_cpu_check_writes_both_routes_figures_and_resume_skips_them(tmp_path):
     out = tmp_path / "cb.csv"
     run("--out", str(out))

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from support.launch import ROOT, TINY_ARGS, child_env, run_train
+from support.launch import ROOT, TINY_ARGS, child_env, run_train, train
 
 ARGS = [*TINY_ARGS, "--max_steps", "4", "--save_steps", "2", "--eval_size", "0", "--save_total_limit", "3",
         "--rewards", "support.rewards:length_reward"]
@@ -50,7 +50,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
             assert float(b[step][key]) == pytest.approx(float(a[step][key]), rel=1e-5, abs=1e-8), (step, key)
 
 
-def test_resume_without_checkpoint_names_the_fix(tmp_path):
-    result = run_train([*ARGS, "--output_dir", str(tmp_path / "none"), "--resume_from_checkpoint", "latest"])
-    assert result.returncode == 2 and "no complete checkpoint" in result.stderr
+def test_resume_without_checkpoint_names_the_fix(tmp_path, capsys):
+    code, _, err = train([*ARGS, "--output_dir", str(tmp_path / "none"), "--resume_from_checkpoint", "latest"], capsys)
+    assert code == 2 and "no complete checkpoint" in err
     assert not (tmp_path / "none").exists()

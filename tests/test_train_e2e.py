@@ -104,11 +104,11 @@ def test_dataset_without_fields(tmp_path, capsys):
     assert code == 2 and "no 'prompt' column, nor 'question' and 'answer'" in error_line(err)
 
 
-def test_reward_that_raises_is_named(tmp_path):
-    result = run_train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--eval_size", "0",
-                        "--rewards", "support.rewards:broken_reward"])
-    assert result.returncode == 2
-    assert "reward function 'broken_reward' raised KeyError" in error_line(result.stderr)
+def test_reward_that_raises_is_named(tmp_path, capsys):
+    code, _, err = train([*TINY_ARGS, "--output_dir", str(tmp_path / "run"), "--eval_size", "0",
+                          "--rewards", "support.rewards:broken_reward"], capsys)
+    assert code == 2
+    assert "reward function 'broken_reward' raised KeyError" in error_line(err)
 
 
 def test_report_renders_the_run(tiny_run):
