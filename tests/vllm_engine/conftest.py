@@ -8,24 +8,37 @@ vLLM allows one in-process engine per process comfortably, so it is session-scop
 """
 
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-MEASURED: list[str] = []
+
+def _measured_file() -> Path:
+    """One file per pytest run, named by its controlling process: an xdist worker's parent, else this process."""
+    controller = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    return Path(tempfile.gettempdir()) / f"grpo_accel_vllm_measured_{controller}.txt"
 
 
 def report(line: str) -> None:
-    """A measured number, printed in the summary of `make test-vllm` (pytest keeps passing tests quiet)."""
-    MEASURED.append(line)
+    """A measured number, printed in the summary of `make test-vllm` (pytest keeps passing tests quiet). Written to a
+    file the run's controller reads: under xdist (`make test-vllm` runs two files at a time) each test runs in a
+    worker process, and the summary is the controller's."""
+    with open(_measured_file(), "a") as f:
+        f.write(line.replace("\n", " ") + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):
-    if MEASURED:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # workers run this hook too, to no terminal: the controller prints
+        return
+    path = _measured_file()
+    if path.exists():
         terminalreporter.section("vLLM shared-weight measurements")
-        for line in MEASURED:
+        for line in path.read_text().splitlines():
             terminalreporter.write_line(line)
+        path.unlink()
 
 
 # CI runs this folder once per supported line (make test-vllm, make test-vllm VLLM_LINE=0.26). The line below runs
