@@ -2,9 +2,9 @@
 
 The live parser (`run_spec.RunParser`) needs TRL's GRPOConfig, whose import pulls torch, transformers' trainer
 utilities, peft and bitsandbytes: 13 s on 2 cores for a page of text. The shipped text is that parser's own output for
-the TRL and transformers versions named on its first line; with any other version installed the live parser prints
-it (slow, but never stale). tests/test_cli_startup.py fails when the shipped text is not the live parser's, so a TRL
-or flag change regenerates it:
+the TRL, transformers and Python versions named on its first line; with any other version installed the live parser
+prints it (slow, but never stale). tests/test_cli_startup.py fails when the shipped text is not the live parser's,
+so a TRL or flag change regenerates it:
 
     python -m grpo_accel.app.train_help --write
 """
@@ -22,7 +22,9 @@ VERSIONED = ("trl", "transformers")  # the packages whose fields the text lists
 
 
 def versions_line() -> str:
-    return "# " + ", ".join(f"{name} {metadata.version(name)}" for name in VERSIONED)
+    """What the text depends on: the fields (TRL's, transformers') and argparse's layout (Python's minor version)."""
+    python = f"python {sys.version_info.major}.{sys.version_info.minor}"
+    return "# " + ", ".join([*(f"{name} {metadata.version(name)}" for name in VERSIONED), python])
 
 
 def live_help() -> str:
