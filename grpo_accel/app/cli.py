@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable
@@ -211,12 +212,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = build_parser().parse_known_args(argv)
     if args.command == "plan":
-        if argv is None:  # the console command: a process that plans and exits, never loading an adapter
-            from grpo_accel._compat.eager_peft import peft_unseen
+        from grpo_accel._compat.eager_peft import peft_unseen
 
-            with peft_unseen():  # ~5 s of peft and bitsandbytes imports that TRL's config class does not need
-                return run_guarded(cmd_plan, args, rest)
-        return run_guarded(cmd_plan, args, rest)
+        # the console command (no argv) plans and exits, never loading an adapter: it skips ~5 s of peft and
+        # bitsandbytes imports TRL's config class does not need; a caller's process keeps transformers as it is
+        with peft_unseen() if argv is None else contextlib.nullcontext():
+            return run_guarded(cmd_plan, args, rest)
     if rest:
         build_parser().parse_args(argv)  # argparse's own message for unknown arguments, exit 2
     return run_guarded(args.handler, args)
