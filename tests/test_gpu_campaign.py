@@ -334,3 +334,25 @@ def test_the_planner_error_starts_with_the_first_gpu_point_and_replans_with_this
     assert first["error_then"] == "+134.5%" and first["error_now"] == f"{7.0 / 6.44 - 1:+.1%}"  # issue 34's +134%
     assert second["where"] == "NVIDIA H100 @ abc" and second["error_then"] == "+12.5%" and second["now"] == "7.00"
     assert calls == [("h100_110k", 42, 128), ("h100_110k", 150, 128)]  # re-planned at each point's own lengths
+
+
+def test_an_engine_row_judges_only_its_own_variants_and_prompt_length(tmp_path):
+    """The engine rows share engine.csv and the shape prefix "{arch},": the H200 loan of 2026-11-28 measured only
+    engine_shared's `shared` variant, and the summary showed its figures and verdict ("missed") under the pending
+    engine_4bit and engine_decode_8k too."""
+    from campaign import results_io, summary
+    from campaign.rows import engine_rows
+
+    rows = {r.name: r for r in engine_rows(cpu=False)}
+    shape = "qwen3-8b,bfloat16,lora-r16,G=8,P=128,kv=8.0GiB"
+    with open(tmp_path / "engine.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=results_io.FIELDS)
+        w.writeheader()
+        for metric, value in (("weights_shared", 1.0), ("engine_cost_gib", 8.4), ("kv_cache_gib", 8.0),
+                              ("logprob_gap_max", 0.2), ("decode_tok_s_1024", 1095.0)):
+            w.writerow(dict(op="engine", impl="shared", shape=shape, metric=metric, value=value, unit="x",
+                            device="GPU", versions="v", git_sha="abc", date="2026-11-28"))
+    judged = {name: summary.judge_engine(summary.RowView(rows[name], False, tmp_path, "abc", "GPU", {}))
+              for name in ("engine_shared", "engine_4bit", "engine_decode_8k")}
+    assert "weights shared 1.00" in judged["engine_shared"][0]
+    assert judged["engine_4bit"] == ("", "") and judged["engine_decode_8k"] == ("", "")

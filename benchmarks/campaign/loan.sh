@@ -23,6 +23,12 @@ pack() { tar czf "$out/.results.tgz" -C /tmp loan_results loan_logs 2>/dev/null 
   # vLLM 0.26 from the bundle's three calls (receive.sh install puts it there): our wheels beside it are one set
   # (benchmarks/campaign/loan_wheels.sh --with-bundle); flashinfer is not in the bundle, so not its sampler
   if [ -d /root/vllm_site ]; then export PYTHONPATH=$PYTHONPATH:/root/vllm_site VLLM_USE_FLASHINFER_SAMPLER=0; fi
+  # loan_wheels.sh --with-bundle leaves pydantic to the bundle: on a machine without it DeepSpeed (which transformers
+  # imports when installed) fails every row (H200, 2026-11-28: a fresh machine after the bundle's went back)
+  if [ ! -d /root/vllm_site ] && ! ls .whl/pydantic-* > /dev/null 2>&1; then
+    echo "error: no vLLM bundle on this machine and no pydantic in .whl: build the set without --with-bundle" \
+         "(benchmarks/campaign/loan_wheels.sh), or make the bundle's three calls first"; exit 1
+  fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 benchmarks/campaign/run.py --preflight
   budget=$((call_s - SECONDS - 30))

@@ -127,12 +127,12 @@ def engine_rows(cpu: bool) -> list[Row]:
         Row("engine_shared", "the shared-weight engine on CUDA: Qwen3-8B shape bf16 LoRA r16, route vllm_shared vs "
             "its own copy (vllm_copy) vs no engine: storage, engine cost, log-prob gap after a push, decode G=8 at "
             "C=1K", "weights shared 1.0; engine cost ~ KV + runtime (below the copy's by ~ the 15 GiB of weights); "
-            "gap <= the copy's; decode >= 0.9x the copy's", 420, "bench_engine.py", "engine.csv", "engine",
+            "gap <= the copy's; decode >= 0.9x the copy's", 560, "bench_engine.py", "engine.csv", "engine",
             summary.judge_engine, ("--variants", "generate", "shared", "copy", "--completion-lengths", "1024"), qwen,
             tiny, "{arch},", cpu_args=("--cpu-check", "--variants", "generate", "shared", "copy"), vllm=True,
             cpu_limit_s=VLLM_CPU_LIMIT_S,
-            estimate=(330.0, "save 30 s + generate (load 20 s, HF decode 8 x 1K ~40 s) + 2 x engine (load 20 s, "
-                      "compile + graphs ~90 s, decode ~15 s)"), needs=_ENGINE_NEEDS, note=_ENGINE_NOTE),
+            estimate=(520.0, "H200, 2026-11-28: generate 197 s (save, load, HF decode 8 x 1K at 48 tokens/s), "
+                      "shared 159 s (engine load, compile + graphs, decode), the copy as the shared"), needs=_ENGINE_NEEDS, note=_ENGINE_NOTE),
         Row("engine_4bit", "the 4-bit engine (vllm_4bit, bitsandbytes in vLLM 0.26's tree) for QLoRA beside an NF4 "
             "training model: storage, engine cost, gap after a push, decode G=8 at C=1K",
             "the figures (no goal: the engine's own NF4 copy is the route's design)", 300, "bench_engine.py",

@@ -31,13 +31,14 @@ class RowView:
         self.row, self.cpu, self.results, self.sha, self.device, self.views = row, cpu, results, sha, device, views
         self.sizes, self.versions = row.sizes(cpu), versions
 
-    def m(self, impl: str | None = None, op: str | None = None) -> dict:
-        """{metric: value} of this row's CSV for `impl` (None: any), its op and its shape prefix."""
+    def m(self, impl: str | None = None, op: str | None = None, part: str = "") -> dict:
+        """{metric: value} of this row's CSV for `impl` (None: any), its op and its shape prefix; `part`: also in
+        the shape (rows whose shapes share the prefix, such as the engine rows at two prompt lengths)."""
         prefix, out = self.row.shape_prefix(self.cpu), {}
         for r in read_rows(self.results / self.row.csv):
             if (r["git_sha"], r["device"], r["op"]) != (self.sha, self.device, op or self.row.op):
                 continue
-            if (impl and r["impl"] != impl) or not r["shape"].startswith(prefix):
+            if (impl and r["impl"] != impl) or not r["shape"].startswith(prefix) or part not in r["shape"]:
                 continue
             try:
                 out[r["metric"]] = float(r["value"])
@@ -241,7 +242,12 @@ def judge_engine(v: RowView):
     """Issue 43's engine rows. Sharing: the training model's bytes inside the engine's storages (1.0), the engine's
     cost on top of the training model below the copy's by about the weights, no larger log-prob gap than the copy's
     (same engine, same weights), decode within 10% of the copy's. The 4-bit row has no goal: its figures."""
-    sh, cp, q = v.m("shared"), v.m("copy"), v.m("4bit")
+    # only this row's own variants at its own prompt length: the three rows share engine.csv and a shape prefix
+    # (before, a pending engine_4bit showed engine_shared's figures and its verdict)
+    args = v.row.cpu_args if v.cpu and isinstance(v.row.cpu_args, tuple) else v.row.args
+    own = args[args.index("--variants") + 1:] if "--variants" in args else ()
+    part = f",P={v.sizes['prompt_length']},"
+    sh, cp, q = ({} if i not in own else v.m(i, part=part) for i in ("shared", "copy", "4bit"))
     if not (sh or q):
         return "", ""
     gib = lambda x: _fmt(x.get("engine_cost_gib"), 1)  # noqa: E731
