@@ -92,3 +92,39 @@ def test_host_bytes_is_never_under_what_python_holds():
     tracemalloc.stop()
     planned = sum(g.host_bytes() for g in groups)
     assert held <= planned <= 1.25 * held, (held, planned, planned / held)
+
+
+def _reads_of_use_vllm() -> dict[str, tuple[int, int]]:
+    """{GRPOTrainer method: (reads of self.use_vllm, reads of vllm_importance_sampling_correction)}, from TRL's
+    source as installed."""
+    import ast
+    import inspect
+
+    import trl.trainer.grpo_trainer as grpo
+
+    reads = {}
+    for node in ast.walk(ast.parse(inspect.getsource(grpo))):
+        if isinstance(node, ast.ClassDef) and node.name == "GRPOTrainer":
+            for fn in node.body:
+                if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                attrs = [x for x in ast.walk(fn) if isinstance(x, ast.Attribute)]
+                n = sum(1 for x in attrs if x.attr == "use_vllm" and isinstance(x.value, ast.Name)
+                        and x.value.id == "self")
+                m = sum(1 for x in attrs if x.attr == "vllm_importance_sampling_correction")
+                if n or m:
+                    reads[fn.name] = (n, m)
+    return reads
+
+
+def test_trls_correction_is_gated_where_the_design_says():
+    """docs/off-policy-rollouts.md: both producers hand TRL their behaviour log-probs through `_generate` and let
+    TRL's own importance-sampling correction run by reading `use_vllm` as true. That is sound only while TRL reads
+    `use_vllm` in the correction path (scoring, loss) and in the generation methods the producers replace, nowhere
+    else. TRL 1.16.0's reads, counted from its source; an upgrade that moves them fails here, before a loss changes."""
+    assert _reads_of_use_vllm() == {
+        "__init__": (3, 4),  # building TRL's own vLLM generation: before a producer is set
+        "_generate_single_turn": (1, 0), "_tool_call_loop": (1, 0), "_generate": (1, 0),  # generation: replaced
+        "_generate_and_score_completions": (4, 4),  # old log-probs, the ratio, its metrics, the output dict
+        "_compute_loss": (1, 1),  # the ratio times the per-token loss
+    }

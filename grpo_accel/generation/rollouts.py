@@ -17,6 +17,9 @@ The staleness rule: a group enters a batch only when all G completions have ende
 and only while version - (its oldest token's version) <= max_staleness; an older one is dropped and counted. Dropping
 favours short completions (a long one is more likely to span versions): `dropped` reports the dropped groups'
 completion lengths, so the bias is measured, not assumed (RolloutBuffer.stats).
+
+How a producer hands these to TRL's own scoring and correction (its `_generate` tuple, the `use_vllm` gate):
+docs/off-policy-rollouts.md.
 """
 
 from __future__ import annotations
