@@ -79,7 +79,7 @@ def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
     """On a (faked) 80 GB GPU the engine gets what training leaves: less when training needs more, enough for one
     full-length sequence of KV beside its weights; full fine-tuning sleeps; a fraction the user chose is kept."""
     from grpo_accel.planning.generation import kv_bytes_per_token
-    from grpo_accel.planning.memory import _weights_bytes
+    from grpo_accel.planning.memory import weights_bytes
 
     args, long_args = _args(tmp_path), _args(tmp_path, max_completion_length=4000)
     chosen = _args(tmp_path, vllm_gpu_memory_utilization=0.5)  # built before the fake GPU
@@ -91,7 +91,7 @@ def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
         for lora_r, shared in ((16, True), (0, False)):
             cfg, why = vs.engine_config(a, hf_config, dtype=torch.bfloat16, lora_r=lora_r,
                                         route="vllm_shared" if shared else "vllm_copy", model_len=model_len)
-            engine_needs = _weights_bytes(shape, 2, "none") + model_len * kv_bytes_per_token(shape, 2)
+            engine_needs = weights_bytes(shape, 2, "none") + model_len * kv_bytes_per_token(shape, 2)
             assert 0.3 != cfg.memory_fraction < 1 and cfg.memory_fraction * gpu > engine_needs
             assert cfg.sleep is (not shared) and "memory planner" in why
             fractions[name, lora_r] = cfg.memory_fraction

@@ -132,7 +132,8 @@ def engine_rows(cpu: bool) -> list[Row]:
             tiny, "{arch},", cpu_args=("--cpu-check", "--variants", "generate", "shared", "copy"), vllm=True,
             cpu_limit_s=VLLM_CPU_LIMIT_S,
             estimate=(520.0, "H200, 2026-11-28: generate 197 s (save, load, HF decode 8 x 1K at 48 tokens/s), "
-                      "shared 159 s (engine load, compile + graphs, decode), the copy as the shared"), needs=_ENGINE_NEEDS, note=_ENGINE_NOTE),
+                      "shared 159 s (engine load, compile + graphs, decode), the copy as the shared"),
+            needs=_ENGINE_NEEDS, note=_ENGINE_NOTE),
         Row("engine_4bit", "the 4-bit engine (vllm_4bit, bitsandbytes in vLLM 0.26's tree) for QLoRA beside an NF4 "
             "training model: storage, engine cost, gap after a push, decode G=8 at C=1K",
             "the figures (no goal: the engine's own NF4 copy is the route's design)", 300, "bench_engine.py",

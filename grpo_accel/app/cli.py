@@ -17,6 +17,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
+from grpo_accel.core.dtypes import dtype_bytes
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.generation import kv_cache_sequences, vllm_memory_fraction
 
@@ -124,6 +125,12 @@ def cmd_plan(args, train_flags: list[str]) -> int:
                   f"once ({inp['max_prompt_length']} + {inp['max_completion_length']} tokens, "
                   f"{plan.device['paged_kv_cache'] / GIB:.1f} GiB; the rest wait in its queue), freed before the "
                   f"training step")
+        if route == "vllm_server":
+            server = server_plan(spec, plan, gpu_bytes)
+            print(server.format())
+            if server.fits and preset.server_gpus and server.tensor_parallel_size > preset.server_gpus:
+                warnings.append(f"the server needs {server.tensor_parallel_size} GPUs; preset {preset.name} expects "
+                                f"{preset.server_gpus}")
         if verdict.fits and inp["use_vllm"]:
             frac = vllm_memory_fraction(plan, gpu_bytes)
             print(f"vLLM gpu_memory_utilization {frac:.3f}: KV cache for {kv_cache_sequences(plan, gpu_bytes)} "
@@ -141,6 +148,19 @@ def cmd_plan(args, train_flags: list[str]) -> int:
         print_max_completion(spec, plan, gpu_bytes, host_bytes(args, gpu))
         return 0
     return 1 if failures else 0
+
+
+def server_plan(spec, plan, gpu_bytes: int):
+    """Route vllm_server: the server's own machine (planning/server.py), GPUs of the trainers' size, for the
+    sequences one generation asks of it from every trainer process (a sequence-parallel group shares its sequences)."""
+    from grpo_accel.planning.server import plan_server
+
+    inp = plan.inputs
+    groups = max(1, inp["num_processes"] // max(1, inp["sequence_parallel_size"]))
+    return plan_server(plan.shape, model=spec.fields()["model"],
+                       max_model_len=inp["max_prompt_length"] + inp["max_completion_length"],
+                       generation_batch=inp["generation_batch"] * groups, gpu_bytes=gpu_bytes,
+                       dtype_bytes=dtype_bytes(inp["model_dtype"]))
 
 
 def host_bytes(args, gpu) -> int | None:

@@ -87,7 +87,7 @@ def _logprob_workspace(impl, shape, n_c, a, device, chunk_tokens, head_trainable
     return blocks + n_c * H * a + 3 * n_c * 4 + grad_w
 
 
-def _weights_bytes(shape: ModelShape, dtype_bytes: int, quantization: str) -> float:
+def weights_bytes(shape: ModelShape, dtype_bytes: int, quantization: str) -> float:
     if quantization == "4bit":  # QLoRA: decoder linears in NF4; embeddings, lm_head, norms in the compute dtype
         linear = shape.linear_params  # MoE experts stay in the compute dtype (ModelShape.linear_params)
         return linear * NF4_BYTES_PER_PARAM + (shape.n_params - linear) * dtype_bytes
@@ -218,7 +218,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     dev, host = {}, {}
 
     # weights: base model; ZeRO-3 shards them and gathers ~2 layers plus the embedding at a time
-    weights = _weights_bytes(shape, a, quantization)
+    weights = weights_bytes(shape, a, quantization)
     if deepspeed_stage >= 3:
         gathered = (2 * shape.layer_linear_params + shape.vocab * H) * a
         host["weights"] = weights / world if offload_params else 0
@@ -272,8 +272,8 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     # generation, by route: a colocated engine's own weights (none when it shares the trainer's) and a KV cache that
     # must hold vllm_kv_seqs full-length sequences (vLLM refuses to start below one); generate() holds the whole
     # generation batch's cache; a vLLM server nothing here
-    dev["vllm_weights"] = {"vllm_4bit": _weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
-                           "vllm_copy": _weights_bytes(shape, a, "none")}.get(generation, 0)
+    dev["vllm_weights"] = {"vllm_4bit": weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
+                           "vllm_copy": weights_bytes(shape, a, "none")}.get(generation, 0)
     dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T, paged_seqs,
                                 group=num_generations))
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
@@ -421,4 +421,4 @@ def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
 
 
 __all__ = ["GIB", "MemoryPlan", "PLANNED_SETTINGS", "Verdict", "auto_logprob_block", "layer_saved_bytes_per_token",
-           "plan_memory"]
+           "plan_memory", "weights_bytes"]

@@ -66,6 +66,7 @@ class Preset:
     model_init_kwargs: dict  # passed to from_pretrained: rope scaling past the native context, attention kernel
     sequence_parallel_size: int = 1  # Ulysses SP (grpo_accel/parallel/sequence_parallel.py): ranks sharing one sequence
     vllm_mode: str = "colocate"  # "server": generation on a `trl vllm-serve` machine, no engine on these GPUs
+    server_gpus: int = 0  # vllm_mode "server": the GPUs (of this preset's kind) its server machine is expected to have
 
     def __post_init__(self):  # a preset's settings are typed as the flags type them (a bad one fails at import)
         for name in SETTINGS.keys() & vars(self).keys():
@@ -301,7 +302,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        num_processes=8, model="Qwen/Qwen3-8B", architecture="qwen3-8b", model_dtype="bf16", quantization="4bit",
        max_completion_length=500_000, num_generations=8, per_device_train_batch_size=1,
        gradient_accumulation_steps=8, offload_activations="true", deepspeed_stage=2, sequence_parallel_size=8,
-       use_vllm=True, vllm_mode="server", model_init_kwargs=QWEN3_YARN_512K),
+       use_vllm=True, vllm_mode="server", server_gpus=8, model_init_kwargs=QWEN3_YARN_512K),
     _p(name="multinode_zero3", description="Template: 2 nodes x 8 GPUs, 8B full fine-tune, ZeRO-3 (set the "
        "address and machine_rank in the YAML)", target_gpu="2 nodes x 8 NVIDIA H100 80GB",
        model="meta-llama/Llama-3.1-8B-Instruct", architecture="llama-3.1-8b", max_completion_length=32768,
