@@ -1,0 +1,114 @@
+"""Adapter-only weight sync to a `vllm serve` process: the server keeps its base weights and loads each new LoRA
+adapter at run time, one name per policy version (issue 52; docs/off-policy-rollouts.md says why a name per version).
+
+TRL 1.16's server mode merges the adapter into the base and pushes every weight over NCCL each step (16 GB for an
+8B model to change a few MB; NCCL also refuses two ranks on one device). Here a sync writes the adapter folder
+(PEFT's `save_pretrained`: adapter_config.json + adapter_model.safetensors) where the server can read it and asks
+the server to load it over HTTP; nothing else moves. Status: the client and its error lines, tested against a
+stand-in of vLLM's routes (tests/test_adapter_sync.py); not yet called by the trainer, and not yet run against a real
+`vllm serve` (the vLLM tier's test is issue 52's next step).
+
+    sync = AdapterSync("http://127.0.0.1:8000", sync_dir="/shared/adapters", keep=2)
+    sync.check()                      # one `error:` line for a wrong key, a dead server, missing LoRA flags
+    name = sync.push(model, version)  # "policy-v7": send requests with "model": name
+
+The server must be started with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve BASE --enable-lora --max-loras K
+--max-lora-rank R --api-key KEY` (K >= `keep`); the trainer reads KEY from GRPO_ACCEL_VLLM_API_KEY.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from grpo_accel.core.console import log
+from grpo_accel.core.errors import UserError
+
+API_KEY_ENV = "GRPO_ACCEL_VLLM_API_KEY"
+NAME = "policy-v{version}"
+SERVER_FLAGS = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve BASE --enable-lora --max-loras K --max-lora-rank R"
+
+
+class AdapterSync:
+    """Sends a PEFT model's adapter to one vLLM server; keeps the newest `keep` versions loaded there."""
+
+    def __init__(self, base_url: str, sync_dir: str | os.PathLike, keep: int = 2, timeout_s: float = 60.0,
+                 api_key: str | None = None):
+        if keep < 1:
+            raise ValueError(f"keep={keep}: at least the newest version stays loaded")
+        self.base_url, self.sync_dir, self.keep, self.timeout_s = base_url.rstrip("/"), Path(sync_dir), keep, timeout_s
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        self.loaded: list[int] = []  # versions loaded on the server, oldest first
+        self.bytes_sent = 0  # adapter bytes written for the server, all syncs together
+
+    def _post(self, route: str, body: dict | None, method: str = "POST") -> tuple[int, str]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + route, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return resp.status, resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise UserError(f"the vLLM server at {self.base_url} did not answer within {self.timeout_s:g} s "
+                            f"({reason}). Fix: start it ({SERVER_FLAGS} --api-key KEY), or pass its address "
+                            "with --vllm_server_base_url") from exc
+
+    def _refused(self, status: int, what: str) -> UserError | None:
+        if status == 401:
+            held = "is not set" if not self.api_key else "does not match the server's --api-key"
+            return UserError(f"the vLLM server at {self.base_url} refused {what}: {API_KEY_ENV} {held}. Fix: export "
+                             f"{API_KEY_ENV} with the key the server was started with (--api-key)")
+        return None
+
+    def check(self) -> None:
+        """Before the first step: the server answers, takes our key, and can load adapters at run time."""
+        status, _ = self._post("/v1/models", None, method="GET")
+        if err := self._refused(status, "the model list"):
+            raise err
+        # an empty body: a server with the routes answers 4xx for the missing fields; without them, 404
+        status, body = self._post("/v1/load_lora_adapter", {})
+        if err := self._refused(status, "an adapter load"):
+            raise err
+        if status == 404:
+            raise UserError(f"the vLLM server at {self.base_url} cannot load adapters at run time (no "
+                            f"/v1/load_lora_adapter). Fix: start it as {SERVER_FLAGS} (with --max-loras >= "
+                            f"{self.keep})")
+
+    def push(self, model, version: int) -> str:
+        """Write the adapter of `model` (a PEFT model) for policy `version` and load it on the server under its own
+        name; unload the versions past `keep`. Returns the name requests use."""
+        if self.loaded and version <= self.loaded[-1]:
+            raise ValueError(f"version {version} after {self.loaded[-1]}: versions only grow")
+        name = NAME.format(version=version)
+        folder = self.sync_dir / name
+        model.save_pretrained(folder)
+        self.bytes_sent += sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        status, body = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())})
+        if err := self._refused(status, "an adapter load"):
+            raise err
+        if status != 200:
+            raise UserError(f"the vLLM server at {self.base_url} could not load adapter {name} from {folder} "
+                            f"(HTTP {status}: {body.strip()[:300]}). Fix: the folder must be readable on the "
+                            f"server's machine (a shared filesystem), and the server's --max-lora-rank at least the "
+                            "run's --lora_r")
+        self.loaded.append(version)
+        while len(self.loaded) > self.keep:
+            old = self.loaded.pop(0)
+            old_name = NAME.format(version=old)
+            status, body = self._post("/v1/unload_lora_adapter", {"lora_name": old_name})
+            if status != 200:  # a leftover adapter costs the server a slot, not correctness: say it, go on
+                log(f"warning: the vLLM server kept adapter {old_name} (HTTP {status}: {body.strip()[:200]})")
+            shutil.rmtree(self.sync_dir / old_name, ignore_errors=True)
+        return name
+
+
+__all__ = ["API_KEY_ENV", "AdapterSync", "SERVER_FLAGS"]

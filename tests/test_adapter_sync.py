@@ -1,0 +1,141 @@
+"""Adapter-only sync to a vLLM server (grpo_accel/generation/adapter_sync.py) against a stand-in of vLLM 0.32's
+routes as its source has them (entrypoints/serve/lora/api_router.py: the load/unload routes exist only with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING; --api-key guards every /v1 route with 401). What a stand-in cannot show, that a
+real server's completions come from the adapter just loaded, is the vLLM tier's test (issue 52's next step)."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_accel.core.errors import UserError
+from grpo_accel.generation.adapter_sync import API_KEY_ENV, AdapterSync
+
+
+class StandIn(BaseHTTPRequestHandler):
+    key, lora_routes, loaded, fail_load = "secret", True, {}, False
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _reply(self, status: int, body: dict | None = None):
+        data = json.dumps(body or {}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        if self.headers.get("Authorization") != f"Bearer {self.key}":
+            self._reply(401, {"error": "Unauthorized"})
+            return False
+        return True
+
+    def do_GET(self):
+        if self._authorized():
+            self._reply(200, {"data": [{"id": "base"}, *({"id": n} for n in self.loaded)]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if not self._authorized():
+            return
+        if not self.lora_routes or self.path not in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            return self._reply(404, {"detail": "Not Found"})
+        if "lora_name" not in body:
+            return self._reply(422, {"detail": "field required"})
+        if self.path == "/v1/load_lora_adapter":
+            folder = Path(body["lora_path"])
+            if self.fail_load or not (folder / "adapter_config.json").exists():
+                return self._reply(404, {"error": {"message": f"No adapter found for {folder}"}})
+            self.loaded[body["lora_name"]] = folder
+        else:
+            self.loaded.pop(body["lora_name"], None)
+        self._reply(200)
+
+
+@pytest.fixture
+def server():
+    handler = type("Handler", (StandIn,), {"loaded": {}})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", handler
+    srv.shutdown()
+
+
+def lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_accel.data.models import build_tiny_model, load_tokenizer
+
+    model = build_tiny_model("tiny-llama", load_tokenizer("tiny-llama"))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def test_each_version_loads_under_its_own_name_and_old_ones_go(server, tmp_path):
+    url, handler = server
+    sync = AdapterSync(url, tmp_path, keep=2, api_key="secret")
+    sync.check()
+    model = lora_model()
+    names = [sync.push(model, v) for v in (1, 2, 3)]
+    assert names == ["policy-v1", "policy-v2", "policy-v3"]
+    assert sorted(handler.loaded) == ["policy-v2", "policy-v3"]  # v1 unloaded, its folder removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy-v2", "policy-v3"]
+    # only the adapter moves: its bytes against the whole model's (the issue's goal is <= 1/100 at 8B; a tiny
+    # model's adapter is a larger share, so this checks the folder holds the adapter and not the base)
+    adapter = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    base = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
+    assert adapter <= sync.bytes_sent / 3 < adapter + 64 * 1024 and sync.bytes_sent / 3 < base / 4
+    with pytest.raises(ValueError, match="versions only grow"):
+        sync.push(model, 3)
+
+
+def test_a_pushed_adapter_is_the_models_own(server, tmp_path):
+    """What the server reads back is the trained adapter: its tensors equal the model's at push time."""
+    from safetensors.torch import load_file
+
+    url, handler = server
+    sync = AdapterSync(url, tmp_path, api_key="secret")
+    model = lora_model()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    sync.push(model, 5)
+    saved = load_file(handler.loaded["policy-v5"] / "adapter_model.safetensors")
+    own = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(saved) == len(own) > 0
+    for name, tensor in saved.items():
+        match = [p for n, p in own.items() if n.replace(".default", "").endswith(name.split("base_model.model.")[-1])]
+        assert len(match) == 1 and torch.equal(match[0], tensor), name
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_a_missing_or_wrong_key_is_one_error_naming_the_variable(server, tmp_path, key, monkeypatch):
+    url, _ = server
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with pytest.raises(UserError, match=API_KEY_ENV + (" is not set" if key is None else " does not match")):
+        AdapterSync(url, tmp_path, api_key=key).check()
+
+
+def test_a_server_without_runtime_lora_names_the_flags(server, tmp_path):
+    url, handler = server
+    handler.lora_routes = False
+    with pytest.raises(UserError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve BASE --enable-lora"):
+        AdapterSync(url, tmp_path, api_key="secret").check()
+
+
+def test_a_dead_server_is_an_error_within_the_timeout(tmp_path):
+    with pytest.raises(UserError, match="did not answer within 2 s"):
+        AdapterSync("http://127.0.0.1:9", tmp_path, api_key="k", timeout_s=2).check()
+
+
+def test_an_adapter_the_server_cannot_read_names_the_shared_folder(server, tmp_path):
+    url, handler = server
+    handler.fail_load = True
+    with pytest.raises(UserError, match="readable on the server's machine"):
+        AdapterSync(url, tmp_path, api_key="secret").push(lora_model(), 1)
