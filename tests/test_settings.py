@@ -97,7 +97,7 @@ def test_one_setting_from_the_command_line_to_the_step(tmp_path):
 # GPU it targets), what it is, the named shape the planner reads offline, and the prompt budget the plan sizes
 PRESET_ONLY = {"name", "description", "target_gpu", "min_gpu_mem_gib", "min_compute_capability", "num_processes",
                "architecture", "max_prompt_length", "deepspeed_stage", "offload_optimizer", "offload_params", "yaml",
-               "recipe"}
+               "recipe", "server_gpus"}
 
 
 def test_a_preset_names_its_settings_as_the_flags_do():
