@@ -25,9 +25,10 @@ pack() { tar czf "$out/.results.tgz" -C /tmp loan_results loan_logs 2>/dev/null 
   if [ -d /root/vllm_site ]; then export PYTHONPATH=$PYTHONPATH:/root/vllm_site VLLM_USE_FLASHINFER_SAMPLER=0; fi
   # loan_wheels.sh --with-bundle leaves pydantic to the bundle: on a machine without it DeepSpeed (which transformers
   # imports when installed) fails every row (H200, 2026-11-28: a fresh machine after the bundle's went back)
-  if [ ! -d /root/vllm_site ] && ! ls .whl/pydantic-* > /dev/null 2>&1; then
-    echo "error: no vLLM bundle on this machine and no pydantic in .whl: build the set without --with-bundle" \
-         "(benchmarks/campaign/loan_wheels.sh), or make the bundle's three calls first"; exit 1
+  if ! python3 -c "import pydantic" 2> /dev/null; then
+    echo "error: no pydantic here (DeepSpeed needs it): no vLLM bundle on this machine and none in .whl. Fix: build" \
+         "the set without --with-bundle (benchmarks/campaign/loan_wheels.sh), or make the bundle's three calls first"
+    exit 1
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 benchmarks/campaign/run.py --preflight
