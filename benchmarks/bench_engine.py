@@ -179,8 +179,11 @@ def rows_of(results: dict, args, meta) -> list[dict]:
         base = results.get(BASELINE.get(variant, ""))
         if base:
             add(variant, "engine_cost_gib", (r["used"] - base["used"]) / GIB, "GiB")
+        # self_check_error: the shared route's own check (vllm_colocate.SELF_CHECK_TOL); over it the route falls back
+        # to an unshared copy, as on the H200 (2026-11-28: 0.172 in bf16), and the row must say so
         for key, metric, unit in (("kv_cache", "kv_cache_gib", "GiB"), ("weights_shared", "weights_shared", "frac"),
-                                  ("gap_max", "logprob_gap_max", "nats"), ("gap_mean", "logprob_gap_mean", "nats")):
+                                  ("gap_max", "logprob_gap_max", "nats"), ("gap_mean", "logprob_gap_mean", "nats"),
+                                  ("self_check_error", "self_check_error", "nats")):
             if key in r:
                 add(variant, metric, r[key] / GIB if unit == "GiB" else r[key], unit)
         for C in args.completion_lengths:
@@ -198,7 +201,7 @@ def measured(args, meta) -> dict:
         return {}
     shape = rows_of({"x": {"used": 0}}, args, meta)[0]["shape"]
     back = {"used_gib": "used", "kv_cache_gib": "kv_cache", "weights_shared": "weights_shared",
-            "logprob_gap_max": "gap_max", "logprob_gap_mean": "gap_mean"}
+            "logprob_gap_max": "gap_max", "logprob_gap_mean": "gap_mean", "self_check_error": "self_check_error"}
     out: dict[str, dict] = {}
     with args.csv.open() as f:
         for r in csv.DictReader(f):

@@ -257,7 +257,10 @@ def judge_engine(v: RowView):
                 f"{_fmt(q.get('logprob_gap_mean'), 4)} nats"), NO_GOAL if v.cpu else "measured (no goal)"
     decode = sorted(k for k in sh if k.startswith("decode_tok_s_"))
     speed = {k.rsplit("_", 1)[-1]: _ratio(sh.get(k), cp.get(k)) for k in decode}
-    text = (f"shared: weights shared {_fmt(sh.get('weights_shared'))}, engine cost {gib(sh)} GiB vs the copy's "
+    refused = ("shared route REFUSED by its self-check (error "
+               f"{_fmt(sh.get('self_check_error'), 3)}): an unshared copy; " if sh.get("weights_shared") == 0 else "")
+    text = refused + (
+            f"shared: weights shared {_fmt(sh.get('weights_shared'))}, engine cost {gib(sh)} GiB vs the copy's "
             f"{gib(cp)} (KV {_fmt(sh.get('kv_cache_gib'), 1)}); gap max {_fmt(sh.get('logprob_gap_max'), 3)} vs "
             f"{_fmt(cp.get('logprob_gap_max'), 3)}; decode shared/copy "
             + ", ".join(f"{_fmt(r)}x at C={c}" for c, r in speed.items()))
