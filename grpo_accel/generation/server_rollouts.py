@@ -12,10 +12,9 @@ temperature and top-k/top-p, as TRL's async trainer starts it); vLLM's default i
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 from grpo_accel.core.errors import UserError
+from grpo_accel.generation.adapter_sync import server_request
 from grpo_accel.generation.rollouts import Rollout, RolloutGroup
 
 
@@ -27,19 +26,11 @@ def sample_groups(base_url: str, model: str, version: int, prompts: list[list[in
     whose every token carries `version` and its behaviour log-prob."""
     body = {"model": model, "prompt": prompts, "n": num_generations, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "logprobs": 0, "return_token_ids": True}
-    req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            reply = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise UserError(f"the vLLM server at {base_url} refused the completions of {model} (HTTP {exc.code}: "
-                        f"{exc.read().decode(errors='replace').strip()[:300]})") from exc
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-        raise UserError(f"the vLLM server at {base_url} did not answer within {timeout_s:g} s "
-                        f"({getattr(exc, 'reason', exc)}): is it running?") from exc
+    status, text = server_request(base_url, "/v1/completions", body, api_key, timeout_s)
+    if status != 200:
+        raise UserError(f"the vLLM server at {base_url} refused the completions of {model} (HTTP {status}: "
+                        f"{text.strip()[:300]})")
+    reply = json.loads(text)
     choices = reply["choices"]
     if len(choices) != len(prompts) * num_generations:
         raise RuntimeError(f"{len(choices)} choices for {len(prompts)} prompts x {num_generations}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grpo_accel.core.dtypes import dtype_bytes, long_name
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import ModelShape
 from grpo_accel.planning.generation import VLLM_RUNTIME_BYTES
@@ -36,7 +37,7 @@ class ServerPlan:
     max_model_len: int
     sequences_at_once: int  # full-length sequences the pool holds at once
     generation_batch: int  # sequences the server is asked for per generation (all trainer processes)
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # as vLLM's --dtype names it
     utilization: float = SERVER_MEMORY_UTILIZATION
 
     @property
@@ -66,10 +67,12 @@ class ServerPlan:
 
 
 def plan_server(shape: ModelShape, *, model: str, max_model_len: int, generation_batch: int, gpu_bytes: int,
-                dtype_bytes: int = 2, utilization: float = SERVER_MEMORY_UTILIZATION) -> ServerPlan:
-    """The server for `generation_batch` sequences of up to `max_model_len` tokens on GPUs of `gpu_bytes`."""
-    weights = int(weights_bytes(shape, dtype_bytes, "none"))  # TRL pushes merged full weights: never quantized
-    per_seq = shape.kv_cache_bytes(max_model_len, dtype_bytes)
+                dtype: str = "bf16", utilization: float = SERVER_MEMORY_UTILIZATION) -> ServerPlan:
+    """The server for `generation_batch` sequences of up to `max_model_len` tokens on GPUs of `gpu_bytes`, serving
+    in `dtype` (the run's compute dtype, any spelling: the command names it as vLLM does)."""
+    a = dtype_bytes(dtype)
+    weights = int(weights_bytes(shape, a, "none"))  # TRL pushes merged full weights: never quantized
+    per_seq = shape.kv_cache_bytes(max_model_len, a)
     held = {}  # tensor-parallel size -> full-length sequences its pool holds at once
     for tp in TENSOR_PARALLEL_SIZES:
         if tp > max(1, shape.kv_heads):  # vLLM splits KV heads over ranks (replicates below one per rank: not planned)
@@ -79,8 +82,8 @@ def plan_server(shape: ModelShape, *, model: str, max_model_len: int, generation
     tp = next((t for t, n in held.items() if n >= generation_batch), max(held))
     if held[tp] < 1:
         return ServerPlan(model, 0, gpu_bytes, weights, 0, per_seq, max_model_len, 0, generation_batch,
-                          utilization=utilization)
+                          long_name(dtype), utilization)
     return ServerPlan(model, tp, gpu_bytes, weights, tp * VLLM_RUNTIME_BYTES, per_seq, max_model_len, held[tp],
-                      generation_batch, utilization=utilization)
+                      generation_batch, long_name(dtype), utilization)
 
 __all__ = ["SERVER_MEMORY_UTILIZATION", "ServerPlan", "TENSOR_PARALLEL_SIZES", "plan_server"]
