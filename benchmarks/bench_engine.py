@@ -184,7 +184,7 @@ def rows_of(results: dict, args, meta) -> list[dict]:
         for key, metric, unit in (("kv_cache", "kv_cache_gib", "GiB"), ("weights_shared", "weights_shared", "frac"),
                                   ("gap_max", "logprob_gap_max", "nats"), ("gap_mean", "logprob_gap_mean", "nats"),
                                   ("self_check_error", "self_check_error", "nats")):
-            if key in r:
+            if r.get(key) is not None:  # None: not measured (the check runs on the shared route only)
                 add(variant, metric, r[key] / GIB if unit == "GiB" else r[key], unit)
         for C in args.completion_lengths:
             if f"decode_{C}" in r:  # one metric per length: the campaign's judge reads a row's metrics by name
