@@ -1,70 +1,19 @@
 """Adapter-only sync to a vLLM server (grpo_accel/generation/adapter_sync.py) against a stand-in of vLLM 0.32's
-routes as its source has them (entrypoints/serve/lora/api_router.py: the load/unload routes exist only with
-VLLM_ALLOW_RUNTIME_LORA_UPDATING; --api-key guards every /v1 route with 401). What a stand-in cannot show, that a
-real server's completions come from the adapter just loaded, is the vLLM tier's test (issue 52's next step)."""
-
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+routes (support/vllm_standin.py). What a stand-in cannot show, that a real server's completions come from the
+adapter just loaded, is the vLLM tier's test (tests/vllm_engine/test_vllm_server.py)."""
 
 import pytest
 import torch
+from support.vllm_standin import serve
 
 from grpo_accel.core.errors import UserError
 from grpo_accel.generation.adapter_sync import API_KEY_ENV, AdapterSync
 
 
-class StandIn(BaseHTTPRequestHandler):
-    key, lora_routes, loaded, fail_load = "secret", True, {}, False
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def _reply(self, status: int, body: dict | None = None):
-        data = json.dumps(body or {}).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _authorized(self) -> bool:
-        if self.headers.get("Authorization") != f"Bearer {self.key}":
-            self._reply(401, {"error": "Unauthorized"})
-            return False
-        return True
-
-    def do_GET(self):
-        if self._authorized():
-            self._reply(200, {"data": [{"id": "base"}, *({"id": n} for n in self.loaded)]})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        if not self._authorized():
-            return
-        if not self.lora_routes or self.path not in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-            return self._reply(404, {"detail": "Not Found"})
-        if "lora_name" not in body:
-            return self._reply(422, {"detail": "field required"})
-        if self.path == "/v1/load_lora_adapter":
-            folder = Path(body["lora_path"])
-            if self.fail_load or not (folder / "adapter_config.json").exists():
-                return self._reply(404, {"error": {"message": f"No adapter found for {folder}"}})
-            self.loaded[body["lora_name"]] = folder
-        else:
-            self.loaded.pop(body["lora_name"], None)
-        self._reply(200)
-
-
 @pytest.fixture
 def server():
-    handler = type("Handler", (StandIn,), {"loaded": {}})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}", handler
-    srv.shutdown()
+    with serve() as (url, handler):
+        yield url, handler
 
 
 def lora_model():

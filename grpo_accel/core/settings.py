@@ -183,6 +183,15 @@ SETTINGS: dict[str, Setting] = _settings(
     Setting("max_nonfinite_steps", int, 0, "steps", "Steps with non-finite gradients are skipped; this many in a row "
             "stop the run, keeping the last good checkpoint. 0 = TRL's behaviour, no guard (launch/train.py's "
             "default: 3).", minimum=0),
+    Setting("max_staleness", int, 1, "steps", "--vllm_mode server with LoRA: optimizer steps a batch's policy may lag "
+            "the one training on it. 1: the server samples step n+1's batch while step n trains, and TRL's "
+            "importance-sampling correction (--vllm_importance_sampling_*) covers the step between; 0: synchronous. "
+            "TRL's AsyncGRPOConfig name (docs/off-policy-rollouts.md).", minimum=0),
+    Setting("weight_sync_steps", int, 1, "steps", "--vllm_mode server with LoRA: optimizer steps between adapter "
+            "loads on the server (TRL's AsyncGRPOConfig name); each is the adapter's MBs, never the base.", minimum=1),
+    Setting("adapter_sync_dir", str | None, None, "", "--vllm_mode server with LoRA: the folder each step's adapter "
+            "is written to for the server to load; it must be readable at the same path on the server's machine (a "
+            "shared filesystem across machines). None = <output_dir>/adapter_sync."),
 )
 
 

@@ -67,6 +67,11 @@ class AdapterSync:
         self.loaded: list[int] = []  # versions loaded on the server, oldest first
         self.bytes_sent = 0  # adapter bytes written for the server, all syncs together
 
+    @staticmethod
+    def name_of(version: int) -> str:
+        """The name the server knows policy `version`'s adapter by: what a request sends as its model."""
+        return NAME.format(version=version)
+
     def _post(self, route: str, body: dict | None, method: str = "POST") -> tuple[int, str]:
         return server_request(self.base_url, route, body, self.api_key, self.timeout_s, method)
 
@@ -96,7 +101,7 @@ class AdapterSync:
         name; unload the versions past `keep`. Returns the name requests use."""
         if self.loaded and version <= self.loaded[-1]:
             raise ValueError(f"version {version} after {self.loaded[-1]}: versions only grow")
-        name = NAME.format(version=version)
+        name = self.name_of(version)
         folder = self.sync_dir / name
         model.save_pretrained(folder)
         self.bytes_sent += sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
@@ -111,7 +116,7 @@ class AdapterSync:
         self.loaded.append(version)
         while len(self.loaded) > self.keep:
             old = self.loaded.pop(0)
-            old_name = NAME.format(version=old)
+            old_name = self.name_of(old)
             status, body = self._post("/v1/unload_lora_adapter", {"lora_name": old_name})
             if status != 200:  # a leftover adapter costs the server a slot, not correctness: say it, go on
                 log(f"warning: the vLLM server kept adapter {old_name} (HTTP {status}: {body.strip()[:200]})")

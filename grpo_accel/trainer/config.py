@@ -39,6 +39,9 @@ class GRPOAccelConfig(GRPOConfig):
     sequence_parallel_size: int = SETTINGS["sequence_parallel_size"].field()
     reward_checks: str = SETTINGS["reward_checks"].field()
     max_nonfinite_steps: int = SETTINGS["max_nonfinite_steps"].field()
+    max_staleness: int = SETTINGS["max_staleness"].field()
+    weight_sync_steps: int = SETTINGS["weight_sync_steps"].field()
+    adapter_sync_dir: str | None = SETTINGS["adapter_sync_dir"].field()
 
     @classmethod
     def from_trl(cls, args: GRPOConfig) -> GRPOAccelConfig:

@@ -22,6 +22,7 @@ train() ends, however it ends (`close()`, `patches.py`): a second model in the s
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 import weakref
@@ -42,6 +43,7 @@ from grpo_accel.core.settings import (
     share_prompt_pays,
     shared_group_tokens,
 )
+from grpo_accel.generation.server_generation import ServerGeneration
 from grpo_accel.generation.vllm_colocate import SharedVLLM, unsupported_options
 from grpo_accel.generation.vllm_generation import SharedVLLMGeneration, sampling_settings
 from grpo_accel.generation.vllm_setup import colocated_route, start_colocated_engine
@@ -119,13 +121,21 @@ class GRPOAccelTrainer(GRPOTrainer):
                             else guarded(f, strict=strict) for f in reward_funcs]
         if vllm_engine is None and args is not None and args.use_vllm and args.vllm_mode == "colocate":
             vllm_engine, model = self._start_engine(model, args, kwargs)
-        if vllm_engine is not None:
-            args.use_vllm = False  # TRL must not start its own engine: a second copy of the weights
+        # server mode with an adapter: ours (adapter-only sync, steps ahead); full fine-tuning: TRL's own (NCCL)
+        adapter_server = args.use_vllm and args.vllm_mode == "server" and (
+            kwargs.get("peft_config") is not None or hasattr(model, "peft_config"))
+        if vllm_engine is not None or adapter_server:
+            args.use_vllm = False  # TRL must not start its own engine (a second copy) or its NCCL client
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         self.vllm_engine = vllm_engine
         if vllm_engine is not None:
             args.use_vllm = True
             attach_shared_vllm(self, vllm_engine)
+        self._ahead: tuple = (None, [])  # (epoch iterator, its micro-batches read ahead): get_batch_samples
+        self._next_generation_rows = None  # the next generation batch's rows, for the server to sample ahead
+        if adapter_server:
+            args.use_vllm = True
+            attach_server(self)
         self.learning_signal = LearningSignalWatch(self.args.max_completion_length)
         self.add_callback(self.learning_signal)
         self.telemetry = PhaseTelemetry()
@@ -210,6 +220,8 @@ class GRPOAccelTrainer(GRPOTrainer):
             return super().train(*args, **kwargs)
         finally:
             self.preemption.uninstall()
+            if isinstance(getattr(self, "vllm_generation", None), ServerGeneration):
+                self.vllm_generation.close()  # batches asked for ahead: nobody will train on them
             self.close()
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -345,11 +357,54 @@ class GRPOAccelTrainer(GRPOTrainer):
             return super()._generate(prompts)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """TRL's; its continuous-batching branch replaced by ours (paged_generation.py: no cast of the weights)."""
+        """TRL's; its continuous-batching branch replaced by ours (paged_generation.py: no cast of the weights). With
+        a server sampling ahead, the next generation batch is asked for once this one is in hand: the server samples
+        it with this step's adapter while this step trains."""
         if getattr(self, "use_transformers_continuous_batching", False) and not self.use_vllm \
                 and hasattr(self, "patches"):
             return paged_single_turn(self, prompt_ids)
-        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if self._samples_ahead() and self.model.training:
+            rows, self._next_generation_rows = self._next_generation_rows, None
+            if rows is not None:  # None on every rank alike: the epoch's last batch (the ranks read in lockstep)
+                ahead_ids = self._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))[0]
+                self.vllm_generation.submit(ahead_ids, num_generations)
+        return out
+
+    def _samples_ahead(self) -> bool:
+        return isinstance(getattr(self, "vllm_generation", None), ServerGeneration) and self.args.max_staleness >= 1
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """transformers' (the micro-batches of one optimizer step), reading on past them to the next generation
+        batch when a server samples ahead: TRL generates at micro-steps that are multiples of steps_per_generation x
+        num_iterations, so that batch is known one optimizer step early. Read-ahead batches are handed out in order
+        later; at an epoch's end there is none (its first step samples synchronously)."""
+        if not self._samples_ahead():
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        source, ahead = self._ahead
+        if source is not epoch_iterator:
+            ahead = []
+        self._ahead = (epoch_iterator, ahead)
+        exhausted = False
+
+        def pull() -> bool:
+            nonlocal exhausted
+            try:
+                ahead.append(next(epoch_iterator))
+            except StopIteration:
+                exhausted = True
+            return not exhausted
+
+        while len(ahead) < num_batches and pull():
+            pass
+        batches = [ahead.pop(0) for _ in range(min(num_batches, len(ahead)))]
+        every = self.args.steps_per_generation * self.num_iterations
+        after = self._step + len(batches)  # the micro-step of the first batch not handed out
+        index = -(-after // every) * every - after  # the next generation's batch, counted from there
+        while len(ahead) <= index and not exhausted and pull():
+            pass
+        self._next_generation_rows = ahead[index] if len(ahead) > index else None
+        return batches, self._get_num_items_in_batch(batches, device)
 
     def _get_train_sampler(self, dataset=None):
         """TRL's sampler; under SP each batch goes to every rank of an SP group (sequence_parallel.py)."""
@@ -366,6 +421,8 @@ class GRPOAccelTrainer(GRPOTrainer):
             logs.update(self.telemetry.pop_metrics())
             if self.nonfinite_guard is not None:
                 logs.update(self.nonfinite_guard.metrics())
+            if isinstance(getattr(self, "vllm_generation", None), ServerGeneration):
+                logs.update(self.vllm_generation.metrics())
             ran, unshared = getattr(self, "_token_counts", (0, 0))
             if getattr(self, "share_prompt", "false") != "false" and unshared:
                 logs["share_prompt/token_ratio"] = ran / unshared  # 1.0: nothing shared
@@ -406,4 +463,35 @@ def attach_shared_vllm(trainer, engine: SharedVLLM) -> SharedVLLMGeneration:
     trainer.vllm_mode = "colocate"
     trainer.vllm_generation = generation
     trainer._last_loaded_step = -1
+    return generation
+
+
+def attach_server(trainer) -> ServerGeneration:
+    """Route a TRL 1.16 GRPOTrainer's generation to a `vllm serve` machine with adapter-only sync (call right after
+    the trainer's __init__, built with `use_vllm=False` so that TRL started no NCCL client). The address is TRL's
+    (--vllm_server_base_url, else host and port), each request bounded by --vllm_server_timeout; the server is checked
+    (it answers, takes GRPO_ACCEL_VLLM_API_KEY, loads adapters at run time) before the first step."""
+    args = trainer.args
+    for what, value in (("tools", trainer.tools), ("a rollout_func", trainer.rollout_func),
+                        ("an environment_factory", trainer.environment_factories)):
+        if value and args.max_staleness >= 1:
+            raise ConfigError(f"--vllm_mode server sampling ahead (--max_staleness {args.max_staleness}) cannot run "
+                              f"with {what}: the batch ahead is sampled in one request. Fix: --max_staleness 0.")
+    base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    generation = ServerGeneration(
+        trainer.accelerator, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),
+        step=lambda: trainer.state.global_step, base_url=base_url,
+        sync_dir=args.adapter_sync_dir or os.path.join(args.output_dir, "adapter_sync"),
+        max_completion_length=args.max_completion_length,
+        sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                      repetition_penalty=args.repetition_penalty),
+        max_staleness=args.max_staleness, weight_sync_steps=args.weight_sync_steps, timeout_s=args.vllm_server_timeout)
+    generation.check()
+    trainer.use_vllm = True
+    trainer.vllm_mode = "server"
+    trainer.vllm_generation = generation
+    trainer._last_loaded_step = -1
+    ahead = "the next batch sampled while this one trains" if args.max_staleness else "synchronous"
+    log(f"generation route vllm_server: {base_url}, adapter-only sync every {args.weight_sync_steps} step(s) "
+        f"through {generation.sync.sync_dir}; {ahead} (max_staleness {args.max_staleness})")
     return generation
