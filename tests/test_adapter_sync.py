@@ -31,9 +31,9 @@ def test_each_version_loads_under_its_own_name_and_old_ones_go(server, tmp_path)
     sync.check()
     model = lora_model()
     names = [sync.push(model, v) for v in (1, 2, 3)]
-    assert names == ["policy-v1", "policy-v2", "policy-v3"]
-    assert sorted(handler.loaded) == ["policy-v2", "policy-v3"]  # v1 unloaded, its folder removed
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy-v2", "policy-v3"]
+    assert names == [f"policy-{sync.run_id}-v{v}" for v in (1, 2, 3)]
+    assert sorted(handler.loaded) == names[1:]  # v1 unloaded, its folder removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == names[1:]
     # only the adapter moves: its bytes against the whole model's (the issue's goal is <= 1/100 at 8B; a tiny
     # model's adapter is a larger share, so this checks the folder holds the adapter and not the base)
     adapter = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
@@ -55,7 +55,7 @@ def test_a_pushed_adapter_is_the_models_own(server, tmp_path):
             if "lora_B" in n:
                 p.normal_()
     sync.push(model, 5)
-    saved = load_file(handler.loaded["policy-v5"] / "adapter_model.safetensors")
+    saved = load_file(handler.loaded[sync.name_of(5)] / "adapter_model.safetensors")
     own = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert len(saved) == len(own) > 0
     for name, tensor in saved.items():
@@ -88,3 +88,14 @@ def test_an_adapter_the_server_cannot_read_names_the_shared_folder(server, tmp_p
     handler.fail_load = True
     with pytest.raises(UserError, match="readable on the server's machine"):
         AdapterSync(url, tmp_path, api_key="secret").push(lora_model(), 1)
+
+
+def test_a_resumed_run_loads_its_versions_beside_the_dead_runs(server, tmp_path):
+    """A run resumed from its checkpoint (or a second run) against a server that outlived the first: the same
+    versions come again, and vLLM refuses a name it holds (HTTP 400 "already been loaded"); reloading it in place
+    would mix the weights under requests still decoding. Each run names its own versions."""
+    url, handler = server
+    first, resumed = (AdapterSync(url, tmp_path / name, api_key="secret") for name in ("a", "b"))
+    model = lora_model()
+    names = [first.push(model, 1), resumed.push(model, 1)]
+    assert names[0] != names[1] and sorted(handler.loaded) == sorted(names)

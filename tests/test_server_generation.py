@@ -109,11 +109,12 @@ def test_steps_ahead_equal_trls_trainer_fed_the_same_rollouts(server, tmp_path):
     # adapter of the step that asked, the epoch's start synchronous with its own
     batches = [asked[::G] for asked, _ in seen]
     models = [model for model, _ in handler.requests]
-    assert models[:4] == ["policy-v0", "policy-v0", "policy-v1", "policy-v3"], models
+    name = trainer.vllm_generation.sync.name_of
+    assert models[:4] == [name(0), name(0), name(1), name(3)], models
     assert [prompts for _, prompts in handler.requests[:4]] == batches
     # what TRL got is what the server sent for that batch, by the adapter that sampled it: its tokens and its
     # behaviour log-probs (TRL keeps a token's first log-prob), in the server's order, G per prompt
-    sampled_by = ["policy-v0", "policy-v0", "policy-v1", "policy-v3"]
+    sampled_by = [name(0), name(0), name(1), name(3)]
     for (asked, (prompt_ids, completion_ids, logps, _)), model in zip(seen, sampled_by, strict=True):
         sent = [answer(model, p, i, C) for p in asked[::G] for i in range(G)]
         assert prompt_ids == asked and completion_ids == [ids for ids, _ in sent]
@@ -138,8 +139,9 @@ def test_staleness_zero_is_synchronous(server, tmp_path):
     url, handler = server
     trainer = ours(tmp_path, url, max_staleness=0, max_steps=2)
     trainer.train()
-    assert [model for model, _ in handler.requests] == ["policy-v0", "policy-v1"]
-    assert sorted(handler.loaded) == ["policy-v1"]  # the server keeps one version: nothing samples ahead
+    name = trainer.vllm_generation.sync.name_of
+    assert [model for model, _ in handler.requests] == [name(0), name(1)]
+    assert sorted(handler.loaded) == [name(1)]  # the server keeps one version: nothing samples ahead
 
 
 def test_a_batch_not_asked_for_or_too_old_is_dropped_and_sampled_again(server, tmp_path):
@@ -155,7 +157,7 @@ def test_a_batch_not_asked_for_or_too_old_is_dropped_and_sampled_again(server, t
     gen.submit(prompts, G)  # asked with v0 ...
     trainer.state.global_step = 2  # ... and collected two steps later: past max_staleness 1
     gen.generate(prompts, None, G)
-    assert gen.stats["dropped_batches"] == 2 and handler.requests[-1][0] == "policy-v0"
+    assert gen.stats["dropped_batches"] == 2 and handler.requests[-1][0] == gen.sync.name_of(0)
 
 
 def test_a_wrong_key_stops_before_the_first_step(server, tmp_path, monkeypatch):
@@ -163,3 +165,12 @@ def test_a_wrong_key_stops_before_the_first_step(server, tmp_path, monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "wrong")
     with pytest.raises(UserError, match=API_KEY_ENV + " does not match"):
         ours(tmp_path, url)
+
+
+@pytest.mark.parametrize("option", [dict(generation_kwargs={"seed": 1}), dict(vllm_structured_outputs_regex=r"\d+")])
+def test_options_the_client_does_not_send_are_refused(server, tmp_path, option):
+    from grpo_accel.core.errors import ConfigError
+
+    url, _ = server
+    with pytest.raises(ConfigError, match="not sent to the server"):
+        ours(tmp_path, url, **option)

@@ -68,5 +68,12 @@ def test_every_server_preset_states_its_gpus_and_the_plan_prints_the_server(caps
         line = next(x for x in out.splitlines() if x.startswith("vLLM server (its own machine):"))
         gpus = int(line.split(": ")[1].split(" GPU")[0])
         assert 1 <= gpus <= preset.server_gpus, (preset.name, line)
-        assert f"--tensor_parallel_size {gpus} " in out
-        assert f"--max_model_len {preset.max_prompt_length + preset.max_completion_length} " in out
+        length = preset.max_prompt_length + preset.max_completion_length
+        if preset.lora_r:  # adapter-only sync: vLLM's own server, adapters loaded at run time (server_generation)
+            assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve " in out and "--enable-lora" in out
+            assert f"--tensor-parallel-size {gpus} " in out and f"--max-model-len {length} " in out
+            # the rank the trainer's adapter has; the version training and the one sampling ahead (max_staleness 1)
+            assert f"--max-lora-rank {preset.lora_r} " in out and "--max-loras 2 " in out
+            assert "--logprobs-mode processed_logprobs" in out  # behaviour log-probs after temperature
+        else:  # full fine-tuning: TRL's server, every weight over NCCL
+            assert f"--tensor_parallel_size {gpus} " in out and f"--max_model_len {length} " in out

@@ -154,12 +154,13 @@ def server_plan(spec, plan, gpu_bytes: int):
     sequences one generation asks of it from every trainer process (a sequence-parallel group shares its sequences)."""
     from grpo_accel.planning.server import plan_server
 
-    inp = plan.inputs
+    inp, fields = plan.inputs, spec.fields()
     groups = max(1, inp["num_processes"] // max(1, inp["sequence_parallel_size"]))
-    return plan_server(plan.shape, model=spec.fields()["model"],
+    return plan_server(plan.shape, model=fields["model"],
                        max_model_len=inp["max_prompt_length"] + inp["max_completion_length"],
                        generation_batch=inp["generation_batch"] * groups, gpu_bytes=gpu_bytes,
-                       dtype=inp["model_dtype"])
+                       dtype=inp["model_dtype"], lora_r=int(fields.get("lora_r") or 0),
+                       max_staleness=int(fields.get("max_staleness", 1)))
 
 
 def host_bytes(args, gpu) -> int | None:

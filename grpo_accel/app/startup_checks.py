@@ -212,14 +212,16 @@ def machine_checks(spec) -> list[str]:
         problem = vllm_stack_problem(read_vllm_install(), four_bit=spec.script.quantization == "4bit")
         if problem is not None:
             found.append(f"colocated vLLM: {problem}")
-    if c.use_vllm and c.vllm_mode == "server":
+    # LoRA: our adapter sync speaks HTTP (server_generation.py), no vLLM here; full fine-tuning: TRL's client
+    if c.use_vllm and c.vllm_mode == "server" and spec.script.lora_r == 0:
         from grpo_accel.generation.vllm_availability import vllm_unavailable_reason
 
         why = vllm_unavailable_reason()  # TRL's server client is part of vLLM: the training machine needs it too
         if why is not None:
-            found.append(f"this machine lacks vLLM ({why}): TRL's client for --vllm_mode server is part of it; the "
-                         f"run's machine needs it. Fix there: pip install -e '.[vllm]', or --use_vllm false "
-                         f"(generate() on these GPUs: whole-sequence KV).")
+            found.append(f"this machine lacks vLLM ({why}): TRL's client for --vllm_mode server with full "
+                         f"fine-tuning is part of it; the run's machine needs it. Fix there: pip install -e "
+                         f"'.[vllm]', or --lora_r 16 (adapter-only sync over HTTP, no vLLM on this machine), or "
+                         f"--use_vllm false (generate() on these GPUs: whole-sequence KV).")
     return found
 
 

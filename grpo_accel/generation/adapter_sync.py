@@ -11,7 +11,7 @@ vLLM's routes (tests/test_adapter_sync.py); not yet called by the trainer (async
 
     sync = AdapterSync("http://127.0.0.1:8000", sync_dir="/shared/adapters", keep=2)
     sync.check()                      # one `error:` line for a wrong key, a dead server, missing LoRA flags
-    name = sync.push(model, version)  # "policy-v7": send requests with "model": name
+    name = sync.push(model, version)  # "policy-3f9a01c2-v7": send requests with "model": name
 
 The server must be started with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve BASE --enable-lora --max-loras K
 --max-lora-rank R --api-key KEY` (K >= `keep`); the trainer reads KEY from GRPO_ACCEL_VLLM_API_KEY.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import urllib.error
 import urllib.request
@@ -30,7 +31,7 @@ from grpo_accel.core.console import log
 from grpo_accel.core.errors import UserError
 
 API_KEY_ENV = "GRPO_ACCEL_VLLM_API_KEY"
-NAME = "policy-v{version}"
+NAME = "policy-{run}-v{version}"  # a run's own: a resumed or second run meets a server that holds v1, v2, ...
 SERVER_FLAGS = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve BASE --enable-lora --max-loras K --max-lora-rank R"
 
 
@@ -59,18 +60,20 @@ class AdapterSync:
     """Sends a PEFT model's adapter to one vLLM server; keeps the newest `keep` versions loaded there."""
 
     def __init__(self, base_url: str, sync_dir: str | os.PathLike, keep: int = 2, timeout_s: float = 60.0,
-                 api_key: str | None = None):
+                 api_key: str | None = None, run_id: str | None = None):
         if keep < 1:
             raise ValueError(f"keep={keep}: at least the newest version stays loaded")
+        # vLLM refuses a name it holds (HTTP 400), and loading it in place would swap weights under requests still
+        # decoding: a server that outlived a run (a resume from its checkpoint, a second run) keeps that run's names
+        self.run_id = run_id or secrets.token_hex(4)
         self.base_url, self.sync_dir, self.keep, self.timeout_s = base_url.rstrip("/"), Path(sync_dir), keep, timeout_s
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self.loaded: list[int] = []  # versions loaded on the server, oldest first
         self.bytes_sent = 0  # adapter bytes written for the server, all syncs together
 
-    @staticmethod
-    def name_of(version: int) -> str:
-        """The name the server knows policy `version`'s adapter by: what a request sends as its model."""
-        return NAME.format(version=version)
+    def name_of(self, version: int) -> str:
+        """The name the server knows this run's policy `version` by: what a request sends as its model."""
+        return NAME.format(run=self.run_id, version=version)
 
     def _post(self, route: str, body: dict | None, method: str = "POST") -> tuple[int, str]:
         return server_request(self.base_url, route, body, self.api_key, self.timeout_s, method)

@@ -6,8 +6,8 @@ TRL 1.16 drives generation through two methods of `trainer.vllm_generation` (grp
 log-probs TRL's importance-sampling correction divides by. This object is that pair for a server:
 
 - `sync_weights()`: every `weight_sync_steps` optimizer steps, the adapter (MBs: the base never moves, no merge, no
-  NCCL) is written where the server reads it and loaded as `policy-v{step}` (adapter_sync.AdapterSync). Under ZeRO-3
-  every rank joins the gather of the adapter's shards; rank 0 writes and loads it.
+  NCCL) is written where the server reads it and loaded as `policy-<run>-v{step}` (adapter_sync.AdapterSync). Under
+  ZeRO-3 every rank joins the gather of the adapter's shards; rank 0 writes and loads it.
 - `generate(...)`: the batch's groups, each carrying the version that sampled it and its behaviour log-probs
   (server_rollouts.sample_groups). With `max_staleness >= 1` they were requested one step earlier by `submit` (the
   trainer's look-ahead, trainer.py) and sampled with that step's adapter while the trainer trained: the server and

@@ -2,7 +2,7 @@
 docs/off-policy-rollouts.md).
 
 One request per batch: OpenAI's `/v1/completions` with the prompts as token ids, `n` = G completions each, the
-policy version's adapter as the model (`policy-v{n}`, loaded by adapter_sync.AdapterSync), `logprobs: 0` (the
+policy version's adapter as the model (`policy-<run>-v{n}`, loaded by adapter_sync.AdapterSync), `logprobs: 0` (the
 sampled token's own log-prob) and `return_token_ids` (ids, not text: what the trainer scores). vLLM lists the
 choices prompt by prompt, G each (entrypoints/openai/completion/serving.py appends them in that order). The
 log-probs are the behaviour policy's only when the server runs with `--logprobs-mode processed_logprobs` (after

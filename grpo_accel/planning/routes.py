@@ -35,7 +35,8 @@ ROUTES = {
                  "vllm-bnb-plugin on 0.32), adapter pushed from memory",
     "vllm_fp8": "colocated vLLM with its own FP8 copy (CUDA), adapter pushed from memory",
     "vllm_copy": "colocated vLLM with its own copy (full fine-tuning), every weight pushed, asleep while training",
-    "vllm_server": "a `trl vllm-serve` machine generates: nothing of it on these GPUs",
+    "vllm_server": "a vLLM server machine generates (`vllm serve` loading the adapter each step for LoRA, `trl "
+                   "vllm-serve` for full fine-tuning): nothing of it on these GPUs",
     "continuous_batching": "transformers' continuous batching on the trainer's own weights: a paged KV cache of "
                            "planned pages, requests queued while it is full",
     "generate": "transformers' generate(): the whole generation batch's KV cache at once",

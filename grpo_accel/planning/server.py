@@ -1,9 +1,12 @@
 """The generation server's own machine, for route `vllm_server` (issue 52, item 6): the training plan holds nothing
 of generation there (memory.plan_memory), so the server is sized here, apart.
 
-What runs today is TRL 1.16's server mode: `trl vllm-serve` holds the whole model in the compute dtype (TRL merges a
-LoRA adapter into the base and pushes every weight over NCCL each step, so a QLoRA run's server still holds bf16
-weights, not NF4), with vLLM's own runtime and a paged KV cache in what `--gpu_memory_utilization` leaves. A
+Two servers run: for a LoRA or QLoRA run, `vllm serve` with adapters loaded at run time (server_generation.py: the
+base in the compute dtype stays put, each step's adapter is loaded beside it, `max_staleness + 1` of them at once);
+for full fine-tuning, TRL 1.16's `trl vllm-serve` (every weight pushed over NCCL each step). Either holds the whole
+model in the compute dtype (a QLoRA run's server holds bf16 weights, not NF4), with vLLM's own runtime and a paged KV
+cache in what `--gpu_memory_utilization` leaves (a LoRA server's adapter slots, max_loras x rank x the targets' widths,
+are MBs: not planned). A
 sequence takes pages as it grows, so the pool bounds how many *full-length* sequences decode at once; shorter ones
 fit more. The plan: the fewest GPUs (vLLM's tensor parallelism: 1, 2, 4, 8, and no more than the model's KV heads)
 whose pool holds the step's whole generation batch at full length at once; where none does, the most (the fewest
@@ -39,13 +42,22 @@ class ServerPlan:
     generation_batch: int  # sequences the server is asked for per generation (all trainer processes)
     dtype: str = "bfloat16"  # as vLLM's --dtype names it
     utilization: float = SERVER_MEMORY_UTILIZATION
+    lora_r: int = 0  # > 0: adapters loaded at run time (`vllm serve`); 0: full fine-tuning (`trl vllm-serve`)
+    max_loras: int = 2  # adapters held at once: the version training and those sampling ahead (max_staleness + 1)
 
     @property
     def fits(self) -> bool:
         return self.tensor_parallel_size > 0
 
     def command(self) -> str:
-        """What the server machine runs (TRL's server mode: its own `vllm-serve`)."""
+        """What the server machine runs: `vllm serve` taking adapters at run time for a LoRA run (the key from the
+        environment the trainer reads it from), TRL's own `vllm-serve` for full fine-tuning."""
+        if self.lora_r:
+            return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve {self.model} --tensor-parallel-size "
+                    f"{self.tensor_parallel_size} --max-model-len {self.max_model_len} --gpu-memory-utilization "
+                    f"{self.utilization} --dtype {self.dtype} --enable-lora --max-loras {self.max_loras} "
+                    f"--max-lora-rank {self.lora_r} --logprobs-mode processed_logprobs --api-key "
+                    f"$GRPO_ACCEL_VLLM_API_KEY")
         return (f"trl vllm-serve --model {self.model} --tensor_parallel_size {self.tensor_parallel_size} "
                 f"--max_model_len {self.max_model_len} --gpu_memory_utilization {self.utilization} "
                 f"--dtype {self.dtype}")
@@ -67,9 +79,11 @@ class ServerPlan:
 
 
 def plan_server(shape: ModelShape, *, model: str, max_model_len: int, generation_batch: int, gpu_bytes: int,
-                dtype: str = "bf16", utilization: float = SERVER_MEMORY_UTILIZATION) -> ServerPlan:
+                dtype: str = "bf16", utilization: float = SERVER_MEMORY_UTILIZATION, lora_r: int = 0,
+                max_staleness: int = 1) -> ServerPlan:
     """The server for `generation_batch` sequences of up to `max_model_len` tokens on GPUs of `gpu_bytes`, serving
-    in `dtype` (the run's compute dtype, any spelling: the command names it as vLLM does)."""
+    in `dtype` (the run's compute dtype, any spelling: the command names it as vLLM does); `lora_r` > 0 plans the
+    adapter server (server_generation.py), 0 TRL's."""
     a = dtype_bytes(dtype)
     weights = int(weights_bytes(shape, a, "none"))  # TRL pushes merged full weights: never quantized
     per_seq = shape.kv_cache_bytes(max_model_len, a)
@@ -82,8 +96,8 @@ def plan_server(shape: ModelShape, *, model: str, max_model_len: int, generation
     tp = next((t for t, n in held.items() if n >= generation_batch), max(held))
     if held[tp] < 1:
         return ServerPlan(model, 0, gpu_bytes, weights, 0, per_seq, max_model_len, 0, generation_batch,
-                          long_name(dtype), utilization)
+                          long_name(dtype), utilization, lora_r, max_staleness + 1)
     return ServerPlan(model, tp, gpu_bytes, weights, tp * VLLM_RUNTIME_BYTES, per_seq, max_model_len, held[tp],
-                      generation_batch, long_name(dtype), utilization)
+                      generation_batch, long_name(dtype), utilization, lora_r, max_staleness + 1)
 
 __all__ = ["SERVER_MEMORY_UTILIZATION", "ServerPlan", "TENSOR_PARALLEL_SIZES", "plan_server"]

@@ -477,6 +477,11 @@ def attach_server(trainer) -> ServerGeneration:
         if value and args.max_staleness >= 1:
             raise ConfigError(f"--vllm_mode server sampling ahead (--max_staleness {args.max_staleness}) cannot run "
                               f"with {what}: the batch ahead is sampled in one request. Fix: --max_staleness 0.")
+    for flag, value in (("--generation_kwargs", args.generation_kwargs),
+                        ("--vllm_structured_outputs_regex", args.vllm_structured_outputs_regex)):
+        if value:  # TRL's server client sends them; ours would drop them without a word
+            raise ConfigError(f"{flag} is not sent to the server by the adapter-sync client (--vllm_mode server with "
+                              f"LoRA). Fix: leave {flag} unset, or train full fine-tuning through TRL's server mode.")
     base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     generation = ServerGeneration(
         trainer.accelerator, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),

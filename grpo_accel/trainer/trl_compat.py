@@ -22,6 +22,12 @@ _GEN = "generation: TRL's own code (our savers act on the log-prob and training 
 _LOG = "logging of completions: TRL's own code"
 _SERVER = ("vllm_mode='server': TRL's client generates and the savers run on the training side as in every case; "
            "needs a running `trl vllm-serve` (a GPU machine)")
+_SERVER_LORA = ("vllm_mode='server' with LoRA/QLoRA: ours runs instead of TRL's merge-and-NCCL client "
+                "(server_generation.py: the adapter alone loaded by `vllm serve` at run time, the next batch "
+                "sampled while a step trains) and reads {what}; tests/test_server_generation.py: the steps equal "
+                "TRL's GRPOTrainer fed the same completions and behaviour log-probs, bit for bit; "
+                "tests/vllm_engine/test_vllm_server.py: launch/train.py through a real `vllm serve` with every saver. "
+                "Full fine-tuning keeps TRL's client and `trl vllm-serve`: pending (a GPU machine)")
 _COLOCATE_REFUSED = ("with vllm_mode='colocate' the shared-weight engine refuses a value other than the default, "
                      "naming the field (vllm_colocate.UNSUPPORTED_OPTIONS); vllm_mode='server' takes it")
 _IS = ("on by default: every colocated run of the vLLM tier corrects with the shared engine's own sampling "
@@ -65,16 +71,23 @@ FIELDS: dict[str, tuple[str, str]] = {
     "cache_implementation": ("not affected", _GEN),
     "use_vllm": ("vllm tier", "vllm_mode='colocate': our shared-weight engine in place of TRL's "
                               "(tests/vllm_engine/test_vllm_trl.py: one real GRPO step through TRL's loop)"),
-    "vllm_mode": ("vllm tier", "'colocate': our engine; 'server': " + _SERVER),
+    "vllm_mode": ("vllm tier", "'colocate': our engine; 'server': with LoRA ours (vllm_server_base_url's row), "
+                               "full fine-tuning: " + _SERVER),
     "vllm_model_impl": ("refused", _COLOCATE_REFUSED),
     "vllm_enable_sleep_mode": ("refused", _COLOCATE_REFUSED + "; the engine sleeps by itself where its weights are "
                                           "its own (full fine-tuning on CUDA)"),
     "vllm_structured_outputs_regex": ("refused", _COLOCATE_REFUSED),
-    "vllm_server_base_url": ("pending", _SERVER),
-    "vllm_server_host": ("pending", _SERVER),
-    "vllm_server_port": ("pending", _SERVER),
-    "vllm_server_timeout": ("pending", _SERVER),
-    "vllm_group_port": ("pending", _SERVER),
+    "vllm_server_base_url": ("own path", _SERVER_LORA.format(what="the address from it")),
+    "vllm_server_host": ("own path", _SERVER_LORA.format(what="the address from it and vllm_server_port when "
+                                                                "vllm_server_base_url is unset")),
+    "vllm_server_port": ("own path", _SERVER_LORA.format(what="the address from it and vllm_server_host when "
+                                                                "vllm_server_base_url is unset")),
+    "vllm_server_timeout": ("own path", _SERVER_LORA.format(what="it as the bound of each request (an adapter "
+                                                                   "load, a batch's sampling): a dead or slow server "
+                                                                   "is one error line within it "
+                                                                   "(tests/test_adapter_sync.py)")),
+    "vllm_group_port": ("pending", "TRL's NCCL weight-sync group: full fine-tuning through `trl vllm-serve` only "
+                                   "(adapter sync has no NCCL group); needs a GPU machine"),
     "vllm_gpu_memory_utilization": ("vllm tier", "colocate: taken as given when set, else sized by the planner "
                                                  "(tests/test_vllm_setup.py)"),
     "vllm_max_model_length": ("vllm tier", "colocate: taken as given when set (tests/test_vllm_setup.py)"),

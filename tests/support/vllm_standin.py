@@ -59,6 +59,10 @@ class StandIn(BaseHTTPRequestHandler):
             folder = Path(body["lora_path"])
             if self.fail_load or not (folder / "adapter_config.json").exists():
                 return self._reply(404, {"error": {"message": f"No adapter found for {folder}"}})
+            if body["lora_name"] in self.loaded and not body.get("load_inplace"):  # vLLM 0.32's serving_models.py
+                return self._reply(400, {"error": {"message": f"The lora adapter '{body['lora_name']}' has already "
+                                                   "been loaded. If you want to load the adapter in place, set "
+                                                   "'load_inplace' to True."}})
             self.loaded[body["lora_name"]] = folder
         else:
             self.loaded.pop(body["lora_name"], None)

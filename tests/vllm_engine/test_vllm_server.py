@@ -2,10 +2,12 @@
 version's LoRA adapter is loaded under its own name (grpo_accel/generation/adapter_sync.py), groups are sampled from
 it with per-token behaviour log-probs (grpo_accel/generation/server_rollouts.py), and those log-probs are the
 trainer's own on the same tokens, after temperature, for the version just synced; the previous version's are not.
-The server runs with an API key: a wrong one is one error line. Not yet: the trainer driving this (async steps).
+The server runs with an API key: a wrong one is one error line. And the user's command trains through it, every saver
+on, the next batch sampled while a step trains (server_generation.py).
 """
 
 import contextlib
+import csv
 import os
 import signal
 import socket
@@ -21,7 +23,7 @@ pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
 from conftest import WHOLE_TIER_LINE, only_on_line, report  # noqa: E402
-from support.launch import ROOT, child_env  # noqa: E402
+from support.launch import ROOT, child_env, run_train  # noqa: E402
 
 from grpo_accel.core.errors import UserError  # noqa: E402
 from grpo_accel.generation.adapter_sync import AdapterSync  # noqa: E402
@@ -129,3 +131,31 @@ def test_completions_come_from_the_adapter_just_synced(server, model_dir, tmp_pa
 def test_a_wrong_key_is_one_error(server, tmp_path):
     with pytest.raises(UserError, match="does not match the server's --api-key"):
         AdapterSync(server, tmp_path, api_key="not-the-key").check()
+
+
+def test_the_users_command_trains_through_the_server_with_every_saver(server, model_dir, tmp_path):
+    """launch/train.py --vllm_mode server with LoRA (r 8, the server's --max-lora-rank), activation offload (forced
+    host copies), sequence tiles, packed and shared-prompt log-prob passes in token-budgeted forwards, the next batch
+    sampled ahead (max_staleness 1). Step 1 is on-policy (the adapter the server holds is the one training), so TRL's
+    own sampling_logp_difference must be the engines' fp32 gap; steps 2-3 were sampled one version back and TRL's
+    importance-sampling correction covers them."""
+    out = tmp_path / "run"
+    proc = run_train(["--model", model_dir, "--model_dtype", "float32", "--lora_r", str(RANK), "--lora_alpha", "16",
+                      "--train_size", "12", "--eval_size", "0", "--max_completion_length", "16",
+                      "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_steps", "3",
+                      "--save_steps", "100", "--logging_steps", "1", "--learning_rate", "1e-3",
+                      "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_base_url", server,
+                      "--max_staleness", "1", "--offload_activations", "true", "--offload_recompute_tokens", "16",
+                      "--logprob_token_budget", "130", "--output_dir", str(out), "--report_to", "none"],
+                     timeout=600, GRPO_ACCEL_VLLM_API_KEY=KEY, GRPO_ACCEL_OFFLOAD_FORCE_COPIES="1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert f"generation route vllm_server: {server}, adapter-only sync" in proc.stdout
+    with open(out / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("loss")]
+    gap = [float(r["sampling/sampling_logp_difference/max"]) for r in rows]
+    ahead = [float(r["server/batches_ahead_frac"]) for r in rows]
+    report(f"launch/train.py through vllm serve, every saver: TRL's sampling_logp_difference max per step "
+           f"{', '.join(f'{g:.1e}' for g in gap)} (step 1 on-policy, then one version behind)")
+    assert ahead == [0.0, 1.0, 1.0] and [float(r["server/staleness"]) for r in rows] == [0.0, 1.0, 1.0]
+    assert gap[0] < 1e-3  # the engines' fp32 gap (test_completions_come_from_the_adapter_just_synced: ~5e-5)
+    assert all(float(r["sampling/importance_sampling_ratio/mean"]) > 0 for r in rows)
