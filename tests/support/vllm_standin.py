@@ -10,6 +10,7 @@ test (tests/vllm_engine/test_vllm_server.py)."""
 import json
 import random
 import threading
+import time
 import zlib
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,8 +21,10 @@ KEY = "secret"
 
 class StandIn(BaseHTTPRequestHandler):
     key, lora_routes, fail_load = KEY, True, False
+    slow_after_loads, slow_s = None, 0.0  # once that many adapters were loaded, completions take slow_s seconds
     loaded: dict = {}  # a fresh dict per server (serve())
     requests: list = []
+    loads: list = []  # every adapter loaded, in order: (name, folder)
     vocab = (10, 200)  # token ids drawn from this range
 
     def log_message(self, *args):  # quiet
@@ -64,6 +67,7 @@ class StandIn(BaseHTTPRequestHandler):
                                                    "been loaded. If you want to load the adapter in place, set "
                                                    "'load_inplace' to True."}})
             self.loaded[body["lora_name"]] = folder
+            self.loads.append((body["lora_name"], folder))
         else:
             self.loaded.pop(body["lora_name"], None)
         self._reply(200)
@@ -73,6 +77,8 @@ class StandIn(BaseHTTPRequestHandler):
         if model not in self.loaded:
             return self._reply(404, {"error": {"message": f"The model `{model}` does not exist."}})
         self.requests.append((model, [list(p) for p in prompts]))
+        if self.slow_after_loads is not None and len(self.loads) >= self.slow_after_loads:
+            time.sleep(self.slow_s)  # a server that stopped answering in time
         choices = []
         for prompt in prompts:
             for i in range(n):
@@ -94,7 +100,7 @@ def answer(model: str, prompt: list[int], choice: int, max_tokens: int, vocab=St
 @contextmanager
 def serve(**attrs):
     """(base URL, handler class) of a fresh stand-in on a free loopback port; `attrs` override StandIn's."""
-    handler = type("Handler", (StandIn,), {"loaded": {}, "requests": [], **attrs})
+    handler = type("Handler", (StandIn,), {"loaded": {}, "requests": [], "loads": [], **attrs})
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
