@@ -65,7 +65,7 @@ class Preset:
     recipe: dict  # the training recipe: GRPOConfig fields (learning rate, steps, sampling, saving)
     model_init_kwargs: dict  # passed to from_pretrained: rope scaling past the native context, attention kernel
     sequence_parallel_size: int = 1  # Ulysses SP (grpo_accel/parallel/sequence_parallel.py): ranks sharing one sequence
-    vllm_mode: str = "colocate"  # "server": generation on a `trl vllm-serve` machine, no engine on these GPUs
+    vllm_mode: str = "colocate"  # "server": generation on a vLLM server machine, no engine on these GPUs
     server_gpus: int = 0  # vllm_mode "server": the GPUs (of this preset's kind) its server machine is expected to have
 
     def __post_init__(self):  # a preset's settings are typed as the flags type them (a bad one fails at import)
@@ -297,7 +297,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        architecture="qwen3-8b", max_completion_length=65536, offload_optimizer=True, offload_params=True,
        model_init_kwargs=QWEN3_YARN, **_ZERO3, **_8B_FULL),
     _p(name="8xh100_sp8_512k", description="Qwen3-8B QLoRA, 500K-token completions: Ulysses SP over the 8 GPUs "
-       "(each holds 1/8 of every sequence), generation on a separate `trl vllm-serve` node (YaRN factor 16)",
+       "(each holds 1/8 of every sequence), generation on a separate `vllm serve` node loading the adapter each step "
+       "(YaRN factor 16)",
        target_gpu="8x NVIDIA H100 80GB (+ a vLLM server node)", min_gpu_mem_gib=75, min_compute_capability=_BF16,
        num_processes=8, model="Qwen/Qwen3-8B", architecture="qwen3-8b", model_dtype="bf16", quantization="4bit",
        max_completion_length=500_000, num_generations=8, per_device_train_batch_size=1,
