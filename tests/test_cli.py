@@ -130,10 +130,14 @@ def test_every_suggested_fix_is_a_train_flag():
 
 
 def test_plan_for_another_machine_warns_what_this_one_lacks(capsys, monkeypatch):
-    """8xh100_sp8_512k's training machine needs vLLM's client (server mode); the laptop that plans it does not: a
-    missing client is a warning and the plan exits 0. A plan that cannot run anywhere still exits 1."""
+    """8xh100_sp8_512k trained in full needs vLLM's client on the training machine (TRL's server mode); the laptop
+    that plans it does not: a missing client is a warning and the plan exits 0. As shipped (QLoRA) the adapter sync
+    speaks HTTP and needs no vLLM there: no warning. A plan that cannot run anywhere still exits 1."""
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, as without vLLM installed
     assert main(["plan", "--preset", "8xh100_sp8_512k"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: predicted peak" in out and not any(line.startswith("warning:") for line in out.splitlines()), out
+    assert main(["plan", "--preset", "8xh100_sp8_512k", "--quantization", "none", "--lora_r", "0"]) == 0
     out = capsys.readouterr().out
     assert "fits: predicted peak" in out
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]

