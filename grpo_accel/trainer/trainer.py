@@ -485,7 +485,7 @@ def attach_server(trainer) -> ServerGeneration:
     base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     generation = ServerGeneration(
         trainer.accelerator, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),
-        step=lambda: trainer.state.global_step, base_url=base_url,
+        step=lambda: trainer.state.global_step, training=lambda: trainer.model.training, base_url=base_url,
         sync_dir=args.adapter_sync_dir or os.path.join(args.output_dir, "adapter_sync"),
         max_completion_length=args.max_completion_length,
         sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
