@@ -367,6 +367,10 @@ class GRPOAccelTrainer(GRPOTrainer):
         if self._samples_ahead() and self.model.training:
             rows, self._next_generation_rows = self._next_generation_rows, None
             if rows is not None:  # None on every rank alike: the epoch's last batch (the ranks read in lockstep)
+                sp = getattr(self, "sequence_parallel", None)
+                if sp is not None:  # this rank's piece, as generate_once splits the group's batch (untested: a
+                    k = len(rows) // sp.sp  # wrong split costs the overlap, counted as dropped, never a wrong row)
+                    rows = rows[sp.rank * k:(sp.rank + 1) * k]
                 ahead_ids = self._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))[0]
                 self.vllm_generation.submit(ahead_ids, num_generations)
         return out
@@ -482,6 +486,11 @@ def attach_server(trainer) -> ServerGeneration:
         if value:  # TRL's server client sends them; ours would drop them without a word
             raise ConfigError(f"{flag} is not sent to the server by the adapter-sync client (--vllm_mode server with "
                               f"LoRA). Fix: leave {flag} unset, or train full fine-tuning through TRL's server mode.")
+    k, m = args.weight_sync_steps, args.max_staleness
+    if k > 1 and k > m:  # a batch is sampled with an adapter up to k steps old (k - 1 when not sampled ahead)
+        raise ConfigError(f"--weight_sync_steps {k} samples batches with an adapter up to {k - (m == 0)} steps old, "
+                          f"past --max_staleness {m}: they would be dropped and sampled again. Fix: --max_staleness "
+                          f"{k}, or --weight_sync_steps {max(m, 1)}.")
     base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     generation = ServerGeneration(
         trainer.accelerator, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),
