@@ -4,10 +4,12 @@ loads it, every rank trains on its share of each batch, and a server that stops 
 error line within --vllm_server_timeout, the last checkpoint kept (issue 52, item 4)."""
 
 import csv
+import json
 import os
 import time
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 from support.launch import ROOT, run_train
 from support.vllm_standin import KEY, serve
@@ -23,33 +25,24 @@ ARGS = ["--eval_size", "0", "--max_steps", "4", "--save_steps", "2", "--logging_
         "--per_device_train_batch_size", "4", "--num_generations", "4"]
 
 
-# ZeRO-3 as cpu_zero3.yaml, but every parameter partitioned: DeepSpeed keeps those under
-# stage3_param_persistence_threshold (1e5 elements) whole on each rank, which covers a tiny model's adapter (and an
-# 8B model's at r 16: 4096 x 16), so without 0 here the adapter's gather would go untested
-ZERO3_PARTITIONED = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: DEEPSPEED
-deepspeed_config:
-  deepspeed_config_file: {ds_json}
-  zero3_init_flag: true
-num_processes: 2
-num_machines: 1
-machine_rank: 0
-main_process_port: 0
-rdzv_backend: static
-same_network: true
-use_cpu: false
-"""
-DS_JSON = """{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
- "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
- "gradient_clipping": "auto"}"""
-
-
 def config_file(stage, tmp_path) -> str:
+    """The shipped cpu_zero<stage>.yaml; for ZeRO-3 with every parameter partitioned: DeepSpeed keeps those under
+    stage3_param_persistence_threshold (1e5 elements) whole on each rank, which covers a tiny model's adapter (and an
+    8B model's at r 16: 4096 x 16), so without 0 the adapter's gather would go untested. The threshold needs a
+    DeepSpeed config file, beside which accelerate refuses its own ZeRO keys and mixed precision."""
+    shipped = os.path.join(ROOT, "accelerate_configs", f"cpu_zero{stage}.yaml")
     if stage == 2:
-        return os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml")
-    (tmp_path / "ds.json").write_text(DS_JSON)
-    (tmp_path / "zero3.yaml").write_text(ZERO3_PARTITIONED.format(ds_json=tmp_path / "ds.json"))
+        return shipped
+    with open(shipped) as f:
+        config = yaml.safe_load(f)
+    config.pop("mixed_precision", None)
+    ds = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+          **{key: "auto" for key in ("train_micro_batch_size_per_gpu", "train_batch_size",
+                                     "gradient_accumulation_steps", "gradient_clipping")}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    config["deepspeed_config"] = {"deepspeed_config_file": str(tmp_path / "ds.json"),
+                                  "zero3_init_flag": config["deepspeed_config"]["zero3_init_flag"]}
+    (tmp_path / "zero3.yaml").write_text(yaml.safe_dump(config))
     return str(tmp_path / "zero3.yaml")
 
 

