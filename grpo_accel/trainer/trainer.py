@@ -22,7 +22,6 @@ train() ends, however it ends (`close()`, `patches.py`): a second model in the s
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import warnings
 import weakref
@@ -65,6 +64,7 @@ from grpo_accel.trainer.config import GRPOAccelConfig
 from grpo_accel.trainer.logprob_passes import logps_and_entropies
 from grpo_accel.trainer.paged_generation import paged_single_turn
 from grpo_accel.trainer.reward_guard import guarded
+from grpo_accel.trainer.server_mode import ask_ahead, attach_server, read_ahead
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
 FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
@@ -365,49 +365,17 @@ class GRPOAccelTrainer(GRPOTrainer):
             return paged_single_turn(self, prompt_ids)
         out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if self._samples_ahead() and self.model.training:
-            rows, self._next_generation_rows = self._next_generation_rows, None
-            if rows is not None:  # None on every rank alike: the epoch's last batch (the ranks read in lockstep)
-                sp = getattr(self, "sequence_parallel", None)
-                if sp is not None:  # this rank's piece, as generate_once splits the group's batch (untested: a
-                    k = len(rows) // sp.sp  # wrong split costs the overlap, counted as dropped, never a wrong row)
-                    rows = rows[sp.rank * k:(sp.rank + 1) * k]
-                ahead_ids = self._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))[0]
-                self.vllm_generation.submit(ahead_ids, num_generations)
+            ask_ahead(self, num_generations)
         return out
 
     def _samples_ahead(self) -> bool:
         return isinstance(getattr(self, "vllm_generation", None), ServerGeneration) and self.args.max_staleness >= 1
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """transformers' (the micro-batches of one optimizer step), reading on past them to the next generation
-        batch when a server samples ahead: TRL generates at micro-steps that are multiples of steps_per_generation x
-        num_iterations, so that batch is known one optimizer step early. Read-ahead batches are handed out in order
-        later; at an epoch's end there is none (its first step samples synchronously)."""
+        """transformers'; with a server sampling ahead it also reads the next generation batch (server_mode.py)."""
         if not self._samples_ahead():
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        source, ahead = self._ahead
-        if source is not epoch_iterator:
-            ahead = []
-        self._ahead = (epoch_iterator, ahead)
-        exhausted = False
-
-        def pull() -> bool:
-            nonlocal exhausted
-            try:
-                ahead.append(next(epoch_iterator))
-            except StopIteration:
-                exhausted = True
-            return not exhausted
-
-        while len(ahead) < num_batches and pull():
-            pass
-        batches = [ahead.pop(0) for _ in range(min(num_batches, len(ahead)))]
-        every = self.args.steps_per_generation * self.num_iterations
-        after = self._step + len(batches)  # the micro-step of the first batch not handed out
-        index = -(-after // every) * every - after  # the next generation's batch, counted from there
-        while len(ahead) <= index and not exhausted and pull():
-            pass
-        self._next_generation_rows = ahead[index] if len(ahead) > index else None
+        batches = read_ahead(self, epoch_iterator, num_batches)
         return batches, self._get_num_items_in_batch(batches, device)
 
     def _get_train_sampler(self, dataset=None):
@@ -469,43 +437,3 @@ def attach_shared_vllm(trainer, engine: SharedVLLM) -> SharedVLLMGeneration:
     trainer._last_loaded_step = -1
     return generation
 
-
-def attach_server(trainer) -> ServerGeneration:
-    """Route a TRL 1.16 GRPOTrainer's generation to a `vllm serve` machine with adapter-only sync (call right after
-    the trainer's __init__, built with `use_vllm=False` so that TRL started no NCCL client). The address is TRL's
-    (--vllm_server_base_url, else host and port), each request bounded by --vllm_server_timeout; the server is checked
-    (it answers, takes GRPO_ACCEL_VLLM_API_KEY, loads adapters at run time) before the first step."""
-    args = trainer.args
-    for what, value in (("tools", trainer.tools), ("a rollout_func", trainer.rollout_func),
-                        ("an environment_factory", trainer.environment_factories)):
-        if value and args.max_staleness >= 1:
-            raise ConfigError(f"--vllm_mode server sampling ahead (--max_staleness {args.max_staleness}) cannot run "
-                              f"with {what}: the batch ahead is sampled in one request. Fix: --max_staleness 0.")
-    for flag, value in (("--generation_kwargs", args.generation_kwargs),
-                        ("--vllm_structured_outputs_regex", args.vllm_structured_outputs_regex)):
-        if value:  # TRL's server client sends them; ours would drop them without a word
-            raise ConfigError(f"{flag} is not sent to the server by the adapter-sync client (--vllm_mode server with "
-                              f"LoRA). Fix: leave {flag} unset, or train full fine-tuning through TRL's server mode.")
-    k, m = args.weight_sync_steps, args.max_staleness
-    if k > 1 and k > m:  # a batch is sampled with an adapter up to k steps old (k - 1 when not sampled ahead)
-        raise ConfigError(f"--weight_sync_steps {k} samples batches with an adapter up to {k - (m == 0)} steps old, "
-                          f"past --max_staleness {m}: they would be dropped and sampled again. Fix: --max_staleness "
-                          f"{k}, or --weight_sync_steps {max(m, 1)}.")
-    base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-    generation = ServerGeneration(
-        trainer.accelerator, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),
-        step=lambda: trainer.state.global_step, training=lambda: trainer.model.training, base_url=base_url,
-        sync_dir=args.adapter_sync_dir or os.path.join(args.output_dir, "adapter_sync"),
-        max_completion_length=args.max_completion_length,
-        sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                      repetition_penalty=args.repetition_penalty),
-        max_staleness=args.max_staleness, weight_sync_steps=args.weight_sync_steps, timeout_s=args.vllm_server_timeout)
-    generation.check()
-    trainer.use_vllm = True
-    trainer.vllm_mode = "server"
-    trainer.vllm_generation = generation
-    trainer._last_loaded_step = -1
-    ahead = "the next batch sampled while this one trains" if args.max_staleness else "synchronous"
-    log(f"generation route vllm_server: {base_url}, adapter-only sync every {args.weight_sync_steps} step(s) "
-        f"through {generation.sync.sync_dir}; {ahead} (max_staleness {args.max_staleness})")
-    return generation

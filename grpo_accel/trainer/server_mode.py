@@ -1,0 +1,102 @@
+"""Server mode with a LoRA adapter, the trainer's side (issue 52): attach the server as TRL's `vllm_generation`, read
+the next generation batch one optimizer step early, and ask the server for it while this step trains. The server
+client itself (sync, sampling, staleness, errors) is generation/server_generation.py; GRPOAccelTrainer calls these
+from its `get_batch_samples` and `_generate_single_turn`."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+from grpo_accel.core.console import log
+from grpo_accel.core.errors import ConfigError
+from grpo_accel.generation.server_generation import ServerGeneration
+
+
+def read_ahead(trainer, epoch_iterator, num_batches: int) -> list:
+    """transformers' micro-batches of one optimizer step, reading on past them to the next generation batch (kept as
+    `trainer._next_generation_rows`): TRL generates at micro-steps that are multiples of steps_per_generation x
+    num_iterations, so that batch is known one optimizer step early. Read-ahead batches are handed out in order
+    later; at an epoch's end there is none (its first step samples synchronously)."""
+    source, ahead = trainer._ahead
+    if source is not epoch_iterator:
+        ahead = []
+    trainer._ahead = (epoch_iterator, ahead)
+    exhausted = False
+
+    def pull() -> bool:
+        nonlocal exhausted
+        try:
+            ahead.append(next(epoch_iterator))
+        except StopIteration:
+            exhausted = True
+        return not exhausted
+
+    while len(ahead) < num_batches and pull():
+        pass
+    batches = [ahead.pop(0) for _ in range(min(num_batches, len(ahead)))]
+    every = trainer.args.steps_per_generation * trainer.num_iterations
+    after = trainer._step + len(batches)  # the micro-step of the first batch not handed out
+    index = -(-after // every) * every - after  # the next generation's batch, counted from there
+    while len(ahead) <= index and not exhausted and pull():
+        pass
+    trainer._next_generation_rows = ahead[index] if len(ahead) > index else None
+    return batches
+
+
+def ask_ahead(trainer, num_generations: int) -> None:
+    """Every rank, once this step's batch is in hand: its share of the next generation batch goes to the server,
+    sampled with this step's adapter while this step trains."""
+    rows, trainer._next_generation_rows = trainer._next_generation_rows, None
+    if rows is None:  # None on every rank alike: the epoch's last batch (the ranks read in lockstep)
+        return
+    sp = getattr(trainer, "sequence_parallel", None)
+    if sp is not None:  # this rank's piece, as generate_once splits the group's batch (untested: a wrong split
+        k = len(rows) // sp.sp  # costs the overlap, counted as dropped, never a wrong row)
+        rows = rows[sp.rank * k:(sp.rank + 1) * k]
+    ahead_ids = trainer._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))[0]
+    trainer.vllm_generation.submit(ahead_ids, num_generations)
+
+
+def attach_server(trainer) -> ServerGeneration:
+    """Route a TRL 1.16 GRPOTrainer's generation to a `vllm serve` machine with adapter-only sync (call right after
+    the trainer's __init__, built with `use_vllm=False` so that TRL started no NCCL client). The address is TRL's
+    (--vllm_server_base_url, else host and port), each request bounded by --vllm_server_timeout; the server is checked
+    (it answers, takes GRPO_ACCEL_VLLM_API_KEY, loads adapters at run time) before the first step."""
+    args = trainer.args
+    for what, value in (("tools", trainer.tools), ("a rollout_func", trainer.rollout_func),
+                        ("an environment_factory", trainer.environment_factories)):
+        if value and args.max_staleness >= 1:
+            raise ConfigError(f"--vllm_mode server sampling ahead (--max_staleness {args.max_staleness}) cannot run "
+                              f"with {what}: the batch ahead is sampled in one request. Fix: --max_staleness 0.")
+    for flag, value in (("--generation_kwargs", args.generation_kwargs),
+                        ("--vllm_structured_outputs_regex", args.vllm_structured_outputs_regex)):
+        if value:  # TRL's server client sends them; ours would drop them without a word
+            raise ConfigError(f"{flag} is not sent to the server by the adapter-sync client (--vllm_mode server with "
+                              f"LoRA). Fix: leave {flag} unset, or train full fine-tuning through TRL's server mode.")
+    k, m = args.weight_sync_steps, args.max_staleness
+    if k > 1 and k > m:  # a batch is sampled with an adapter up to k steps old (k - 1 when not sampled ahead)
+        raise ConfigError(f"--weight_sync_steps {k} samples batches with an adapter up to {k - (m == 0)} steps old, "
+                          f"past --max_staleness {m}: they would be dropped and sampled again. Fix: --max_staleness "
+                          f"{k}, or --weight_sync_steps {max(m, 1)}.")
+    base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    generation = ServerGeneration(
+        trainer.accelerator, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),
+        step=lambda: trainer.state.global_step, training=lambda: trainer.model.training, base_url=base_url,
+        sync_dir=args.adapter_sync_dir or os.path.join(args.output_dir, "adapter_sync"),
+        max_completion_length=args.max_completion_length,
+        sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                      repetition_penalty=args.repetition_penalty),
+        max_staleness=args.max_staleness, weight_sync_steps=args.weight_sync_steps, timeout_s=args.vllm_server_timeout)
+    generation.check()
+    trainer.use_vllm = True
+    trainer.vllm_mode = "server"
+    trainer.vllm_generation = generation
+    trainer._last_loaded_step = -1
+    ahead = "the next batch sampled while this one trains" if args.max_staleness else "synchronous"
+    log(f"generation route vllm_server: {base_url}, adapter-only sync every {args.weight_sync_steps} step(s) "
+        f"through {generation.sync.sync_dir}; {ahead} (max_staleness {args.max_staleness})")
+    return generation
+
+
+__all__ = ["ask_ahead", "attach_server", "read_ahead"]
