@@ -62,11 +62,13 @@ def test_presets_import_no_torch():
 
 
 def test_plan_command_skips_peft_and_prints_the_in_process_plan(capsys):
-    """The console command plans without peft and bitsandbytes (~5 s of imports, grpo_accel/_compat/eager_peft.py):
-    it prints exactly what the same plan prints in a process that imported them, and no upstream warning."""
+    """The console command plans without peft, bitsandbytes and transformers' model classes (~8 s of imports,
+    grpo_accel/_compat/plan_only.py): it prints exactly what the same plan prints in a process that imported them,
+    and no upstream warning."""
     preset = "h100_110k"  # QLoRA: bitsandbytes is named in its checks, yet not imported
     names, proc = imported_modules(["-m", "grpo_accel.app.cli", "plan", "--preset", preset])
-    assert "trl" in names and not names & {"peft", "bitsandbytes"}, sorted(names & {"peft", "bitsandbytes"})
+    skipped = {"peft", "bitsandbytes", "transformers.modeling_utils", "transformers.integrations.integration_utils"}
+    assert "trl" in names and not names & skipped, sorted(names & skipped)
     import peft  # noqa: F401  (this process has it, as launch/train.py's does)
 
     code = cli.main(["plan", "--preset", preset])
@@ -90,3 +92,21 @@ def test_the_config_filters_only_trls_default_deprecation():
         GRPOAccelConfig(output_dir="unused", use_cpu=True, gradient_checkpointing_kwargs={"use_reentrant": False})
         assert [w for w in caught if "`gradient_checkpointing_kwargs` is deprecated" in str(w.message)]
     assert warnings.filters == filters
+
+
+@pytest.mark.parametrize("env", [{}, {"KUBEFLOW_TRAINER_SERVER_URL": "http://trainer:8080"},
+                                 {"KUBEFLOW_TRAINER_SERVER_URL": "http://trainer:8080",
+                                  "DISABLE_KUBEFLOW_INTEGRATION": "true"},
+                                 {"DISABLE_KUBEFLOW_INTEGRATION": "TRUE"}])
+def test_plan_only_kubeflow_check_is_transformers_own(env, monkeypatch):
+    """The plan answers TrainingArguments' Kubeflow check itself (to skip the model classes' imports): it must say
+    what transformers' own check says, or a Kubeflow job's plan would show other `report_to` than its run."""
+    from transformers.integrations import integration_utils
+
+    from grpo_accel._compat import plan_only
+
+    for key in ("KUBEFLOW_TRAINER_SERVER_URL", "DISABLE_KUBEFLOW_INTEGRATION"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert plan_only.is_kubeflow_available() == integration_utils.is_kubeflow_available()

@@ -232,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = build_parser().parse_known_args(argv)
     if args.command == "plan":
-        from grpo_accel._compat.eager_peft import peft_unseen
+        from grpo_accel._compat.plan_only import training_imports_skipped
 
-        # the console command (no argv) plans and exits, never loading an adapter: it skips ~5 s of peft and
-        # bitsandbytes imports TRL's config class does not need; a caller's process keeps transformers as it is
-        with peft_unseen() if argv is None else contextlib.nullcontext():
+        # the console command (no argv) plans and exits, never loading an adapter: it skips ~8 s of peft,
+        # bitsandbytes and model-class imports TRL's config class does not need; a caller's process keeps
+        # transformers as it is
+        with training_imports_skipped() if argv is None else contextlib.nullcontext():
             return run_guarded(cmd_plan, args, rest)
     if rest:
         build_parser().parse_args(argv)  # argparse's own message for unknown arguments, exit 2

@@ -27,7 +27,15 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+
+
+def _causal_lower_right(q_len: int, k_len: int):
+    """torch's lower-right causal mask. Imported at the call: torch.nn.attention.bias imports torch._dynamo (~2.5 s
+    on 2 cores), which `grpo-accel plan` (it imports this module for the packed-attention names) never uses."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(q_len, k_len)
+
 
 PACKED_ATTN = "grpo_accel_sdpa"  # the packed attention's name in transformers' attention interface
 SEGMENTS_KWARG = "accel_segments"  # forward kwarg carried to every attention call: the packed row's segments
@@ -101,7 +109,7 @@ def attend_tile(q, k, v, mask, start: int, dropout: float, scale, segments=None,
     if start == 0:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_lower_right(q.shape[2], k.shape[2]),
                                           dropout_p=dropout, scale=scale, enable_gqa=gqa)
 
 
@@ -147,7 +155,7 @@ def _attend_banded(q, k, v, mask, start: int, dropout: float, scale, window, sin
         rep = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
     if mask is None:  # full layer with a sink: lower-right causal over [sink ; keys] keeps the sink visible
-        mask = causal_lower_right(Tq, k.shape[2])
+        mask = _causal_lower_right(Tq, k.shape[2])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
     return out[..., :Dv]
 
