@@ -17,8 +17,8 @@ def pytest_report_header(config):
 SLOWEST_FIRST = ("test_gpu_campaign.py", "test_sequence_parallel.py", "test_continuous_batching.py",
                  "test_moe_distributed.py", "test_soak.py", "test_distributed.py", "test_packing.py",
                  "test_qlora_multiprocess.py", "test_preemption.py", "test_offload_multiprocess.py",
-                 "test_vllm_trainer.py", "test_engine_rows.py", "test_vllm_launch.py", "test_vllm_server.py",
-                 "test_vllm_resume.py", "test_vllm_moe.py", "test_vllm_colocate.py")
+                 "test_vllm_trainer.py", "test_engine_rows.py", "test_vllm_qlora.py", "test_vllm_launch.py",
+                 "test_vllm_server.py", "test_vllm_resume.py", "test_vllm_moe.py", "test_vllm_colocate.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,13 +7,16 @@ vLLM allows one in-process engine per process comfortably, so it is session-scop
 ~1.3 min), as the CPU worker binds its OpenMP threads to cores.
 """
 
+import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from support.launch import ROOT, child_env, run_process_group
 
 
 def _measured_file() -> Path:
@@ -101,3 +104,26 @@ def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+# grpo_run.py runs, one per (mode, flags, environment) and process: the tests comparing two runs share them
+RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "grpo_run.py")
+THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
+_RESULTS: dict[str, dict] = {}
+
+
+def grpo_run(mode: str, tmp_path_factory, *extra: str, **env: str) -> dict:
+    """tests/vllm_engine/grpo_run.py MODE EXTRA... in a fresh process (one engine per process): its JSON line, with
+    its stdout."""
+    key = " ".join((mode, *extra, *(f"{k}={v}" for k, v in sorted(env.items()))))
+    if key not in _RESULTS:
+        out_dir = tmp_path_factory.mktemp(f"grpo_{mode}")
+        # a fixed glibc mmap threshold: blocks freed by the engine's and the trainer's threads leave RSS instead of
+        # staying in a heap whose size depends on timing (the shared run's peak moved 90 MiB between two runs)
+        proc = run_process_group([sys.executable, RUN_SCRIPT, mode, "--threads", THREADS, *extra], 840, cwd=ROOT,
+                                 env=child_env(OMP_NUM_THREADS=THREADS, GRPO_RUN_OUT=str(out_dir),
+                                               MALLOC_MMAP_THRESHOLD_="131072", **env))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        line = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_RUN ")][-1]
+        _RESULTS[key] = json.loads(line[len("GRPO_RUN "):]) | {"stdout": proc.stdout}
+    return _RESULTS[key]

