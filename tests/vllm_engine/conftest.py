@@ -18,6 +18,9 @@ import pytest
 import torch
 from support.launch import ROOT, child_env, run_process_group
 
+# threads for each engine and grpo_run.py process (module docstring: why 1)
+THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
+
 
 def _measured_file() -> Path:
     """One file per pytest run, named by its controlling process: an xdist worker's parent, else this process."""
@@ -85,7 +88,7 @@ def engine(model_dir):
         pytest.skip(f"no vllm: {vllm_unavailable_reason()}")
 
     cfg = EngineConfig(dtype=torch.float32, max_model_len=256, max_num_seqs=8, max_lora_rank=16, kv_cache_bytes=2**30,
-                       num_threads=int(os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")))
+                       num_threads=int(THREADS))
     t0 = time.perf_counter()
     engine = SharedVLLM(model_dir, cfg)
     report(f"engine created in {time.perf_counter() - t0:.1f} s ({cfg.num_threads} threads)")
@@ -108,7 +111,6 @@ def tokenizer(model_dir):
 
 # grpo_run.py runs, one per (mode, flags, environment) and process: the tests comparing two runs share them
 RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "grpo_run.py")
-THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
 _RESULTS: dict[str, dict] = {}
 
 

@@ -17,10 +17,8 @@ import pytest
 pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
-from conftest import report, trainer_check  # noqa: E402
+from conftest import THREADS, report, trainer_check  # noqa: E402
 from support.launch import DDP_YAML, ROOT, error_line, run_train  # noqa: E402
-
-THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
 
 
 def test_launch_train_use_vllm(tmp_path):
