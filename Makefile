@@ -12,6 +12,11 @@ RUN ?= demo
 # make test's pytest-xdist workers: most of its time is launch/train.py subprocesses importing the stack (one core
 # each), so two workers on 2 cores take it from 12 min to 8 min 48 s; 10 min 56 s with the TRL matrix (docs/testing.md).
 TEST_WORKERS ?= 2
+# Torch threads per test worker (OMP_NUM_THREADS). One: two workers at torch's default (a thread per core) ran four
+# OpenMP threads on 2 cores, and OpenMP's threads spin while they wait: make test took 10 min 25 s of tests that take
+# 5 min 34 s at one thread each (the TRL option matrix's cases 3-4x slower). The other thread counts are
+# make test-portability's cells (tests/portability.py reads TEST_THREADS to leave out the cell make test runs).
+export TEST_THREADS ?= 1
 # extra pytest flags for every tier, e.g. PYTEST_ARGS=--durations=25 (what .ci/run passes: where the time goes)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
@@ -42,7 +47,8 @@ test: setup
 	# the import contract in pyproject.toml ([tool.importlinter]): a wrong import fails here, naming the rule
 	$(VENV)/bin/lint-imports
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not gpu and not vllm and not distributed and not long" \
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load \
+		-m "not gpu and not vllm and not distributed and not long" \
 		--timeout 900 $(PYTEST_ARGS)
 
 # Every kernel level below the CPU's own (and its own where an extension lies above its cap), and native, at 1
@@ -58,7 +64,7 @@ test-portability: setup
 # 1.6 of the 2 cores busy on average (imports, the launcher, gloo waits), so a second file beside it fills the rest.
 test-distributed: setup
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		-m "(distributed or long) and not gpu and not vllm" \
 		--timeout 900 $(PYTEST_ARGS)
 

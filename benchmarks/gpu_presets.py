@@ -20,7 +20,7 @@ Any work that has a GPU runs this first (after the wheels' install line, ../shar
     python benchmarks/gpu_presets.py --presets h100_110k --generation continuous_batching   # route continuous_batching
     python benchmarks/gpu_presets.py --cpu-check --out /tmp/check     # no GPU: the same plumbing on the cpu preset
 
-On a host without a GPU only `--cpu-check` runs (tests/test_gpu_presets_script.py does that in `make test`).
+On a host without a GPU only `--cpu-check` runs (the campaign's row preset_cpu: tests/test_gpu_campaign.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ MKL_ENABLE_INSTRUCTIONS); each changes rounding (an fp16 LoRA gradient's distanc
 0.32x -> 0.20x of its error between ATen-only AVX2 and all-three AVX2). `native` is the machine as it is. Levels
 above the CPU's own are not offered (ATen would fall back to the highest it has, testing nothing new).
 Threads: reductions split by thread, so 1 and 2 threads round differently. The cell `make test` already runs
-(native, the default thread count: 2 on CI's 2 cores) is left out.
+(native, one thread per worker: TEST_THREADS in the Makefile) is left out.
 
 What runs: TRL parity, the fused head's kernels, offload, sequence tiles, tiled MLP, packing, shared prompt, MoE and
 the patches test (FILES below), minus a launch/train.py run (its subprocess always gets one thread,
@@ -77,12 +77,17 @@ def offered_levels(native: str, flags: set[str] | None = None) -> list[str]:
     return levels + ["native"]
 
 
-def cells(levels: list[str], threads: list[int], default_threads: int, every: bool) -> list[tuple[str, int]]:
+def make_test_threads() -> int:
+    """The thread count make test's workers run at (the Makefile exports TEST_THREADS; 1 by default)."""
+    return int(os.environ.get("TEST_THREADS", "1"))
+
+
+def cells(levels: list[str], threads: list[int], make_test: int, every: bool) -> list[tuple[str, int]]:
     """Every level at the first thread count; the others at the lowest level only (unless `every`): the thread
-    count moves reduction splits, the level kernels, and CI's hour holds ~5 cells. The cell make test runs is left
-    out."""
+    count moves reduction splits, the level kernels, and CI's hour holds ~5 cells. The cell make test runs (native at
+    `make_test` threads) is left out."""
     todo = [(lv, t) for t in threads for lv in levels if every or t == threads[0] or lv == levels[0]]
-    return [(lv, t) for lv, t in todo if not (lv == "native" and t == default_threads)]
+    return [(lv, t) for lv, t in todo if not (lv == "native" and t == make_test)]
 
 
 def run_cell(level: str, threads: int, base_env: dict, extra: list[str]) -> tuple[int, float, str]:
@@ -112,16 +117,17 @@ def main(argv=None) -> int:
     p.add_argument("--every", action="store_true", help="every level at every thread count (7 cells on an AVX-512 CPU)")
     args, extra = p.parse_known_args(argv)
     base_env = dict(os.environ)
-    native, default_threads = probe({k: v for k, v in base_env.items() if k not in CAPS + ("OMP_NUM_THREADS",)})
+    native, _ = probe({k: v for k, v in base_env.items() if k not in CAPS + ("OMP_NUM_THREADS",)})
     offered = offered_levels(native)
     levels = args.levels.split(",") if args.levels else offered
     unknown = [lv for lv in levels if lv not in offered]
     if unknown:
         print(f"error: level(s) {unknown} not offered by this CPU (it offers {offered})", file=sys.stderr)
         return 2
-    todo = cells(levels, [int(t) for t in args.threads.split(",")], default_threads, args.every)
+    make_test = make_test_threads()
+    todo = cells(levels, [int(t) for t in args.threads.split(",")], make_test, args.every)
     print(f"portability: {len(todo)} cells, levels {levels} x threads {args.threads} (this CPU: {native}; "
-          f"native x {default_threads} threads is make test's own), {len(FILES)} files", flush=True)
+          f"native x {make_test} thread(s) is make test's own), {len(FILES)} files", flush=True)
     failed = [(lv, t) for lv, t in todo if run_cell(lv, t, base_env, extra)[0]]
     if failed:
         print(f"FAILED under {failed}: a tolerance fitted to one CPU, or a real portability bug", flush=True)

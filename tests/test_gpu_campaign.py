@@ -164,8 +164,10 @@ def test_cpu_check_twice_runs_every_script_then_skips_every_row(tmp_path):
     for name in present:  # each judge found its row's figures in its CSV at this sha
         line = next(ln for ln in page.splitlines() if f"| {name} |" in ln)
         assert "| done in" in line and line.endswith("| cpu check: no goal |"), line
-    for png in ("step_memory.png", "packing.png", "presets_gpu.png"):
+    for png in ("step_memory.png", "packing.png", "presets_gpu.png", "continuous_batching.png"):
         assert (results / png).stat().st_size > 0
+    presets_csv_holds_the_launched_runs_telemetry(results, tmp_path / "models")
+    cb_csv_holds_both_routes_and_resume_skips_them(results, tmp_path, env, rows)
 
     assert not (tmp_path / "no_cache").exists()  # nothing on the GPU path fetched the embedded model
     again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -173,6 +175,39 @@ def test_cpu_check_twice_runs_every_script_then_skips_every_row(tmp_path):
     skipped = [ln for ln in again.stdout.splitlines() if ": skipped, in the ledger" in ln]
     assert len(skipped) == len(present) and ledger(results) == got
     assert (results / gc.SUMMARY).read_text() == page  # nothing ran, nothing changed
+
+
+# The benchmark scripts' own checks, on the CSVs the rows above wrote: each script's CPU run was made twice, once by
+# its own test and once by the campaign's row with the same flags (issue 51: ~80 s of CI for one defect).
+def presets_csv_holds_the_launched_runs_telemetry(results, models):
+    """benchmarks/gpu_presets.py (row preset_cpu): a random model saved, the preset launched through `accelerate
+    launch`, the run's telemetry and the planner's prediction in the long-format CSV."""
+    got = {r["metric"]: r for r in csv.DictReader((results / "presets_gpu.csv").open()) if r["impl"] == "cpu"}
+    assert got["completed"]["value"] == "1.0" and got["completion_length_run"]["value"] == "8"
+    assert float(got["peak_allocated_gib"]["value"]) > 0.1  # the launched run's own telemetry (host RSS on CPU)
+    assert float(got["predicted_reserved_gib"]["value"]) > 0 and "T=" in got["completed"]["shape"]
+    assert (models / "tiny-llama" / "config.json").exists()
+
+
+def cb_csv_holds_both_routes_and_resume_skips_them(results, tmp_path, env, rows):
+    """benchmarks/bench_continuous_batching.py (row cb_generation): both routes' figures reach the CSV, and the
+    script's own --resume (the row's command run once more) measures nothing twice. Memory is checked for presence
+    only: at these sizes paged's peak is above generate()'s (whole 256-token pages of 45 KiB/token for 2 x 16 tokens,
+    ~60 MiB against ~1 MiB of cache), so the comparison the benchmark exists for needs its real sizes."""
+    out = results / "continuous_batching.csv"
+    written = list(csv.DictReader(out.open()))
+    got = {(r["impl"], r["metric"]): float(r["value"]) for r in written}
+    assert {r["op"] for r in written} == {"cb_generation"} and len({r["shape"] for r in written}) == 1
+    for impl in ("paged", "generate"):
+        assert got[(impl, "decode_tok_s_8")] > 0
+        assert got[(impl, "tokens_8")] == 2 * 8  # G x C: EOS stayed off on both routes
+        assert got[(impl, "peak_gib_8")] >= 0 and got[(impl, "plan_gib_8")] > 0
+    assert got[("paged", "plan_pool_gib_8")] > 0 and all(r["git_sha"] and r["device"] for r in written)
+    row = next(r for r in rows if r.name == "cb_generation")
+    cmd = gc.command(row, True, results, tmp_path / "logs", tmp_path / "models", resume=True)
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert again.stdout.count("(--resume)") == 2 and len(list(csv.DictReader(out.open()))) == len(written)
 
 
 # ------------------------------------------------------------------------------------- issue 35: what a loan needs
