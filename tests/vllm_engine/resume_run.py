@@ -1,7 +1,9 @@
 """Resume with the colocated engine, one phase per process (one engine per process); prints one JSON line.
 
-    python tests/vllm_engine/resume_run.py train  OUT   # 2 GRPO steps, shared LoRA, checkpoint-2 saved
-    python tests/vllm_engine/resume_run.py resume OUT   # a fresh engine and trainer, resumed from OUT/checkpoint-2
+    python tests/vllm_engine/resume_run.py train  OUT [MODEL_DIR]  # 2 GRPO steps, shared LoRA, checkpoint-2 saved
+    python tests/vllm_engine/resume_run.py resume OUT [MODEL_DIR]  # a fresh engine and trainer, from OUT/checkpoint-2
+
+MODEL_DIR: a saved model (default: the embedded SmolLM2; the test passes conftest.tiny_vllm_model's).
 
 At the resumed run's first generation the engine must already hold the resumed adapter: a fresh engine holds the
 bare base, and a run that skipped the push would sample its first batch from the base model while the trainer
@@ -32,7 +34,7 @@ def main() -> None:
     from grpo_accel.trainer.config import GRPOAccelConfig
     from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
-    model_dir = str(embedded_model_dir())
+    model_dir = sys.argv[3] if len(sys.argv) > 3 else str(embedded_model_dir())
     tokenizer = load_tokenizer(model_dir)
     train, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=0)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",

