@@ -52,7 +52,8 @@ test: setup
 		--timeout 900 $(PYTEST_ARGS)
 
 # Every kernel level below the CPU's own (and its own where an extension lies above its cap), and native, at 1
-# thread, the lowest at 2 threads: 3 cells, 4 min 32 s on an AVX2-only EPYC; 5 on an AVX-512 Xeon with AMX (~10 min).
+# thread, the lowest at 2 threads, less make test's own cell (native at TEST_THREADS): 2 cells on an AVX2-only EPYC
+# (~3.5 min), 4 on an AVX-512 Xeon with AMX.
 # `$(PY) tests/portability.py --every` runs the whole cross product.
 test-portability: setup
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
