@@ -14,11 +14,10 @@ import pytest
 pytest.importorskip("vllm.sampling_params")
 pytestmark = pytest.mark.vllm
 
-from conftest import report, trainer_check  # noqa: E402
+from conftest import THREADS, report, trainer_check  # noqa: E402
 from support.launch import ROOT, child_env, run_process_group  # noqa: E402
 
 RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "resume_run.py")
-THREADS = os.environ.get("GRPO_ACCEL_VLLM_THREADS", "1")
 
 
 def phase(name: str, out_dir, model_dir: str) -> dict:
