@@ -183,10 +183,17 @@ SETTINGS: dict[str, Setting] = _settings(
     Setting("max_nonfinite_steps", int, 0, "steps", "Steps with non-finite gradients are skipped; this many in a row "
             "stop the run, keeping the last good checkpoint. 0 = TRL's behaviour, no guard (launch/train.py's "
             "default: 3).", minimum=0),
-    Setting("max_staleness", int, 1, "steps", "--vllm_mode server with LoRA: optimizer steps a batch's policy may lag "
-            "the one training on it. 1: the server samples step n+1's batch while step n trains, and TRL's "
-            "importance-sampling correction (--vllm_importance_sampling_*) covers the step between; 0: synchronous. "
-            "TRL's AsyncGRPOConfig name (docs/off-policy-rollouts.md).", minimum=0),
+    Setting("max_staleness", int, 1, "steps", "--vllm_mode server with LoRA, or --rollout_budget: optimizer steps a "
+            "batch's policy may lag the one training on it. 1: the server samples step n+1's batch while step n "
+            "trains (a completion carried by --rollout_budget continues one step later), and TRL's importance-"
+            "sampling correction (--vllm_importance_sampling_*) covers the step between; a carried group older is "
+            "dropped and counted; 0: synchronous. TRL's AsyncGRPOConfig name (docs/off-policy-rollouts.md).",
+            minimum=0),
+    Setting("rollout_budget", int, 0, "tokens", "Decode rounds of at most this many tokens per completion: a step "
+            "trains on the first groups whose completions have all ended, and the completions still running are "
+            "carried into the next step under the new weights (their older tokens corrected with TRL's importance "
+            "sampling; max_staleness bounds their age). 0 = off: every step decodes until its longest completion "
+            "ends. Route continuous_batching (grpo_accel/trainer/carried_rollouts.py).", minimum=0),
     Setting("weight_sync_steps", int, 1, "steps", "--vllm_mode server with LoRA: optimizer steps between adapter "
             "loads on the server (TRL's AsyncGRPOConfig name); each is the adapter's MBs, never the base.", minimum=1),
     Setting("adapter_sync_dir", str | None, None, "", "--vllm_mode server with LoRA: the folder each step's adapter "

@@ -60,6 +60,13 @@ from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGua
 from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
 from grpo_accel.trainer.callbacks.preemption import Preemption
 from grpo_accel.trainer.callbacks.telemetry import PhaseTelemetry
+from grpo_accel.trainer.carried_rollouts import (
+    attach_rollout_budget,
+    carried_single_turn,
+    generate_and_score,
+    load_rollouts,
+    save_rollouts,
+)
 from grpo_accel.trainer.config import GRPOAccelConfig
 from grpo_accel.trainer.logprob_passes import logps_and_entropies
 from grpo_accel.trainer.paged_generation import paged_single_turn
@@ -136,6 +143,9 @@ class GRPOAccelTrainer(GRPOTrainer):
         if adapter_server:
             args.use_vllm = True
             attach_server(self)
+        self.rollouts = None  # --rollout_budget: the rollouts in flight on this rank (carried_rollouts.py)
+        if self.args.rollout_budget:
+            attach_rollout_budget(self)
         self.learning_signal = LearningSignalWatch(self.args.max_completion_length)
         self.add_callback(self.learning_signal)
         self.telemetry = PhaseTelemetry()
@@ -356,10 +366,19 @@ class GRPOAccelTrainer(GRPOTrainer):
                 return self.sequence_parallel.generate_once(super()._generate, prompts)
             return super()._generate(prompts)
 
+    def _generate_and_score_completions(self, inputs):
+        """TRL's; with --rollout_budget, on the groups complete this step, which may be carried from an earlier one
+        (carried_rollouts.py)."""
+        if getattr(self, "rollouts", None) is not None and self.model.training:
+            return generate_and_score(self, inputs, super()._generate_and_score_completions)
+        return super()._generate_and_score_completions(inputs)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's; its continuous-batching branch replaced by ours (paged_generation.py: no cast of the weights). With
         a server sampling ahead, the next generation batch is asked for once this one is in hand: the server samples
-        it with this step's adapter while this step trains."""
+        it with this step's adapter while this step trains. With --rollout_budget: the groups this step trains."""
+        if getattr(self, "rollouts", None) is not None:
+            return carried_single_turn(self, prompt_ids)
         if getattr(self, "use_transformers_continuous_batching", False) and not self.use_vllm \
                 and hasattr(self, "patches"):
             return paged_single_turn(self, prompt_ids)
@@ -372,11 +391,28 @@ class GRPOAccelTrainer(GRPOTrainer):
         return isinstance(getattr(self, "vllm_generation", None), ServerGeneration) and self.args.max_staleness >= 1
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """transformers'; with a server sampling ahead it also reads the next generation batch (server_mode.py)."""
-        if not self._samples_ahead():
+        """transformers'; with a server sampling ahead, or --rollout_budget starting the next batch's prompts early, it
+        also reads the next generation batch (server_mode.py)."""
+        if not (self._samples_ahead() or getattr(self, "rollouts", None) is not None):
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batches = read_ahead(self, epoch_iterator, num_batches)
         return batches, self._get_num_items_in_batch(batches, device)
+
+    def _save_checkpoint(self, model, trial):
+        """transformers'; with --rollout_budget the rollouts in flight go in first (trainer_state.json, written last,
+        completes the checkpoint: trainer/checkpoints.py)."""
+        if getattr(self, "rollouts", None) is not None:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            save_rollouts(self, os.path.join(self._get_output_dir(trial=trial),
+                                             f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
+        return super()._save_checkpoint(model, trial)
+
+    def _load_rng_state(self, checkpoint):
+        """transformers' (called once when train() resumes from `checkpoint`); the rollouts in flight come back too."""
+        if checkpoint is not None and getattr(self, "rollouts", None) is not None:
+            load_rollouts(self, checkpoint)
+        return super()._load_rng_state(checkpoint)
 
     def _get_train_sampler(self, dataset=None):
         """TRL's sampler; under SP each batch goes to every rank of an SP group (sequence_parallel.py)."""
@@ -395,6 +431,8 @@ class GRPOAccelTrainer(GRPOTrainer):
                 logs.update(self.nonfinite_guard.metrics())
             if isinstance(getattr(self, "vllm_generation", None), ServerGeneration):
                 logs.update(self.vllm_generation.metrics())
+            if getattr(self, "rollouts", None) is not None:
+                logs.update(self.rollouts.metrics())
             ran, unshared = getattr(self, "_token_counts", (0, 0))
             if getattr(self, "share_prompt", "false") != "false" and unshared:
                 logs["share_prompt/token_ratio"] = ran / unshared  # 1.0: nothing shared

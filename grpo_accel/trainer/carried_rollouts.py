@@ -1,0 +1,166 @@
+"""`--rollout_budget N` in TRL's step: each step decodes in rounds of at most N tokens per completion, trains on the
+first complete groups, and carries the rest into the next step (issue 53; the scheduler is
+generation/rollout_budget.py, the record generation/rollouts.py, the design docs/off-policy-rollouts.md).
+
+How it sits in TRL 1.16's `_generate_and_score_completions(inputs)` (the design's two steps):
+1. `generate_and_score`: the next generation batch's prompts (read one optimizer step early, as server mode reads
+   them: server_mode.read_ahead) join the rollouts in flight as new groups beside this batch's, which joined a step
+   ago; the rounds run until this step's number of groups are complete, and TRL's method continues with **the ready
+   groups' own dataset rows** (a carried group's rewards read its row, not the batch's). Starting the next batch
+   early is what gives a step more groups than it trains: with only its own batch in flight, a step would have to
+   finish every group of it, the longest completion included. At most two batches are in flight.
+2. `carried_single_turn` (TRL's `_generate_single_turn`): hands TRL the ready groups' tokens and, per token, the
+   behaviour log-prob where an older policy sampled it. A token this step's policy sampled gets NaN, which TRL's
+   correction reads as "no correction" (ratio exactly 1): the sampler of those tokens is the trained policy itself,
+   as on the synchronous route, so a step without carried tokens is the synchronous step.
+
+TRL applies its importance-sampling correction only where `trainer.use_vllm` is true (docs/off-policy-rollouts.md
+lists the reads, tests/test_rollouts.py pins them), so the trainer reads `use_vllm = True` while a budget is on; its
+generation never reaches TRL's vLLM branch (`_generate_single_turn` is ours). An evaluation decodes as without a
+budget (one round at the completion limit, nothing carried), every token on-policy.
+
+Route: continuous batching only for now (transformers' `generate_batch` returns each token's log-prob after
+temperature and top-k/top-p); a paused completion continues by prefilling prompt + partial completion again.
+`generate()` cannot pause a completion and colocated vLLM's abort-and-resubmit is not built: both refuse the flag.
+Checkpoints hold each rank's rollouts in flight (`rollouts-rank<k>.json`): a resume continues them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from grpo_accel.core.console import log
+from grpo_accel.core.errors import ConfigError
+from grpo_accel.generation.rollout_budget import BudgetedRollouts, paged_decode
+
+
+def attach_rollout_budget(trainer) -> None:
+    """After TRL's __init__: the rollouts in flight, and `use_vllm` read true for TRL's correction."""
+    args = trainer.args
+    if not getattr(trainer, "use_transformers_continuous_batching", False) or trainer.use_vllm:
+        raise ConfigError(f"--rollout_budget {args.rollout_budget} pauses completions on route continuous_batching "
+                          "only (generate() cannot pause one; colocated vLLM's is not built). Fix: "
+                          "--use_transformers_continuous_batching true --use_vllm false, or --rollout_budget 0.")
+    if not args.vllm_importance_sampling_correction:
+        raise ConfigError("--rollout_budget trains on tokens an older policy sampled: it needs TRL's importance-"
+                          "sampling correction. Fix: --vllm_importance_sampling_correction true, or "
+                          "--rollout_budget 0.")
+    for what, value in (("tools", trainer.tools), ("a rollout_func", trainer.rollout_func),
+                        ("an environment_factory", trainer.environment_factories),
+                        ("sequence parallelism", args.sequence_parallel_size > 1)):
+        if value:
+            raise ConfigError(f"--rollout_budget cannot run with {what} yet (completions decoded in rounds by the "
+                              "trainer's own route). Fix: --rollout_budget 0.")
+    rows = args.per_device_train_batch_size * args.steps_per_generation
+    if rows % trainer.num_generations:
+        raise ConfigError(f"--rollout_budget carries whole groups per process: this process's generation batch "
+                          f"({rows} rows) must hold whole groups of num_generations={trainer.num_generations}. Fix: "
+                          "per_device_train_batch_size x steps_per_generation a multiple of num_generations.")
+    trainer.rollouts = BudgetedRollouts(trainer.num_generations, args.rollout_budget, args.max_completion_length,
+                                        args.max_staleness)
+    trainer.use_vllm = True  # TRL's correction gates (see the module docstring); generation stays ours
+    trainer._carried = None
+    log(f"rollout_budget: rounds of {args.rollout_budget} tokens per completion; completions still running when a "
+        f"step has its groups are carried into the next (max_staleness {args.max_staleness}, TRL's importance-"
+        "sampling correction on the older tokens)")
+
+
+def _decoder(trainer, unwrapped, sequences: int, prompt_tokens: int):
+    from grpo_accel.generation.continuous_batching import paged_config
+
+    cfg, _ = paged_config(unwrapped, generation_batch=max(sequences, 1), prompt_tokens=prompt_tokens,
+                          completion_tokens=trainer.args.max_completion_length,
+                          user=dict(trainer.args.transformers_continuous_batching_config or {}))
+    return paged_decode(unwrapped, trainer.generation_config, cfg)
+
+
+def _generation_context(trainer):
+    from contextlib import ExitStack
+
+    from trl.models import unwrap_model_for_generation
+
+    stack = ExitStack()
+    unwrapped = stack.enter_context(unwrap_model_for_generation(
+        trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+        gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs))
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False))
+    return stack, unwrapped
+
+
+def generate_and_score(trainer, inputs: list[dict], score):
+    """TRL's `_generate_and_score_completions` (`score`) on the groups this step trains (see the module docstring)."""
+    G, rollouts = trainer.num_generations, trainer.rollouts
+    unique = inputs[::G]
+    prompt_ids, _, _ = trainer._tokenize_prompts([x["prompt"] for x in unique])
+    if prompt_ids != rollouts.ahead:  # admitted a step ago as the batch ahead; else (the first step, after an
+        rollouts.add_prompts(prompt_ids, unique)  # epoch's end) now
+    ahead_rows, trainer._next_generation_rows = trainer._next_generation_rows, None
+    rollouts.ahead = None
+    if ahead_rows is not None:  # None at an epoch's last batch: nothing is started ahead across it
+        ahead = ahead_rows[::G]
+        rollouts.ahead, _, _ = trainer._tokenize_prompts([x["prompt"] for x in ahead])
+        rollouts.add_prompts(rollouts.ahead, ahead)
+    version = trainer.state.global_step
+    running = sum(1 for g in rollouts.buffer.groups for r in g.rollouts if not r.finished)
+    longest = max(len(g.prompt_ids) for g in rollouts.buffer.groups)
+    stack, unwrapped = _generation_context(trainer)
+    with stack:
+        ready, dropped = rollouts.step(len(unique), version, _decoder(trainer, unwrapped, running, longest))
+        unwrapped.train()
+    if dropped:
+        log(f"rollout_budget: step {version} dropped {len(dropped)} group(s) past max_staleness "
+            f"{rollouts.buffer.max_staleness}")
+    trainer._carried = (version, ready)
+    try:
+        return score([dict(g.inputs) for g in ready for _ in range(G)])
+    finally:
+        trainer._carried = None
+
+
+def carried_single_turn(trainer, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
+    """TRL's `_generate_single_turn` while a budget is on: the ready groups (training), or one unbudgeted round
+    (evaluation)."""
+    if trainer._carried is None:  # evaluation: every token from this policy, nothing carried
+        stack, unwrapped = _generation_context(trainer)
+        with stack:
+            decode = _decoder(trainer, unwrapped, len(prompt_ids), max(map(len, prompt_ids)))
+            out = decode([list(p) for p in prompt_ids], [trainer.args.max_completion_length] * len(prompt_ids))
+            unwrapped.train()
+        return [ids for ids, _, _ in out], [[math.nan] * len(ids) for ids, _, _ in out]
+    version, ready = trainer._carried
+    rows = [(g.prompt_ids, r) for g in ready for r in g.rollouts]
+    if [list(p) for p in prompt_ids] != [p for p, _ in rows]:
+        raise RuntimeError("TRL tokenized the carried groups' rows into other prompts than they were sampled from")
+    logps = [[lp if v < version else math.nan for lp, v in zip(r.behaviour_logps, r.versions)] for _, r in rows]
+    return [list(r.completion_ids) for _, r in rows], logps
+
+
+def rollouts_file(checkpoint_dir: str, rank: int) -> str:
+    return os.path.join(checkpoint_dir, f"rollouts-rank{rank}.json")
+
+
+def save_rollouts(trainer, checkpoint_dir: str) -> None:
+    """Each rank's rollouts in flight into the checkpoint (written before trainer_state.json, which completes it)."""
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    path = rollouts_file(checkpoint_dir, trainer.accelerator.process_index)
+    with open(path + ".tmp", "w") as f:
+        json.dump(trainer.rollouts.state_dict(), f)
+    os.replace(path + ".tmp", path)
+
+
+def load_rollouts(trainer, checkpoint_dir: str) -> None:
+    path = rollouts_file(checkpoint_dir, trainer.accelerator.process_index)
+    if not os.path.exists(path):
+        raise ConfigError(f"{checkpoint_dir} holds no rollouts for rank {trainer.accelerator.process_index} "
+                          "(saved without --rollout_budget, or by another number of processes). Fix: resume with "
+                          "the flags and processes it was saved with.")
+    with open(path) as f:
+        trainer.rollouts.load_state_dict(json.load(f))
+
+
+__all__ = ["attach_rollout_budget", "carried_single_turn", "generate_and_score", "load_rollouts", "save_rollouts"]

@@ -1,0 +1,169 @@
+"""--rollout_budget through the trainer (grpo_accel/trainer/carried_rollouts.py, issue 53): completions still running
+when a step has its groups are carried into the next step, and the steps they train in are TRL's own.
+
+The reference: TRL 1.16's GRPOTrainer fed what our run trained, step by step: the groups' dataset rows, their
+completions and per-token behaviour log-probs (NaN where this step's policy sampled the token), and the RNG state our
+step scored with; its importance-sampling correction on. Our savers off, so both sides run TRL's code: bit for bit.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+from peft import LoraConfig
+from support.compare import assert_equal
+from support.rewards import length_reward
+
+import grpo_accel.trainer.trainer as trainer_module
+from grpo_accel.core.errors import ConfigError
+from grpo_accel.data.datasets import arithmetic_dataset
+from grpo_accel.data.models import load_model
+from grpo_accel.trainer.config import GRPOAccelConfig
+from grpo_accel.trainer.trainer import GRPOAccelTrainer
+
+PROMPTS, ROWS, G, STEPS, C, BUDGET = 16, 8, 4, 4, 16, 2
+PLAIN = dict(logprob_impl="trl", padding_free=False, share_prompt="false")
+POOL = dict(num_blocks=32, page_size=32, max_batch_tokens=256)
+# A random tiny model samples SmolLM2's 49K tokens near uniformly and almost never its EOS: 10,000 ids that end a
+# completion (as a model with several EOS ids does) make ~20% of tokens end one, so lengths vary and groups finish
+# apart, which is what a budget is for
+EOS_IDS = list(range(1000, 11000))
+
+
+def config(cls, tmp_path, **extra):
+    return cls(**dict(output_dir=str(tmp_path), per_device_train_batch_size=ROWS, num_generations=G,
+                      max_completion_length=C, report_to="none", seed=0, beta=0.0, logging_steps=1, max_steps=STEPS,
+                      save_steps=100, bf16=False) | extra)
+
+
+def lora():
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+
+def ours(tmp_path, **extra):
+    torch.manual_seed(0)
+    model, tokenizer = load_model("tiny-llama")
+    args = config(GRPOAccelConfig, tmp_path, **(PLAIN | dict(use_transformers_continuous_batching=True,
+                                                           transformers_continuous_batching_config=POOL) | extra))
+    trainer = GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
+                               train_dataset=arithmetic_dataset("train", PROMPTS), peft_config=lora())
+    trainer.generation_config.eos_token_id = [tokenizer.eos_token_id, *EOS_IDS]
+    return trainer
+
+
+def recording(monkeypatch):
+    """Per scored batch: the rows, the groups (their versions), the tokens and log-probs handed to TRL, and the RNG
+    state TRL's scoring started from."""
+    seen, real = [], trainer_module.generate_and_score
+
+    def record(trainer, inputs, score):
+        def scored(rows):
+            version, ready = trainer._carried
+            got = trainer_module.carried_single_turn(trainer, [g.prompt_ids for g in ready for _ in range(G)])
+            seen.append(dict(rows=copy.deepcopy(rows), rng=torch.get_rng_state(), version=version, out=got,
+                             versions=[list(r.versions) for g in ready for r in g.rollouts],
+                             groups=copy.deepcopy(ready)))
+            return score(rows)
+        return real(trainer, inputs, scored)
+
+    monkeypatch.setattr(trainer_module, "generate_and_score", record)
+    return seen
+
+
+class Replay:
+    """TRL's `vllm_generation` for TRL's trainer: our completions and behaviour log-probs, batch by batch."""
+
+    def __init__(self, seen):
+        self.seen = list(seen)
+
+    def sync_weights(self):
+        pass
+
+    def generate(self, prompts, images=None, num_generations=1, profiler=None):
+        completion_ids, logps = self.seen.pop(0)["out"]
+        return prompts, completion_ids, [[[x] for x in seq] for seq in logps], None
+
+
+def trls(tmp_path, seen):
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model("tiny-llama")
+    args = config(GRPOConfig, tmp_path)
+    trainer = GRPOTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
+                          train_dataset=arithmetic_dataset("train", PROMPTS), peft_config=lora())
+    args.use_vllm = trainer.use_vllm = True  # its correction on; the replay is its generation
+    trainer.vllm_mode, trainer.vllm_generation, trainer._last_loaded_step = "server", Replay(seen), -1
+    batches = list(seen)
+
+    def fed(inputs):  # our step's rows and RNG state, not its own sampler's
+        batch = batches.pop(0)
+        torch.set_rng_state(batch["rng"])
+        return GRPOTrainer._generate_and_score_completions(trainer, batch["rows"])
+
+    trainer._generate_and_score_completions = fed
+    return trainer
+
+
+def adapter(trainer) -> dict:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+
+def test_carried_groups_train_as_trls_trainer_fed_the_same_rows_and_rollouts(tmp_path, monkeypatch):
+    seen = recording(monkeypatch)
+    trainer = ours(tmp_path / "ours", rollout_budget=BUDGET, max_staleness=1)
+    trainer.train()
+    assert len(seen) == STEPS
+    carried = [v for batch in seen for v in batch["versions"] if len(set(v)) > 1]
+    assert carried, "no completion was carried across a step: the test would not test the correction"
+    for batch in seen:  # NaN exactly where this step's policy sampled the token: no correction there
+        for versions, logps in zip(batch["versions"], batch["out"][1]):
+            assert [math.isnan(x) for x in logps] == [v == batch["version"] for v in versions]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert max(h["rollouts/carried_completions"] for h in logs) > 0
+    assert "sampling/importance_sampling_ratio/mean" in logs[0]
+
+    reference = trls(tmp_path / "trl", seen)
+    reference.train()
+    theirs = [h for h in reference.state.log_history if "loss" in h]
+    for key in ("loss", "grad_norm", "sampling/importance_sampling_ratio/mean",
+                "sampling/sampling_logp_difference/max"):
+        assert [h[key] for h in logs] == [h[key] for h in theirs], key
+    assert_equal(adapter(trainer), adapter(reference))
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (dict(use_transformers_continuous_batching=False), "route continuous_batching only"),
+    (dict(vllm_importance_sampling_correction=False), "importance-sampling correction"),
+])
+def test_a_route_or_option_that_cannot_carry_is_one_error_line(tmp_path, extra, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ours(tmp_path, rollout_budget=BUDGET, **extra)
+
+
+def test_a_checkpoint_holds_the_rollouts_in_flight_and_a_resume_continues_them(tmp_path, monkeypatch):
+    """Saved at step 2 with completions in flight; a new trainer resumes from it: each saved group trains at step 3,
+    stays in flight, or is dropped past the staleness bound, and one that goes on keeps its saved tokens and their
+    versions; the batch admitted ahead before the save is not admitted again."""
+    import json
+
+    first = ours(tmp_path, rollout_budget=BUDGET, max_steps=2, save_steps=2)
+    first.train()
+    saved = json.loads((tmp_path / "checkpoint-2" / "rollouts-rank0.json").read_text())
+    before = {g["group_id"]: g for g in saved["buffer"]["groups"]}
+    assert any(r["completion_ids"] for g in before.values() for r in g["rollouts"]) and saved["ahead"]
+    seen = recording(monkeypatch)
+    second = ours(tmp_path, rollout_budget=BUDGET, max_steps=3, save_steps=100)
+    second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert len(seen) == 1  # step 3 only
+    after = {g.group_id: g for g in [*seen[0]["groups"], *second.rollouts.buffer.groups]}
+    dropped = second.rollouts.buffer.stats["dropped_groups"] - saved["buffer"]["stats"]["dropped_groups"]
+    assert len([k for k in before if k in after]) + dropped == len(before)
+    for k in before.keys() & after.keys():
+        for r, old in zip(after[k].rollouts, before[k]["rollouts"], strict=True):
+            n = len(old["completion_ids"])
+            assert r.completion_ids[:n] == old["completion_ids"] and r.versions[:n] == old["versions"]
+    admitted = [tuple(g["prompt_ids"]) for g in before.values()] + [
+        tuple(g.prompt_ids) for k, g in after.items() if k not in before]
+    assert len(admitted) == len(set(admitted)), "a prompt was admitted twice across the resume"
