@@ -133,13 +133,16 @@ def test_carried_groups_train_as_trls_trainer_fed_the_same_rows_and_rollouts(tmp
     assert_equal(adapter(trainer), adapter(reference))
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (dict(use_transformers_continuous_batching=False), "route continuous_batching only"),
-    (dict(vllm_importance_sampling_correction=False), "importance-sampling correction"),
-])
-def test_a_route_or_option_that_cannot_carry_is_one_error_line(tmp_path, extra, needle):
-    with pytest.raises(ConfigError, match=needle):
-        ours(tmp_path, rollout_budget=BUDGET, **extra)
+def test_an_option_that_cannot_carry_is_one_error_line(tmp_path):
+    with pytest.raises(ConfigError, match="importance-sampling correction"):
+        ours(tmp_path, rollout_budget=BUDGET, vllm_importance_sampling_correction=False)
+
+
+def test_generate_says_it_cannot_pause_and_runs_as_without_a_budget(tmp_path, capsys):
+    trainer = ours(tmp_path, rollout_budget=BUDGET, use_transformers_continuous_batching=False)
+    assert trainer.rollouts is None and not trainer.use_vllm
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "rollout_budget" in ln]
+    assert len(lines) == 1 and "route generate cannot pause" in lines[0]
 
 
 def test_a_checkpoint_holds_the_rollouts_in_flight_and_a_resume_continues_them(tmp_path, monkeypatch):

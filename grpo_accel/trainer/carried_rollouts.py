@@ -21,7 +21,8 @@ budget (one round at the completion limit, nothing carried), every token on-poli
 
 Route: continuous batching only for now (transformers' `generate_batch` returns each token's log-prob after
 temperature and top-k/top-p); a paused completion continues by prefilling prompt + partial completion again.
-`generate()` cannot pause a completion and colocated vLLM's abort-and-resubmit is not built: both refuse the flag.
+`generate()` cannot pause a completion: it says so in one line and runs as without a budget. Colocated vLLM's
+abort-and-resubmit is not built: a vLLM route refuses the flag.
 Checkpoints hold each rank's rollouts in flight (`rollouts-rank<k>.json`): a resume continues them.
 """
 
@@ -41,10 +42,15 @@ from grpo_accel.generation.rollout_budget import BudgetedRollouts, paged_decode
 def attach_rollout_budget(trainer) -> None:
     """After TRL's __init__: the rollouts in flight, and `use_vllm` read true for TRL's correction."""
     args = trainer.args
-    if not getattr(trainer, "use_transformers_continuous_batching", False) or trainer.use_vllm:
+    if trainer.use_vllm or getattr(trainer, "vllm_engine", None) is not None:
         raise ConfigError(f"--rollout_budget {args.rollout_budget} pauses completions on route continuous_batching "
-                          "only (generate() cannot pause one; colocated vLLM's is not built). Fix: "
-                          "--use_transformers_continuous_batching true --use_vllm false, or --rollout_budget 0.")
+                          "only (vLLM's abort and resubmit is not built). Fix: --use_vllm false "
+                          "--use_transformers_continuous_batching true, or --rollout_budget 0.")
+    if not getattr(trainer, "use_transformers_continuous_batching", False):
+        log(f"rollout_budget {args.rollout_budget}: route generate cannot pause a completion (transformers' generate() "
+            "decodes a batch to its end), so every step runs without a budget; "
+            "--use_transformers_continuous_batching true pauses them")
+        return
     if not args.vllm_importance_sampling_correction:
         raise ConfigError("--rollout_budget trains on tokens an older policy sampled: it needs TRL's importance-"
                           "sampling correction. Fix: --vllm_importance_sampling_correction true, or "
