@@ -185,3 +185,33 @@ def test_behaviour_logprobs_are_the_sampling_distributions_after_temperature(tin
         fp32_err = (reference(model, c.completion_ids, torch.float64) - want).abs().max().item()
         got = torch.tensor(c.behaviour_logps, dtype=torch.float64)
         assert (got - want).abs().max().item() <= 10 * max(fp32_err, torch.finfo(torch.float32).eps * want.abs().max())
+
+
+def test_the_plan_holds_what_a_budgeted_run_keeps_in_flight():
+    """The trainer's order (carried_rollouts.py): step k admits batch k + 1 ahead of it. Over many steps of a long
+    tail, the sequences decoding at once stay within the pool the plan sizes (two generation batches), and the
+    records' host bytes (tracemalloc-checked in test_rollouts.py) within the plan's host term."""
+    from grpo_accel.planning.memory import plan_memory
+
+    G, groups_per_step, C, P_ = 4, 2, 40, 3
+    batch = G * groups_per_step
+    plan = plan_memory("tiny-llama", num_generations=G, max_prompt_length=P_, max_completion_length=C,
+                       per_device_train_batch_size=batch, generation="continuous_batching", rollout_budget=8,
+                       device="cpu")
+    off = plan_memory("tiny-llama", num_generations=G, max_prompt_length=P_, max_completion_length=C,
+                      per_device_train_batch_size=batch, generation="continuous_batching", device="cpu")
+    assert plan.device["paged_kv_cache"] > off.device["paged_kv_cache"] and "carried_rollouts" not in off.host
+    lengths = [2 + (7 * k) % 60 for k in range(400)]  # a long tail, many past the limit
+    decode, r = scripted(lengths), BudgetedRollouts(G, budget=8, max_completion_length=C)
+    widest = []
+
+    def watched(sequences, limits):
+        widest.append(len(sequences))
+        return decode(sequences, limits)
+
+    r.add_prompts(prompts(0, groups_per_step))
+    for step in range(10):
+        r.add_prompts(prompts(100 + 10 * step, groups_per_step))  # the next batch, ahead
+        r.step(groups_per_step, version=step, decode=watched)
+        assert r.buffer.host_bytes() <= plan.host["carried_rollouts"]
+    assert max(widest) <= 2 * batch and r.stats["carried_completions"] > 0  # the tail was carried

@@ -228,6 +228,7 @@ class RunSettings:
     logprob_impl: str  # "auto" stays: the head resolves it where it knows whether Triton imports
     logprob_chunk_size: int | None
     logprob_vocab_tile: int | None
+    rollout_budget: int  # 0: off; on route continuous_batching the next batch decodes beside this one
 
     @classmethod
     def resolve(cls, source, *, cuda: bool) -> RunSettings:
@@ -244,7 +245,7 @@ class RunSettings:
             padding_free=padding_free, sequence_parallel_size=sp,
             share_prompt="false" if share_prompt_blocker(padding_free, sp) else share,
             logprob_impl=get("logprob_impl"), logprob_chunk_size=get("logprob_chunk_size"),
-            logprob_vocab_tile=get("logprob_vocab_tile"))
+            logprob_vocab_tile=get("logprob_vocab_tile"), rollout_budget=int(get("rollout_budget") or 0))
 
 
 __all__ = ["LOGPROB_IMPLS", "OFFLOAD_MODES", "OFFLOAD_RECOMPUTE_TOKENS", "RunSettings", "SETTINGS",

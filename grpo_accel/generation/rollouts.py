@@ -28,6 +28,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+def record_bytes(prompt_tokens: int, completion_tokens: int) -> int:
+    """Host bytes of a group's record, as Python objects in lists: a token id is a list slot (8 bytes) and an int
+    (28), a behaviour log-prob a slot and a float (24), a version a slot (one int object per extend), plus a list's
+    growth slack (at most 1/8 over). The planner counts carried rollouts with it (planning.memory)."""
+    return int((36 * prompt_tokens + (36 + 32 + 8) * completion_tokens) * 1.125)
+
+
 @dataclass
 class Rollout:
     """One completion as sampled: its tokens, each token's behaviour log-prob and the policy version that sampled it."""
@@ -79,11 +86,9 @@ class RolloutGroup:
         return 0 if oldest is None else version - oldest
 
     def host_bytes(self) -> int:
-        """What the record holds in host memory, as Python objects in lists: a token id is a list slot (8 bytes) and
-        an int (28), a behaviour log-prob a slot and a float (24), a version a slot (one int object per extend), plus
-        a list's growth slack (at most 1/8 over): tests/test_rollouts.py checks it against tracemalloc."""
-        completion = sum(len(r.completion_ids) for r in self.rollouts)
-        return int((36 * len(self.prompt_ids) + (36 + 32 + 8) * completion) * 1.125)
+        """What the record holds in host memory (`record_bytes`): tests/test_rollouts.py checks it against
+        tracemalloc."""
+        return record_bytes(len(self.prompt_ids), sum(len(r.completion_ids) for r in self.rollouts))
 
 
 class RolloutBuffer:
@@ -140,4 +145,4 @@ class RolloutBuffer:
         return buffer
 
 
-__all__ = ["Rollout", "RolloutBuffer", "RolloutGroup"]
+__all__ = ["Rollout", "RolloutBuffer", "RolloutGroup", "record_bytes"]

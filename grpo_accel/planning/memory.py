@@ -157,7 +157,7 @@ def shortest_shared_prompt(completion_len: int, num_generations: int) -> int | N
 
 # plan_memory's arguments that are run settings as they run (core.settings.RunSettings fields, the same names)
 PLANNED_SETTINGS = ("offload_activations", "offload_recompute_tokens", "offload_device_budget_bytes", "share_prompt",
-                    "sequence_parallel_size", "logprob_impl", "logprob_chunk_size")
+                    "sequence_parallel_size", "logprob_impl", "logprob_chunk_size", "rollout_budget")
 
 
 def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
@@ -167,7 +167,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 offload_recompute_tokens=OFFLOAD_RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
-                generation_batch=None, reward_models=(), paged_seqs=None) -> MemoryPlan:
+                generation_batch=None, reward_models=(), paged_seqs=None, rollout_budget=0) -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
 
     generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
@@ -176,7 +176,9 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former).
     paged_seqs: full-length sequences continuous batching's page pool holds at once (None: the generation batch;
     `planning.fitting.paged_sequences` finds the most that fit a GPU). reward_models: (shape, rows) of each reward
-    model (`reward_model_bytes`)."""
+    model (`reward_model_bytes`). rollout_budget (route continuous_batching): the next generation batch decodes beside
+    this one (trainer/carried_rollouts.py), so the pool holds twice the sequences, and their records (token ids,
+    behaviour log-probs, versions) are host memory."""
     if generation is None:
         generation = choose_route(use_vllm=bool(use_vllm), quantization=quantization, lora_r=lora_r,
                                   vllm_share_weights=vllm_share_weights is not False, stack=PINNED_STACK)[0]
@@ -192,6 +194,8 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     generation_batch = generation_batch or per_device_train_batch_size
     model_dtype = short_name(model_dtype) or model_dtype  # any spelling (bf16, bfloat16); kept short
     inputs = {k: v for k, v in locals().items() if k != "shape"}
+    carrying = generation == "continuous_batching" and rollout_budget > 0
+    in_flight = 2 * generation_batch if carrying else generation_batch  # this batch and the next, started early
     shape = model_shape(shape)
     if logprob_impl not in PLANNED_LOGPROB_IMPLS:
         raise ValueError(f"logprob_impl={logprob_impl!r}: use one of {PLANNED_LOGPROB_IMPLS}")
@@ -274,8 +278,12 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     # generation batch's cache; a vLLM server nothing here
     dev["vllm_weights"] = {"vllm_4bit": weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
                            "vllm_copy": weights_bytes(shape, a, "none")}.get(generation, 0)
-    dev.update(generation_terms(shape, a, generation, generation_batch, vllm_kv_seqs, max_prompt_length, T, paged_seqs,
+    dev.update(generation_terms(shape, a, generation, in_flight, vllm_kv_seqs, max_prompt_length, T, paged_seqs,
                                 group=num_generations))
+    if carrying:  # one record per group: its prompt once, its G completions' tokens
+        from grpo_accel.generation.rollouts import record_bytes
+
+        host["carried_rollouts"] = in_flight // num_generations * record_bytes(max_prompt_length, num_generations * T)
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
     live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
     dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
