@@ -11,6 +11,10 @@ step, completion lengths, decode rounds, the fraction of decode slots that produ
 budget off: mean length / longest length of the step's batch, the same measure for one round), completions carried,
 groups dropped past max_staleness, and the held-out accuracy after the run (`--eval_size`, greedy). Writes
 benchmarks/results/rollout_budget.csv (long format) and rollout_budget.png.
+
+Not yet measured: its first run (2026-11-28, --steps 8 --completion-length 96, 2 threads) had not finished the
+budget-off run after ~25 min (the held-out evaluation before training done, no step logged) and was stopped; find
+where the time goes (one step's phases: `time/generation_s`) at smaller sizes before quoting a figure.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "rollout_budget.csv"
 
 def train(budget: int, seed: int, args, out: Path) -> tuple[list[dict], dict, float]:
     cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--model_dtype", "float32", "--train_size", "256",
-           "--eval_size", str(args.eval_size), "--max_completion_length", str(args.completion_length),
+           "--eval_size", str(args.eval_size), "--eval_max_new_tokens", str(args.completion_length),
+           "--max_completion_length", str(args.completion_length),
            "--num_generations", "4", "--per_device_train_batch_size", str(4 * args.prompts),
            "--max_steps", str(args.steps), "--save_steps", "1000", "--logging_steps", "1", "--seed", str(seed),
            "--use_transformers_continuous_batching", "true", "--rollout_budget", str(budget),
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 16])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--prompts", type=int, default=2, help="prompts per step (4 completions each)")
-    p.add_argument("--eval-size", type=int, default=32)
+    p.add_argument("--eval-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
