@@ -27,12 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
-def record_bytes(prompt_tokens: int, completion_tokens: int) -> int:
-    """Host bytes of a group's record, as Python objects in lists: a token id is a list slot (8 bytes) and an int
-    (28), a behaviour log-prob a slot and a float (24), a version a slot (one int object per extend), plus a list's
-    growth slack (at most 1/8 over). The planner counts carried rollouts with it (planning.memory)."""
-    return int((36 * prompt_tokens + (36 + 32 + 8) * completion_tokens) * 1.125)
+from grpo_accel.planning.generation import record_bytes
 
 
 @dataclass
@@ -145,4 +140,4 @@ class RolloutBuffer:
         return buffer
 
 
-__all__ = ["Rollout", "RolloutBuffer", "RolloutGroup", "record_bytes"]
+__all__ = ["Rollout", "RolloutBuffer", "RolloutGroup"]

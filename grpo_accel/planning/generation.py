@@ -206,7 +206,15 @@ def kv_cache_sequences(plan, gpu_bytes: int) -> int:
     return engine_kv_bytes(plan, gpu_bytes) // per_seq
 
 
+def record_bytes(prompt_tokens: int, completion_tokens: int) -> int:
+    """Host bytes of a group's record, as Python objects in lists: a token id is a list slot (8 bytes) and an int
+    (28), a behaviour log-prob a slot and a float (24), a version a slot (one int object per extend), plus a list's
+    growth slack (at most 1/8 over). The planner counts carried rollouts with it
+    (planning.memory); generation.rollouts' records use it."""
+    return int((36 * prompt_tokens + (36 + 32 + 8) * completion_tokens) * 1.125)
+
+
 __all__ = ["GENERATION_TERMS", "PAGED_BATCH_TOKENS", "PAGE_SIZE", "VLLM_RUNTIME_BYTES", "engine_kv_bytes",
            "generation_terms",
            "fork_copy_bytes", "kv_bytes_per_token", "kv_cache_sequences", "paged_num_blocks", "paged_pool_bytes",
-           "pages_per_sequence", "vllm_memory_fraction"]
+           "pages_per_sequence", "record_bytes", "vllm_memory_fraction"]

@@ -35,7 +35,7 @@ from grpo_accel.planning.activations import (
     layer_saved_bytes_per_token,
 )
 from grpo_accel.planning.architectures import ModelShape, model_shape
-from grpo_accel.planning.generation import GENERATION_TERMS, generation_terms, vllm_memory_fraction
+from grpo_accel.planning.generation import GENERATION_TERMS, generation_terms, record_bytes, vllm_memory_fraction
 from grpo_accel.planning.routes import COLOCATED, PINNED_STACK, ROUTES, choose_route
 
 # bitsandbytes NF4 with double quantization: 4 bits per weight, an 8-bit absmax per 64-weight block, and an fp32
@@ -281,8 +281,6 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     dev.update(generation_terms(shape, a, generation, in_flight, vllm_kv_seqs, max_prompt_length, T, paged_seqs,
                                 group=num_generations))
     if carrying:  # one record per group: its prompt once, its G completions' tokens
-        from grpo_accel.generation.rollouts import record_bytes
-
         host["carried_rollouts"] = in_flight // num_generations * record_bytes(max_prompt_length, num_generations * T)
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
     live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
