@@ -8,8 +8,8 @@ tests/vllm_engine/test_vllm_server.py."""
 import pytest
 import torch
 from peft import LoraConfig
-from support.compare import assert_equal
 from support.rewards import length_reward
+from support.trainers import assert_steps_equal
 from support.vllm_standin import KEY, answer, serve
 
 from grpo_accel.core.errors import UserError
@@ -85,10 +85,6 @@ def trls(tmp_path, seen):
     return trainer
 
 
-def adapter(trainer) -> dict:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
-
-
 @pytest.fixture
 def server(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, KEY)
@@ -127,11 +123,7 @@ def test_steps_ahead_equal_trls_trainer_fed_the_same_rollouts(server, tmp_path):
 
     reference = trls(tmp_path / "trl", seen)
     reference.train()
-    theirs = [h for h in reference.state.log_history if "loss" in h]
-    for key in ("loss", "grad_norm", "sampling/importance_sampling_ratio/mean",
-                "sampling/sampling_logp_difference/max"):
-        assert [h[key] for h in logs] == [h[key] for h in theirs], key
-    assert_equal(adapter(trainer), adapter(reference))
+    assert_steps_equal(trainer, reference)
 
 
 def test_staleness_zero_is_synchronous(server, tmp_path):

@@ -125,3 +125,24 @@ def count_packed_forwards(trainer, monkeypatch):
 
     monkeypatch.setattr(type(trainer.model), "__call__", spy)
     return calls
+
+
+# TRL's step outputs an off-policy producer (server mode, --rollout_budget) must reproduce when TRL's own trainer is
+# fed the same rollouts: the loss, the gradient and TRL's importance-sampling correction
+REPLAYED_KEYS = ("loss", "grad_norm", "sampling/importance_sampling_ratio/mean",
+                 "sampling/sampling_logp_difference/max")
+
+
+def assert_steps_equal(ours, reference) -> None:
+    """Each logged step of `ours` equal to `reference`'s on REPLAYED_KEYS, and the LoRA adapters equal, bit for bit."""
+    from support.compare import assert_equal
+
+    mine = [h for h in ours.state.log_history if "loss" in h]
+    theirs = [h for h in reference.state.log_history if "loss" in h]
+    for key in REPLAYED_KEYS:
+        assert [h[key] for h in mine] == [h[key] for h in theirs], key
+
+    def adapter(trainer):
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+    assert_equal(adapter(ours), adapter(reference))
