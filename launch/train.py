@@ -45,5 +45,5 @@ if __name__ == "__main__":
     from grpo_accel.core.process_exit import exit_without_teardown
 
     # A run that ended (trained, or stopped with its `error:` line) skips the interpreter's teardown: freeing the
-    # stack's modules is 2.5-6 s of a core per rank (core/process_exit.py); our own bugs' tracebacks take the normal exit.
+    # stack's modules is 2.5-6 s of a core per rank (core/process_exit.py). Our bugs' tracebacks exit normally.
     exit_without_teardown(code)
