@@ -6,6 +6,7 @@ resumes a campaign across GPU loans, and the summary.
 """
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -166,6 +167,7 @@ def test_cpu_check_twice_runs_every_script_then_skips_every_row(tmp_path):
         assert "| done in" in line and line.endswith("| cpu check: no goal |"), line
     for png in ("step_memory.png", "packing.png", "presets_gpu.png", "continuous_batching.png"):
         assert (results / png).stat().st_size > 0
+    step_csv_holds_every_variants_figures_and_equal_losses(results)
     presets_csv_holds_the_launched_runs_telemetry(results, tmp_path / "models")
     cb_csv_holds_both_routes_and_resume_skips_them(results, tmp_path, env, rows)
 
@@ -179,6 +181,31 @@ def test_cpu_check_twice_runs_every_script_then_skips_every_row(tmp_path):
 
 # The benchmark scripts' own checks, on the CSVs the rows above wrote: each script's CPU run was made twice, once by
 # its own test and once by the campaign's row with the same flags (issue 51: ~80 s of CI for one defect).
+def step_csv_holds_every_variants_figures_and_equal_losses(results):
+    """benchmarks/bench_step_memory.py (row step_32k, with ours_head_offload on CPU): padded completions of unequal
+    length; accumulating one row at a time (ours_mb1, TRL's trl_tuned with transformers' offload) gives the loss and
+    the gradient of the whole batch (ours_head_offload)."""
+    with (results / "step_memory.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["op", "impl", "shape", "metric", "value", "unit", "device", "versions",
+                                     "git_sha", "date"]
+        rows = [r for r in reader if r["shape"] == "tiny-llama,lora-r16,G=2,P=4,T=8,fp32,padded"]
+    impls = ["ours_head_offload", "ours_mb1", "trl_tuned"]
+    got = {i: {r["metric"]: float(r["value"]) for r in rows if r["impl"] == i} for i in impls}
+    assert {r["op"] for r in rows} == {"grpo_step_fwd_bwd"} and rows[0]["device"].startswith("cpu")
+    for impl, m in got.items():
+        assert m["oom"] == 0 and m["checkpointing"] == 1 and m["host_is_device"] == 1, impl
+        assert m["step_time_ms"] > 0 and m["peak_step_mem_mib"] > 0 and math.isfinite(m["loss"]), impl
+        # rows of 4 + 4 and 4 + 8 real tokens
+        assert m["time_per_token_us"] == pytest.approx(m["step_time_ms"] * 1e3 / 20, rel=1e-3), impl
+        assert m["peak_step_mem_with_weights_mib"] > m["peak_step_mem_mib"], impl
+    assert got["ours_head_offload"]["offloaded_peak_mib"] > 0, "forced copies on CPU: the stash held host bytes"
+    for impl in ("ours_mb1", "trl_tuned"):
+        assert got[impl]["loss"] == pytest.approx(got["ours_head_offload"]["loss"], rel=1e-4), impl
+        assert got[impl]["lora_grad_norm"] == pytest.approx(got["ours_head_offload"]["lora_grad_norm"], rel=1e-4)
+    assert (results / "step_memory.png").stat().st_size > 0
+
+
 def presets_csv_holds_the_launched_runs_telemetry(results, models):
     """benchmarks/gpu_presets.py (row preset_cpu): a random model saved, the preset launched through `accelerate
     launch`, the run's telemetry and the planner's prediction in the long-format CSV."""

@@ -282,7 +282,9 @@ def test_phase_memory_cuda():
 
 # One training step of a SmolLM2-135M-shaped random model with LoRA r=16 on all linears, fp32, gradient
 # checkpointing, the naive log-prob head, AdamW. A first 4-token step creates the Adam states (as in every step
-# after the first); the peak RSS over the process minus the RSS right after the imports is compared.
+# after the first); the peak RSS over the process minus the RSS right after the imports is compared. The lengths
+# run in one process, shortest first: each step's peak is above the ones before it, so the process's peak after it
+# is its own (one process instead of three: ~30 s of imports and model builds less in CI).
 # MALLOC_MMAP_THRESHOLD_ makes glibc return freed blocks to the OS so RSS follows live bytes (the analogue of
 # torch.cuda.max_memory_allocated); with glibc's default, retained heap adds ~40% on top (allocator behaviour).
 STEP_SCRIPT = r"""
@@ -293,7 +295,7 @@ from transformers import AutoModelForCausalLM
 from grpo_accel.planning.architectures import get_architecture
 from grpo_accel.core.phase_memory import peak_rss_bytes, rss_bytes
 
-B, P, T = map(int, sys.argv[1:4])
+B, P, *lengths = map(int, sys.argv[1:])
 torch.manual_seed(0)
 base = rss_bytes()
 model = AutoModelForCausalLM.from_config(get_architecture("smollm2-135m"))
@@ -312,28 +314,29 @@ def step(t):
     opt.zero_grad(set_to_none=True)
 
 step(4)
-step(T)
-print(json.dumps({"base": base, "peak": peak_rss_bytes()}))
+peaks = []
+for T in sorted(lengths):
+    step(T)
+    peaks.append(peak_rss_bytes() - base)
+print(json.dumps(peaks))
 """
 
 
-def _measure(batch, prompt, completion):
+def _measure(batch, prompt, completions):
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(batch), str(prompt), str(completion)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(batch), str(prompt), *map(str, completions)],
+                         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    return got["peak"] - got["base"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# ~45-60 s on 2 busy cores: three subprocesses, one per completion length
 @pytest.mark.long
 def test_planner_matches_measured_cpu_step():
     B, P = 2, 16
     rows = []
-    for T in (64, 128, 256):
-        measured = _measure(B, P, T)
+    lengths = (64, 128, 256)
+    for T, measured in zip(lengths, _measure(B, P, lengths)):
         predicted = plan_memory("smollm2-135m", model_dtype="fp32", lora_r=16, per_device_train_batch_size=B,
                                 max_prompt_length=P,
                                 max_completion_length=T, gradient_checkpointing=True, logprob_impl="naive",

@@ -277,8 +277,10 @@ def _headline() -> list[Row]:
             ("--impls", "trl_tuned", "ours_mb1", "--reps", "1"), step32, dict(_TINY, completion_length=8), _STEP,
             headline=True, estimate=estimate(*_QWEN_4BIT, {"trl_tuned": padded(step32), "ours_mb1": real(step32)}, 2,
                                              extra=(CKPT_SAVE_S, "checkpoint save")),
+            cpu_args=("--impls", "trl_tuned", "ours_mb1", "ours_head_offload", "--reps", "1"),
             needs=Row.needs + ("bitsandbytes", "triton"),
-            note=_MB1_G2 + " --reps 1: a warm-up and one measured step. trl_tuned is the fair baseline only with "
+            note=_MB1_G2 + " The CPU check runs ours_head_offload too (the whole batch at once: micro-batch 1 gives "
+                 "its loss). --reps 1: a warm-up and one measured step. trl_tuned is the fair baseline only with "
                  "transformers >= 5.20 (its activation offload); the GPU hosts have 5.17: bring a newer "
                  "transformers wheel, or the verdict is marked weaker than fair."),
         Row("seeds_20k", "the seeds' table: Llama-3.1-8B LoRA bf16, 20K context (512 + 19968), G=2",
