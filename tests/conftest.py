@@ -9,14 +9,14 @@ def pytest_report_header(config):
            f"{torch.get_num_threads()} threads"
 
 
-# The slowest files of the multi-process + long tier, slowest first (--durations, 2026-11-28): pytest-xdist hands a
+# The slowest files of the multi-process + long tier, slowest first (--durations, 2026-11-29): pytest-xdist hands a
 # worker the next whole file (--dist loadfile) in collection order (with --no-loadscope-reorder; by default, in order
 # of their number of tests), so a 7-minute file handed out last would run alone at the end while the other core
 # idles. Longest first keeps both cores busy to the end.
 # The vLLM tiers' files after them (their tiers never run with the others).
-SLOWEST_FIRST = ("test_gpu_campaign.py", "test_sequence_parallel.py", "test_continuous_batching.py",
-                 "test_moe_distributed.py", "test_soak.py", "test_distributed.py", "test_packing.py",
-                 "test_qlora_multiprocess.py", "test_preemption.py", "test_offload_multiprocess.py",
+SLOWEST_FIRST = ("test_gpu_campaign.py", "test_moe_distributed.py", "test_sequence_parallel.py",
+                 "test_distributed.py", "test_continuous_batching.py", "test_server_distributed.py",
+                 "test_preemption.py", "test_qlora_multiprocess.py", "test_offload_multiprocess.py", "test_soak.py",
                  "test_vllm_trainer.py", "test_engine_rows.py", "test_vllm_qlora.py", "test_vllm_launch.py",
                  "test_vllm_server.py", "test_vllm_resume.py", "test_vllm_moe.py", "test_vllm_colocate.py")
 

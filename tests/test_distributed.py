@@ -11,25 +11,28 @@ from support.launch import ROOT, run_train
 
 pytestmark = pytest.mark.distributed
 ACCELERATE = os.path.join(os.path.dirname(os.sys.executable), "accelerate")
+# A token budget of about two rows: each rank plans several forwards per step, made equal across ranks (ZeRO-3
+# gathers per forward), in every launch below.
 COMMON = ["--eval_size", "2", "--eval_max_new_tokens", "4", "--max_steps", "2", "--save_steps", "100",
-          "--rewards", "support.rewards:length_reward", "--gradient_checkpointing", "true"]
+          "--rewards", "support.rewards:length_reward", "--gradient_checkpointing", "true",
+          "--logprob_token_budget", "110"]
 
 
-_LAUNCHED = {}  # (stage, offload, impl) -> (rows, result): a launch shared by the tests that compare with it
+_LAUNCHED = {}  # (stage, offload, impl, padding_free) -> (rows, result): a launch shared by the tests using it
 
 
-def launch(stage, tmp_path, offload, impl="auto"):
-    key = (stage, offload, "chunked" if impl == "auto" else impl)  # auto is our chunked head on CPU
+def launch(stage, tmp_path, offload, impl="auto", padding_free="true"):
+    key = (stage, offload, "chunked" if impl == "auto" else impl, padding_free)  # auto is our chunked head on CPU
     if key not in _LAUNCHED:
-        _LAUNCHED[key] = _launch(stage, tmp_path, offload, impl)
+        _LAUNCHED[key] = _launch(stage, tmp_path, offload, impl, padding_free)
     return _LAUNCHED[key]
 
 
-def _launch(stage, tmp_path, offload, impl):
-    out = tmp_path / f"zero{stage}-{'offload' if offload else 'plain'}-{impl}"
+def _launch(stage, tmp_path, offload, impl, padding_free):
+    out = tmp_path / f"zero{stage}-{'offload' if offload else 'plain'}-{impl}-packing-{padding_free}"
     config = os.path.join(ROOT, "accelerate_configs", f"cpu_zero{stage}.yaml")
     result = run_train([*COMMON, "--output_dir", str(out), "--offload_activations", str(offload).lower(),
-                        "--logprob_impl", impl],
+                        "--logprob_impl", impl, "--padding_free", padding_free],
                        launcher=[ACCELERATE, "launch", "--config_file", config], timeout=400,
                        GRPO_ACCEL_OFFLOAD_FORCE_COPIES="1" if offload else "0")
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
@@ -61,4 +64,22 @@ def test_zero_our_head_matches_trls(stage, tmp_path):
     assert "log-prob head: trl" in result.stdout
     for a, b in zip(ours, trl):
         for key in ("loss", "grad_norm", "entropy"):
+            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_packed_matches_padded(stage, tmp_path):
+    """Packing x ZeRO-2 / ZeRO-3 (test_packing.py's single-process checks, across processes): the hook sees the
+    engine (not the model), and with the budget of about two rows each rank plans its own forwards, made equal across
+    ranks. The packed run shares each prompt (share_prompt's default, "auto", at these lengths): the shared layout's
+    forwards under ZeRO, several per step before one backward, against padded rows. The packed run is the launch
+    test_zero_runs_and_offload_matches compares with offload."""
+    packed, result = launch(stage, tmp_path, offload=False)
+    assert "padding_free: log-prob passes run on packed rows" in result.stdout
+    padded, result = launch(stage, tmp_path, offload=False, padding_free="false")
+    assert "padding_free: log-prob passes run on packed rows" not in result.stdout
+    assert len(packed) == len(padded) == 2
+    assert all(float(r["share_prompt/token_ratio"]) < 1 for r in packed)
+    for a, b in zip(packed, padded, strict=True):
+        for key in ("loss", "grad_norm", "reward"):
             assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-4, abs=1e-7), key

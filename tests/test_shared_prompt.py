@@ -5,7 +5,7 @@ completions are ragged (one of 1 token, one cut at the length cap). Through the 
 share_prompt true and false: per-token log-probs, entropies and every trainable gradient (LoRA and full fine-tuning)
 equal <= 1e-5 relative, for G in {2, 8}, and with offload (its real copy path) and 16-token sequence tiles on a
 prompt longer than a tile. TRL's own loss on a generated batch, the same. Under 2-process ZeRO-2 / ZeRO-3:
-tests/test_packing.py::test_zero_two_processes_packed_matches_padded (its packed runs share). The layout can
+tests/test_distributed.py::test_zero_packed_matches_padded (its packed runs share). The layout can
 fail: a completion that does not see its prompt changes its log-probs.
 
     OMP_NUM_THREADS=1 pytest tests/test_shared_prompt.py -q
