@@ -20,14 +20,24 @@ from support.launch import ROOT, WORKERS, child_env, free_port, run_process_grou
 pytestmark = pytest.mark.distributed
 
 
+CASES = ("tiny-llama", "tiny-qwen3-moe", "tiny-gpt-oss:full")
+
+
 @pytest.fixture(scope="module")
-def sp_results(tmp_path_factory):
+def sp_runs(tmp_path_factory):
+    """One launch of the worker for every case below (model -> each rank's results): one start-up instead of three."""
     out = tmp_path_factory.mktemp("sp") / "sp.pt"
     cmd = [sys.executable, os.path.join(WORKERS, "sequence_parallel_worker.py"), "--offload",
-           "--out", str(out), "--port", str(free_port())]
-    result = run_process_group(cmd, 300, cwd=ROOT, env=child_env())
+           "--out", str(out), "--port", str(free_port()), "--cases", *CASES]
+    result = run_process_group(cmd, 400, cwd=ROOT, env=child_env())
     assert result.returncode == 0, result.stderr[-4000:]
-    return [torch.load(f"{out}.rank{rank}") for rank in (0, 1)]
+    models = [case.partition(":")[0] for case in CASES]
+    return {m: [torch.load(f"{out}.{m}.rank{rank}") for rank in (0, 1)] for m in models}
+
+
+@pytest.fixture(scope="module")
+def sp_results(sp_runs):
+    return sp_runs["tiny-llama"]
 
 
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
@@ -72,19 +82,15 @@ def test_sp2_equals_one_process(sp_results):
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-gpt-oss"])
-def test_sp2_moe_equals_one_process(tmp_path, model):
+def test_sp2_moe_equals_one_process(sp_runs, model):
     """SP x MoE: the MoE twins (router loss off: SP refuses it) through the same worker with offload on each shard:
     log-probs, entropies, loss and grads equal one process's. Qwen3-MoE: LoRA (PEFT's adapters on q, v and every
     expert's down_proj). gpt-oss: full fine-tuning, so its sinks, sharded with their heads after the all-to-all, get
     gradients, and its sliding layers' windows (4 tokens) cross the 8-token tiles and the shard boundary. Both
-    re-run their layers in Ulysses' shard tiles (parallel/ulysses_tiles.py: sinks and windows since issue 36)."""
-    out = tmp_path / "sp.pt"
+    re-run their layers in Ulysses' shard tiles (parallel/ulysses_tiles.py: sinks and windows since issue 36). They
+    run after tiny-llama's case in the same processes, so SP's removal there is checked again here."""
     qwen = model == "tiny-qwen3-moe"
-    cmd = [sys.executable, os.path.join(WORKERS, "sequence_parallel_worker.py"), "--offload", "--model",
-           model, *([] if qwen else ["--full"]), "--out", str(out), "--port", str(free_port())]
-    result = run_process_group(cmd, 300, cwd=ROOT, env=child_env())
-    assert result.returncode == 0, result.stderr[-4000:]
-    for r in (torch.load(f"{out}.rank{rank}") for rank in (0, 1)):
+    for r in sp_runs[model]:
         ref, sp, scored = r["ref"], r["sp"], r["mask"].bool()
         assert sp["sp_calls"] == 2 and sp["layer_tiles"] and all(n > 1 for n in sp["layer_tiles"])
         assert qwen or any(n.endswith("sinks") for n in ref["grads"])

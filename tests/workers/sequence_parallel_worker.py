@@ -1,13 +1,16 @@
 """Worker for tests/test_sequence_parallel.py: each of 2 processes builds the same tiny-llama LoRA trainer and the same
 batch (completions of unequal length), computes log-probs, TRL's loss and LoRA grads alone (the reference: one
 process, no SP); then, over gloo, the same with Ulysses SP = 2 (the group-shared layout: each row split along T
-between the two). The SP grads are averaged over the ranks, as the data-parallel engine does. Both are measured again
-under bf16 and fp16 CPU autocast (`half`). Each rank writes OUT.rankR.
+between the two). The SP grads are averaged over the ranks, as the data-parallel engine does. tiny-llama's are measured
+again under bf16 and fp16 CPU autocast (`half`). Each case (a model, `:full` for full fine-tuning) runs in turn in the
+same two processes (one start-up for all: ~35 s of imports per launch on the 2-core CI machine), its trainer closed and
+SP removed before the next; each rank writes OUT.MODEL.rankR.
 
-    python tests/workers/sequence_parallel_worker.py --out /tmp/sp.pt [--offload] [--model tiny-qwen3-moe] [--full]
+    python tests/workers/sequence_parallel_worker.py --out /tmp/sp.pt [--offload] --cases tiny-llama tiny-gpt-oss:full
 """
 
 import argparse
+import gc
 import os
 import sys
 
@@ -24,8 +27,15 @@ def base_model(trainer):
     return getattr(trainer.model, "get_base_model", lambda: trainer.model)()
 
 
-def rank_main(rank, world, out, port, offload, model, full):
+def rank_main(rank, world, out, port, offload, cases):
     torch.set_num_threads(1)
+    for case in cases:
+        model, _, full = case.partition(":")
+        run_case(rank, world, f"{out}.{model}.rank{rank}", port, offload, model, full == "full")
+        gc.collect()  # the case's trainer goes, and its patches with it, before the next one builds its own
+
+
+def run_case(rank, world, out, port, offload, model, full):
     import tempfile
 
     from support.trainers import grads_of, make_trainer, one_batch
@@ -70,12 +80,14 @@ def rank_main(rank, world, out, port, offload, model, full):
             loss, grads = grads_of(trainer, inputs)
         return {"logps": lp.float(), "entropy": ent.float(), "loss": loss.float(), "grads": grads}
 
+    half = HALF if model == "tiny-llama" else {}
     ref = measure()
-    ref["half"] = {name: measure(dtype) for name, dtype in HALF.items()}
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    prepare_cpu_processes()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    ref["half"] = {name: measure(dtype) for name, dtype in half.items()}
+    if not torch.distributed.is_initialized():  # the first case's reference ran alone, as every later one does
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        prepare_cpu_processes()
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     registry_before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
@@ -94,7 +106,7 @@ def rank_main(rank, world, out, port, offload, model, full):
     sp = measure()
     sp["sp_calls"], sp["shard_lengths"], sp["shard_rows"] = len(calls), list(shards), list(shard_rows)
     sp["layer_tiles"] = list(layer_tiles)
-    sp["half"] = {name: measure(dtype) for name, dtype in HALF.items()}  # after the counts above: they are fp32's
+    sp["half"] = {name: measure(dtype) for name, dtype in half.items()}  # after the counts above: they are fp32's
     sp["sdpa_patched"] = dict(ALL_ATTENTION_FUNCTIONS._local_mapping) != registry_before
     sp["sp_head_installed"] = getattr(base_model(trainer).forward, "accel_labels_kwarg", None) == \
         "accel_sp_targets"
@@ -105,8 +117,8 @@ def rank_main(rank, world, out, port, offload, model, full):
     for g in [*sp["grads"].values(), *(g for h in sp["half"].values() for g in h["grads"].values())]:
         torch.distributed.all_reduce(g)  # the data-parallel engine's mean over the ranks
         g /= world
-    torch.save({"ref": ref, "sp": sp, "mask": inputs["completion_mask"], "row_tokens": mask.sum(1)},
-               f"{out}.rank{rank}")
+    tiled_sp.backward = tiled_backward
+    torch.save({"ref": ref, "sp": sp, "mask": inputs["completion_mask"], "row_tokens": mask.sum(1)}, out)
     torch.distributed.barrier()
 
 
@@ -115,10 +127,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--port", type=int, default=29523)
     ap.add_argument("--offload", action="store_true")
-    ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--full", action="store_true", help="full fine-tuning (gpt-oss: its sinks get gradients)")
+    ap.add_argument("--cases", nargs="+", default=["tiny-llama"],
+                    help="models in turn; MODEL:full for full fine-tuning (gpt-oss: its sinks get gradients)")
     a = ap.parse_args()
-    mp.spawn(rank_main, args=(2, a.out, a.port, a.offload, a.model, a.full), nprocs=2)
+    mp.spawn(rank_main, args=(2, a.out, a.port, a.offload, a.cases), nprocs=2)
 
 
 if __name__ == "__main__":
