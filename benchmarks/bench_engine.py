@@ -292,4 +292,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from grpo_accel.core.process_exit import exit_without_teardown
+
+    exit_without_teardown(main())  # the stack's teardown is seconds of a core per process

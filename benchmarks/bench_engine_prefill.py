@@ -236,4 +236,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from grpo_accel.core.process_exit import exit_without_teardown
+
+    exit_without_teardown(main())  # the stack's teardown is seconds of a core per process
