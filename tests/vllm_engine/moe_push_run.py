@@ -52,4 +52,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from grpo_accel.core.process_exit import exit_without_teardown
+
+    exit_without_teardown(main())  # vLLM's and the stack's teardown is seconds of a core per process

@@ -92,4 +92,6 @@ def push_slope(engine, peft_model, pushes: int = 120, window: int = 100) -> floa
 
 
 if __name__ == "__main__":
-    main()
+    from grpo_accel.core.process_exit import exit_without_teardown
+
+    exit_without_teardown(main())  # vLLM's and the stack's teardown is seconds of a core per process
