@@ -29,7 +29,8 @@ GOALS_S = {"train_help": 3.0, "presets": 2.0, "plan_h100_110k": 5.0}
 
 
 def commands(tree: Path) -> dict[str, list[str]]:
-    cli = ["-c", "import sys; from grpo_accel.app.cli import main; sys.exit(main())"]
+    # what the `grpo-accel` console script runs (console_main; main where a --ref commit predates it)
+    cli = ["-c", "import sys; from grpo_accel.app import cli; sys.exit(getattr(cli, 'console_main', cli.main)())"]
     return {"python_pass": ["-c", "pass"],
             "train_help": [str(tree / "launch" / "train.py"), "--help"],
             "presets": [*cli, "presets"],

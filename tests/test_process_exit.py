@@ -63,3 +63,16 @@ def test_the_control_ending_loses_them(tmp_path):
 def test_exit_code(tmp_path, code):
     prog = f"from grpo_accel.core.process_exit import exit_without_teardown; exit_without_teardown({code})"
     assert subprocess.run([sys.executable, "-c", prog], timeout=60).returncode == (code or 0)
+
+
+def test_an_idle_thread_pool_does_not_hold_the_exit(tmp_path):
+    """A ThreadPoolExecutor's workers are non-daemon threads that wait for work until the interpreter's own shutdown
+    tells them to stop (threading's atexit hooks, before it joins them): joining them first waits forever (server
+    mode's read-ahead pool hung a rank of a 2-process launch this way)."""
+    prog = ("from concurrent.futures import ThreadPoolExecutor\n"
+            "from grpo_accel.core.process_exit import exit_without_teardown\n"
+            "pool = ThreadPoolExecutor(1)\n"
+            "pool.submit(print, 'ran').result()\n"
+            "exit_without_teardown(4)\n")
+    proc = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 4 and proc.stdout == "ran\n", proc.stderr

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import sys
 from collections.abc import Callable
 
 from grpo_accel.core.units import GIB
@@ -244,5 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     return run_guarded(args.handler, args)
 
 
+def console_main() -> None:
+    """The `grpo-accel` command: main(), then the process ends without the interpreter's teardown of what `plan`
+    imported (core/process_exit.py). main() itself returns, for callers in a process of their own (the tests)."""
+    from grpo_accel.core.process_exit import exit_without_teardown
+
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

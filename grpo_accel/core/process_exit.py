@@ -6,7 +6,8 @@ machine (user time 21.5-25.0 s exiting normally, 18.7-19.0 s exiting here; 2026-
 pays it, and the test tiers start a few hundred such processes. The operating system takes the memory back anyway;
 what teardown does that matters is done here first, in the order finalization does it:
 
-1. wait for the non-daemon threads (finalization's first step),
+1. wait for the non-daemon threads (finalization's first step, threading's own: its atexit hooks first, which tell
+   a ThreadPoolExecutor's idle workers to stop; joining them before that waits forever),
 2. run the atexit handlers (wandb's finish, logging's flush, torch's),
 3. flush every file object still open for writing: one left unclosed by a library would otherwise lose its buffer,
    which teardown flushes when it frees the object,
@@ -28,13 +29,11 @@ import threading
 
 def exit_without_teardown(code: int | None) -> None:
     """Exit with `code` (None: 0) after everything finalization does that can write anything."""
-    run_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's; elsewhere take the normal exit
-    if run_handlers is None:
+    # CPython's own two steps of finalization; elsewhere take the normal exit
+    join_threads, run_handlers = getattr(threading, "_shutdown", None), getattr(atexit, "_run_exitfuncs", None)
+    if join_threads is None or run_handlers is None:
         sys.exit(code)
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    join_threads()
     run_handlers()
     for obj in gc.get_objects():
         if isinstance(obj, io.IOBase) and obj not in (sys.stdout, sys.stderr):
