@@ -36,7 +36,9 @@ def exit_without_teardown(code: int | None) -> None:
     join_threads()
     run_handlers()
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase) and obj not in (sys.stdout, sys.stderr):
+        # by type: isinstance on an instance asks it for __class__, which some modules' deprecated objects answer
+        # with a warning (torch.distributed.reduce_op)
+        if issubclass(type(obj), io.IOBase) and obj is not sys.stdout and obj is not sys.stderr:
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()
