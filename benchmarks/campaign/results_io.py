@@ -46,6 +46,26 @@ def write_results(rows: list[dict], path: Path, meta: tuple[str, str, str], plot
     return all_rows
 
 
+def cpu_model() -> str:
+    """The CPU's name, family/model and torch's kernel level: CI's 2-core machines differ 2-3x run to run (an AVX2
+    Zen 2 EPYC, an AVX-512 Zen 5 EPYC, a Xeon), so a CPU figure names the machine it was read on."""
+    import torch
+
+    info: dict[str, str] = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+            if not line.strip():
+                break
+    except OSError:
+        pass
+    name = info.get("model name", "unknown CPU")
+    if "cpu family" in info:
+        name += f" family {info['cpu family']} model {info.get('model', '?')}"
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def run_meta(device: str, packages=("torch", "trl")) -> tuple[str, str, str]:
     """(versions, git sha, device description) for the CSV's columns."""
     import importlib
@@ -66,7 +86,7 @@ def run_meta(device: str, packages=("torch", "trl")) -> tuple[str, str, str]:
     if device == "cuda":
         dev = torch.cuda.get_device_name()
     else:
-        dev = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        dev = f"cpu ({cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
     return " ".join(versions), sha or "unknown", dev
 
 
