@@ -119,6 +119,10 @@ def test_carried_groups_train_as_trls_trainer_fed_the_same_rows_and_rollouts(tmp
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert max(h["rollouts/carried_completions"] for h in logs) > 0
     assert "sampling/importance_sampling_ratio/mean" in logs[0]
+    # the decode rounds are the step's generation phase: a round of transformers' continuous batching, even of a
+    # tiny model, is tens of milliseconds (time/generation_s is rounded to the millisecond)
+    decoded = [h["time/generation_s"] for h in logs if h["rollouts/rounds"] > 0]
+    assert decoded and min(decoded) >= 0.01, [(h["rollouts/rounds"], h["time/generation_s"]) for h in logs]
 
     reference = trls(tmp_path / "trl", seen)
     reference.train()

@@ -115,7 +115,7 @@ def generate_and_score(trainer, inputs: list[dict], score):
     running = sum(1 for g in rollouts.buffer.groups for r in g.rollouts if not r.finished)
     longest = max(len(g.prompt_ids) for g in rollouts.buffer.groups)
     stack, unwrapped = _generation_context(trainer)
-    with stack:
+    with trainer._phase("generation"), stack:  # the rounds are this step's generation (time/generation_s)
         ready, dropped = rollouts.step(len(unique), version, _decoder(trainer, unwrapped, running, longest))
         unwrapped.train()
     if dropped:
