@@ -147,16 +147,21 @@ def tiny():
 
 
 def test_budgeted_rounds_continue_the_completion_one_decode_would_give(tiny):
-    """Greedy: rounds of 4 tokens (each prefilling prompt + partial again) against one 12-token decode."""
+    """Greedy: rounds of 5 tokens (each prefilling prompt + partial again; the last one 2, the completion limit)
+    against one 12-token decode."""
     model, tok, gen, cb = tiny
     prompt = tok("What is 2 + 3?")["input_ids"]
-    decode = paged_decode(model, gen, cb)
-    whole, _, _ = decode([prompt], [12])[0]
-    r = BudgetedRollouts(num_generations=1, budget=4, max_completion_length=12)
+    with paged_decode(model, gen, cb) as decode:
+        whole, _, _ = decode([prompt], [12])[0]
+        # one round holds sequences with other limits (those near the completion limit): each stops at its own
+        short, longer = decode([prompt, prompt], [3, 7])
+    assert len(whole) == 12 and short[0] == whole[:3] and longer[0] == whole[:7]
+    r = BudgetedRollouts(num_generations=1, budget=5, max_completion_length=12)
     r.add_prompts([prompt])
-    ready, _ = r.step(1, version=0, decode=decode)
+    with paged_decode(model, gen, cb) as decode:
+        ready, _ = r.step(1, version=0, decode=decode)
     got = ready[0].rollouts[0]
-    assert r.stats["rounds"] == (len(whole) + 3) // 4 and got.completion_ids == whole
+    assert r.stats["rounds"] == 3 and got.completion_ids == whole  # rounds of 5, 5 and 2
 
 
 def test_behaviour_logprobs_are_the_sampling_distributions_after_temperature(tiny):
@@ -172,7 +177,8 @@ def test_behaviour_logprobs_are_the_sampling_distributions_after_temperature(tin
     torch.manual_seed(1)
     r = BudgetedRollouts(num_generations=2, budget=3, max_completion_length=10)
     r.add_prompts([prompt])
-    ready, _ = r.step(1, version=0, decode=paged_decode(model, gen, cb))
+    with paged_decode(model, gen, cb) as decode:
+        ready, _ = r.step(1, version=0, decode=decode)
 
     def reference(m, ids, dtype):
         with torch.no_grad():

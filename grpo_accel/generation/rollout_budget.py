@@ -20,12 +20,15 @@ costs another decode round (RolloutBuffer's rule: the bias toward short completi
 (new token ids, their behaviour log-probs, ended by EOS). A paused completion is continued by prefilling prompt +
 partial completion again: each carry costs a prefill of that sequence (no decode step), against the pool pages a
 kept sequence would hold through the optimizer step. `paged_decode` is transformers' continuous batching with its
-own log-probs (`return_logprobs`: log-softmax of the processed scores, as vLLM's processed_logprobs).
+own log-probs (`return_logprobs`: log-softmax of the processed scores, as vLLM's processed_logprobs), one manager
+for all of a step's rounds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import time
 from collections.abc import Callable
 
 from grpo_accel.generation.rollouts import Rollout, RolloutBuffer, RolloutGroup
@@ -115,10 +118,16 @@ class BudgetedRollouts:
         self.next_group_id, self.stats, self.ahead = state["next_group_id"], dict(state["stats"]), state["ahead"]
 
 
-def paged_decode(model, generation_config, cb_config=None) -> Decode:
-    """`decode` through transformers' continuous batching (`generate_batch`) with its log-probs: the route
-    `continuous_batching`'s producer. Sequences with the same limit go in one call (all but those near the
-    completion limit share the budget). EOS: the generation config's eos_token_id(s)."""
+@contextlib.contextmanager
+def paged_decode(model, generation_config, cb_config=None, timeout_s: float = 600.0):
+    """`with paged_decode(model, generation_config, cb_config) as decode:` the route `continuous_batching`'s producer:
+    transformers' continuous batching with its own log-probs (`return_logprobs`), one manager for every round of a
+    step, each sequence with its own limit. EOS: the generation config's eos_token_id(s).
+
+    Why not `generate_batch` per round: each call starts a manager and its thread, and its teardown runs
+    `gc.collect()` twice (0.36 s in a bare process, more in a trainer's); a budgeted step runs several rounds, and
+    sequences near the completion limit have other limits than the budget (one call each). One manager per step pays
+    that once, as the unbudgeted route's one `generate_batch` does. The weights do not change inside a step."""
     import torch
     from transformers.generation import ContinuousBatchingConfig
 
@@ -126,29 +135,41 @@ def paged_decode(model, generation_config, cb_config=None) -> Decode:
 
     eos = generation_config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    gen = copy.deepcopy(generation_config)
+    gen.num_return_sequences = 1
     cfg = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
     cfg.return_logprobs = True
+    with stock_attention(model), torch.no_grad():
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
+        manager.start()
 
-    def decode(sequences: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float], bool]]:
-        out: list = [None] * len(sequences)
-        for limit in sorted(set(limits)):
-            idx = [i for i, n in enumerate(limits) if n == limit]
-            gen = copy.deepcopy(generation_config)
-            gen.max_new_tokens, gen.num_return_sequences = limit, 1
-            with stock_attention(model), torch.no_grad():
-                results = model.generate_batch([sequences[i] for i in idx], generation_config=gen,
-                                               continuous_batching_config=cfg, progress_bar=False)
-            results = list(results.values())
-            failed = [o.error for o in results if getattr(o, "error", None) is not None]
-            if len(results) != len(idx) or failed:
-                raise RuntimeError(f"transformers' generate_batch returned {len(results)} of {len(idx)} continuations "
-                                   f"({failed[:3]}); its log says why")
-            for i, o in zip(idx, results):
-                ids = list(o.generated_tokens)
-                out[i] = (ids, [float(x) for x in o.logprobs], bool(ids) and ids[-1] in eos)
-        return out
+        def decode(sequences: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float], bool]]:
+            ids = [manager.add_request(list(seq), max_new_tokens=limit) for seq, limit in zip(sequences, limits)]
+            done: dict = {}
+            deadline = time.monotonic() + timeout_s
+            while len(done) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    done[result.request_id] = result
+                elif result is None and (not manager.is_running() or time.monotonic() > deadline):
+                    raise RuntimeError(f"transformers' continuous batching returned {len(done)} of {len(ids)} "
+                                       "continuations (its thread stopped, or no token for "
+                                       f"{timeout_s:.0f} s); its log says why")
+            failed = [o.error for o in done.values() if getattr(o, "error", None) is not None]
+            if failed:
+                raise RuntimeError(f"transformers' continuous batching failed {len(failed)} continuation(s): "
+                                   f"{failed[:3]}")
+            out = []
+            for i in ids:
+                tokens = list(done[i].generated_tokens)
+                out.append((tokens, [float(x) for x in done[i].logprobs], bool(tokens) and tokens[-1] in eos))
+            return out
 
-    return decode
+        try:
+            yield decode
+        finally:
+            manager.stop(block=True, timeout=30)
+            manager.destroy()
 
 
 __all__ = ["BudgetedRollouts", "Decode", "paged_decode"]

@@ -116,7 +116,8 @@ def generate_and_score(trainer, inputs: list[dict], score):
     longest = max(len(g.prompt_ids) for g in rollouts.buffer.groups)
     stack, unwrapped = _generation_context(trainer)
     with trainer._phase("generation"), stack:  # the rounds are this step's generation (time/generation_s)
-        ready, dropped = rollouts.step(len(unique), version, _decoder(trainer, unwrapped, running, longest))
+        with _decoder(trainer, unwrapped, running, longest) as decode:
+            ready, dropped = rollouts.step(len(unique), version, decode)
         unwrapped.train()
     if dropped:
         log(f"rollout_budget: step {version} dropped {len(dropped)} group(s) past max_staleness "
@@ -133,8 +134,7 @@ def carried_single_turn(trainer, prompt_ids) -> tuple[list[list[int]], list[list
     (evaluation)."""
     if trainer._carried is None:  # evaluation: every token from this policy, nothing carried
         stack, unwrapped = _generation_context(trainer)
-        with stack:
-            decode = _decoder(trainer, unwrapped, len(prompt_ids), max(map(len, prompt_ids)))
+        with stack, _decoder(trainer, unwrapped, len(prompt_ids), max(map(len, prompt_ids))) as decode:
             out = decode([list(p) for p in prompt_ids], [trainer.args.max_completion_length] * len(prompt_ids))
             unwrapped.train()
         return [ids for ids, _, _ in out], [[math.nan] * len(ids) for ids, _, _ in out]
