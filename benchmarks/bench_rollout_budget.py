@@ -1,20 +1,19 @@
 """A step that does not wait for its longest completion (issue 53, item 5): the same LoRA run on route
-continuous_batching with `--rollout_budget` off and on, on a task whose completion lengths have a long tail.
+continuous_batching with `--rollout_budget` off and on, on a task whose completion lengths have a long tail, beside
+TRL's own way to decode more per generation (`--steps_per_generation 2`: one generation batch for two optimizer
+steps, the second trained one policy version later under TRL's clipped ratio).
 
-    .venv/bin/python benchmarks/bench_rollout_budget.py --steps 8 --seeds 0 1      # nothing else running
+    .venv/bin/python benchmarks/bench_rollout_budget.py --steps 8 --seeds 0 1 2      # nothing else running
 
-The embedded SmolLM2-135M-Instruct in fp32, LoRA r 16, the arithmetic demo task with a completion limit well above
-its median (the demo's first steps: completions that end do so after 13-15 tokens, half run to the limit), 2 prompts
-x 4 completions per step. Each run is launch/train.py as a user starts it (one thread). Per run: wall time per step
-(the median after the first two: the budget's first step has only its own groups in flight), generation time per
-step, completion lengths, decode rounds, the fraction of decode slots that produced a token (`rollouts/slot_use`;
-budget off: mean length / longest length of the step's batch, the same measure for one round), completions carried,
+The embedded SmolLM2-135M-Instruct in fp32, LoRA r 16, the arithmetic demo task with a completion limit (96) well
+above the length of the completions that end (the demo's first steps: 13-15 tokens, while a quarter to a half run to
+the limit), 2 prompts x 4 completions per step. Each run is launch/train.py as a user starts it. Per run: seconds per
+step over the whole run (the training loop's time / steps: a budget's steps alternate between decoding two batches'
+rounds and handing over groups already complete, so a median would mislead), generation seconds per step,
+completion lengths, decode rounds, the fraction of decode slots that produced a token (`rollouts/slot_use`; without a
+budget: mean length / longest length of the step's batch, the same measure for one round), completions carried,
 groups dropped past max_staleness, and the held-out accuracy after the run (`--eval_size`, greedy). Writes
 benchmarks/results/rollout_budget.csv (long format) and rollout_budget.png.
-
-Not yet measured: its first run (2026-11-28, --steps 8 --completion-length 96, 2 threads) had not finished the
-budget-off run after ~25 min (the held-out evaluation before training done, no step logged) and was stopped; find
-where the time goes (one step's phases: `time/generation_s`) at smaller sizes before quoting a figure.
 """
 
 from __future__ import annotations
@@ -36,22 +35,30 @@ from campaign.results_io import ROOT, run_meta, write_results  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "rollout_budget.csv"
 
 
-def train(budget: int, seed: int, args, out: Path) -> tuple[list[dict], dict, float]:
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--model_dtype", "float32", "--train_size", "256",
+IMPLS = {"budget_off": [], "trl_steps_per_generation_2": ["--steps_per_generation", "2"],
+         "budget_16": ["--rollout_budget", "16"]}
+
+
+def command(impl: str, seed: int, args, out: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "launch" / "train.py"), "--model_dtype", "float32", "--train_size", "256",
            "--eval_size", str(args.eval_size), "--eval_max_new_tokens", str(args.completion_length),
            "--max_completion_length", str(args.completion_length),
            "--num_generations", "4", "--per_device_train_batch_size", str(4 * args.prompts),
            "--max_steps", str(args.steps), "--save_steps", "1000", "--logging_steps", "1", "--seed", str(seed),
-           "--use_transformers_continuous_batching", "true", "--rollout_budget", str(budget),
+           "--use_transformers_continuous_batching", "true", *IMPLS[impl],
            "--output_dir", str(out), "--report_to", "none"]
+
+
+def train(impl: str, seed: int, args, out: Path) -> tuple[list[dict], dict, float]:
+    cmd = command(impl, seed, args, out)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", WANDB_MODE="offline",
                TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"error: the budget-{budget} run (seed {seed}) failed:\n{proc.stderr[-3000:]}")
-    print(f"[train] budget {budget}, seed {seed}: {args.steps} steps in {wall:.0f} s (whole process)", flush=True)
+        raise SystemExit(f"error: the {impl} run (seed {seed}) failed:\n{proc.stderr[-3000:]}")
+    print(f"[train] {impl}, seed {seed}: {args.steps} steps in {wall:.0f} s (whole process)", flush=True)
     with open(out / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("loss")]
     summary = json.loads((out / "summary.json").read_text())
@@ -69,66 +76,74 @@ def plot(rows: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    want = [r for r in rows if r["metric"] in ("step_s_median", "generation_s_median")]
+    want = [r for r in rows if r["metric"] in ("step_s_mean", "generation_s_mean")]
     impls = list(dict.fromkeys(r["impl"] for r in want))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, metric in enumerate(("step_s_median", "generation_s_median")):
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, metric in enumerate(("step_s_mean", "generation_s_mean")):
         vals = [statistics.mean([float(r["value"]) for r in want if r["impl"] == impl and r["metric"] == metric]
                                 or [0.0]) for impl in impls]
-        ax.bar([x + 0.4 * i for x in range(len(impls))], vals, 0.4, label=metric.replace("_median", ""))
+        ax.bar([x + 0.4 * i for x in range(len(impls))], vals, 0.4, label=metric.replace("_mean", ""))
     ax.set_xticks([x + 0.2 for x in range(len(impls))], impls)
-    ax.set_ylabel("seconds per step (median, mean over seeds)")
+    ax.set_ylabel("seconds per step (mean over the run and seeds)")
     ax.set_title("route continuous_batching, long-tailed completions")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--completion-length", type=int, default=96)
-    p.add_argument("--budgets", type=int, nargs="+", default=[0, 16])
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--prompts", type=int, default=2, help="prompts per step (4 completions each)")
     p.add_argument("--eval-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench_rollout_budget_"))
     rows = []
     for seed in args.seeds:
-        for budget in args.budgets:
-            got, summary, wall = train(budget, seed, args, tmp / f"budget{budget}-seed{seed}")
-            later = got[2:]
-            step = statistics.median(_f(r, "step_time") for r in later)
-            gen = statistics.median(_f(r, "time/generation_s") for r in later)
-            if budget:
-                slot_use = statistics.mean(_f(r, "rollouts/slot_use") for r in later)
+        for impl in args.impls:  # alternating, so a change of the machine's speed touches every impl alike
+            got, summary, wall = train(impl, seed, args, tmp / f"{impl}-seed{seed}")
+            step = summary["train_seconds"] / len(got)
+            gen = statistics.mean(_f(r, "time/generation_s") for r in got)
+            if impl.startswith("budget_") and impl != "budget_off":
+                slot_use = statistics.mean(_f(r, "rollouts/slot_use") for r in got if _f(r, "rollouts/rounds") > 0)
             else:  # one round at the limit: the batch's tokens over its slots (longest length x completions)
                 slot_use = statistics.mean(_f(r, "completions/mean_length") / _f(r, "completions/max_length")
-                                           for r in later)
-            impl = f"budget_{budget}" if budget else "budget_off"
+                                           for r in got)
             shape = (f"smollm2-135m,fp32,lora-r16,G=4,prompts={args.prompts},C={args.completion_length},"
                      f"steps={args.steps},seed={seed}")
-            metrics = [("step_s_median", step, "s"), ("generation_s_median", gen, "s"),
+            metrics = [("step_s_mean", step, "s"), ("generation_s_mean", gen, "s"),
+                       ("step_s_median", statistics.median(_f(r, "step_time") for r in got), "s"),
                        ("steps_per_hour", 3600 / step, "steps/h"), ("slot_use", slot_use, "fraction"),
                        ("mean_length", statistics.mean(_f(r, "completions/mean_length") for r in got), "tokens"),
                        ("clipped_ratio", statistics.mean(_f(r, "completions/clipped_ratio") for r in got), "fraction"),
                        ("run_wall_s", wall, "s")]
-            if budget:
-                metrics += [("carried_completions", sum(_f(r, "rollouts/carried_completions", 0) for r in got),
+            if "rollouts/rounds" in got[0]:
+                metrics += [("decode_rounds", sum(_f(r, "rollouts/rounds", 0) for r in got), "rounds"),
+                            ("carried_completions", sum(_f(r, "rollouts/carried_completions", 0) for r in got),
                              "completions"),
+                            ("prefill_tokens_again", sum(_f(r, "rollouts/prefill_tokens_again", 0) for r in got),
+                             "tokens"),
                             ("dropped_groups", _f(got[-1], "rollouts/dropped_groups_total", 0), "groups")]
-            after = summary.get("after", {})
-            if "accuracy_lenient" in after:
-                metrics.append(("heldout_accuracy_lenient", after["accuracy_lenient"], "fraction"))
+            for when in ("before", "after"):
+                if "accuracy_lenient" in summary.get(when, {}):
+                    metrics.append((f"heldout_accuracy_lenient_{when}", summary[when]["accuracy_lenient"], "fraction"))
+                    metrics.append((f"heldout_accuracy_strict_{when}", summary[when]["accuracy_strict"], "fraction"))
             rows += [dict(op="rollout_budget_steps", impl=impl, shape=shape, metric=m, value=f"{v:.4g}", unit=u)
                      for m, v, u in metrics]
-            print(f"{impl} seed {seed}: step {step:.2f} s median (generation {gen:.2f} s), slot use {slot_use:.2f}, "
+            after = summary.get("after", {})
+            print(f"{impl} seed {seed}: {step:.2f} s/step (generation {gen:.2f} s), slot use {slot_use:.2f}, "
                   f"held-out accuracy {after.get('accuracy_lenient', float('nan')):.3f}", flush=True)
-    write_results(rows, args.out, run_meta(f"cpu ({args.threads} threads)", packages=("torch", "transformers", "trl")),
-                  plot=plot)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch's import here: the device column names the runs'
+    write_results(rows, args.out, run_meta("cpu", packages=("torch", "transformers", "trl")), plot=plot)
     return 0
 
 
