@@ -141,8 +141,9 @@ def tiny():
         p.data.mul_(8)
     gen = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id)
-    # a pool of a few pages: transformers sizes it from the host's free RAM otherwise (36 s to set up)
-    cb = ContinuousBatchingConfig(num_blocks=16, page_size=32, max_batch_tokens=64)
+    # a pool of a few pages: transformers sizes it from the host's free RAM otherwise (36 s to set up); pages of 4
+    # tokens, so a round's continued sequences get full pages back from the round before (the prefix cache's path)
+    cb = ContinuousBatchingConfig(num_blocks=64, page_size=4, max_batch_tokens=64)
     return model, tok, gen, cb
 
 

@@ -17,11 +17,11 @@ Each token keeps the policy version that sampled it and its behaviour log-prob a
 costs another decode round (RolloutBuffer's rule: the bias toward short completions is counted, not assumed).
 
 `decode(sequences, max_new_tokens)` is the route: for each sequence (prompt + the completion so far) and its limit,
-(new token ids, their behaviour log-probs, ended by EOS). A paused completion is continued by prefilling prompt +
-partial completion again: each carry costs a prefill of that sequence (no decode step), against the pool pages a
-kept sequence would hold through the optimizer step. `paged_decode` is transformers' continuous batching with its
+(new token ids, their behaviour log-probs, ended by EOS). `paged_decode` is transformers' continuous batching with its
 own log-probs (`return_logprobs`: log-softmax of the processed scores, as vLLM's processed_logprobs), one manager
-for all of a step's rounds.
+for all of a step's rounds: inside a step a continued completion gets its pages back from transformers' prefix cache;
+carried into the next step it is prefilled again under the new weights (prompt + partial completion: a prefill, no
+decode step), rather than its pages held in the pool through the optimizer step.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ class BudgetedRollouts:
     def metrics(self) -> dict[str, float]:
         """For the trainer's log, since the last call: decode rounds, the fraction of decode slots that produced a
         token (1.0: the batch full at every decode step), completions carried into a step, prompt + partial tokens
-        prefilled again; and, since the start, the groups dropped past the staleness bound and their tokens."""
+        submitted again (an upper bound on what is prefilled again: inside a step the prefix cache serves their full
+        pages); and, since the start, the groups dropped past the staleness bound and their tokens."""
         s, b = self.stats, self.buffer.stats
         out = {"rollouts/rounds": float(s["rounds"]), "rollouts/carried_completions": float(s["carried_completions"]),
                "rollouts/slot_use": s["decoded_tokens"] / s["round_slot_tokens"] if s["round_slot_tokens"] else 1.0,
@@ -118,6 +119,11 @@ class BudgetedRollouts:
         self.next_group_id, self.stats, self.ahead = state["next_group_id"], dict(state["stats"]), state["ahead"]
 
 
+# Pages of a budgeted step's pool: a continued sequence gets back its full pages, so at most ROUND_PAGE_SIZE - 1 of
+# its tokens are prefilled again per round (transformers' default is 256: a whole completion of the demo's length).
+ROUND_PAGE_SIZE = 16
+
+
 @contextlib.contextmanager
 def paged_decode(model, generation_config, cb_config=None, timeout_s: float = 600.0):
     """`with paged_decode(model, generation_config, cb_config) as decode:` the route `continuous_batching`'s producer:
@@ -127,7 +133,12 @@ def paged_decode(model, generation_config, cb_config=None, timeout_s: float = 60
     Why not `generate_batch` per round: each call starts a manager and its thread, and its teardown runs
     `gc.collect()` twice (0.36 s in a bare process, more in a trainer's); a budgeted step runs several rounds, and
     sequences near the completion limit have other limits than the budget (one call each). One manager per step pays
-    that once, as the unbudgeted route's one `generate_batch` does. The weights do not change inside a step."""
+    that once, as the unbudgeted route's one `generate_batch` does. The weights do not change inside a step, so the
+    pages a round wrote stay valid for the next: transformers' prefix cache (`allow_block_sharing`, its hashes of
+    full pages) hands a continued sequence its full pages back, and only the tokens past its last full page are
+    prefilled again. With the trainer's pages of ROUND_PAGE_SIZE tokens, six rounds of 16 tokens over 16 sequences
+    took 11.8 s against 18.4 s prefilling everything again (SmolLM2-135M, 2 CPU threads, a busy host). A new step's
+    manager starts empty: its rounds prefill the carried tokens under the new weights, as they must."""
     import torch
     from transformers.generation import ContinuousBatchingConfig
 
@@ -139,6 +150,7 @@ def paged_decode(model, generation_config, cb_config=None, timeout_s: float = 60
     gen.num_return_sequences = 1
     cfg = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
     cfg.return_logprobs = True
+    cfg.allow_block_sharing = True  # a round's prompt + partial completion finds its full pages from the round before
     with stock_attention(model), torch.no_grad():
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
         manager.start()

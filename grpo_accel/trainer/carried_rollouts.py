@@ -19,8 +19,9 @@ lists the reads, tests/test_rollouts.py pins them), so the trainer reads `use_vl
 generation never reaches TRL's vLLM branch (`_generate_single_turn` is ours). An evaluation decodes as without a
 budget (one round at the completion limit, nothing carried), every token on-policy.
 
-Route: continuous batching only for now (transformers' `generate_batch` returns each token's log-prob after
-temperature and top-k/top-p); a paused completion continues by prefilling prompt + partial completion again.
+Route: continuous batching only for now (transformers' continuous batching returns each token's log-prob after
+temperature and top-k/top-p); inside a step a continued completion gets its full pages back from transformers' prefix
+cache, carried into the next step it is prefilled again (prompt + partial completion) under the new weights.
 `generate()` cannot pause a completion: it says so in one line and runs as without a budget. Colocated vLLM's
 abort-and-resubmit is not built: a vLLM route refuses the flag.
 Checkpoints hold each rank's rollouts in flight (`rollouts-rank<k>.json`): a resume continues them.
@@ -36,7 +37,7 @@ import torch
 
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError
-from grpo_accel.generation.rollout_budget import BudgetedRollouts, paged_decode
+from grpo_accel.generation.rollout_budget import ROUND_PAGE_SIZE, BudgetedRollouts, paged_decode
 
 
 def attach_rollout_budget(trainer) -> None:
@@ -79,7 +80,7 @@ def _decoder(trainer, unwrapped, sequences: int, prompt_tokens: int):
     from grpo_accel.generation.continuous_batching import paged_config
 
     cfg, _ = paged_config(unwrapped, generation_batch=max(sequences, 1), prompt_tokens=prompt_tokens,
-                          completion_tokens=trainer.args.max_completion_length,
+                          completion_tokens=trainer.args.max_completion_length, page_size=ROUND_PAGE_SIZE,
                           user=dict(trainer.args.transformers_continuous_batching_config or {}))
     return paged_decode(unwrapped, trainer.generation_config, cfg)
 
