@@ -79,6 +79,22 @@ def test_disk_full_while_saving_is_one_clear_line(tmp_path, capsys, monkeypatch)
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
+@pytest.mark.parametrize("rank, local_rank, speaks", [(0, 0, True), (1, 0, True), (1, 1, False)],
+                         ids=["rank0", "second_machines_first", "second_process_of_a_machine"])
+def test_each_machines_first_process_says_the_error(rank, local_rank, speaks, monkeypatch, capsys):
+    """Every rank meets the error; one line a machine (its terminal). A two-machine launch's second machine runs
+    RANK 1 at LOCAL_RANK 0: said by rank 0 alone, it exited 2 without a word."""
+    from grpo_accel.core.errors import ConfigError
+
+    def fails():
+        raise ConfigError("bad flag. Fix: another")
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    assert main_guarded(fails) == 2
+    assert ("error: bad flag. Fix: another" in capsys.readouterr().err) == speaks
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--quantization", "4bit", "--lora_r", "0"], r"^--quantization 4bit trains LoRA adapters only \(QLoRA\)\. Fix: "),
     (["--fp16", "true", "--bf16", "true", "--use_cpu", "true"],  # use_cpu: else "no bf16 GPU" is said first

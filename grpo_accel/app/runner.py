@@ -15,7 +15,13 @@ from grpo_accel.app.report import plot_reward_curve, step_rows, write_json, writ
 from grpo_accel.core import dtypes
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError, UserError, run_guarded
-from grpo_accel.core.processes import launched_processes, local_processes, process_rank, several_processes
+from grpo_accel.core.processes import (
+    launched_processes,
+    local_processes,
+    local_rank,
+    process_rank,
+    several_processes,
+)
 from grpo_accel.core.units import GIB
 from grpo_accel.data.datasets import load_run_data, prompt_lengths
 from grpo_accel.data.models import ModelLoadError, load_model, load_tokenizer
@@ -402,5 +408,6 @@ def _write_artifacts(output_dir: str, rows: list[dict], summary: dict) -> None:
 
 def main_guarded(fn, *args) -> int:
     """`fn(*args)` under core.errors.run_guarded (one `error:` line and exit 2 for what the user can fix), said by
-    rank 0 alone."""
-    return run_guarded(fn, *args, speaks=process_rank() == 0, after_progress=True)
+    each machine's first process: one line a terminal. Said by rank 0 alone, a two-machine launch's second machine
+    exited 2 without a word (the multinode_zero3 loopback launch of tests/test_server_distributed.py)."""
+    return run_guarded(fn, *args, speaks=local_rank() == 0, after_progress=True)

@@ -22,7 +22,7 @@ class ConfigError(UserError, ValueError):
 def run_guarded(fn, *args, speaks: bool = True, after_progress: bool = False) -> int:
     """`fn(*args)`'s exit code; an error the user can fix becomes one `error:` line on stderr and exit code 2: a
     UserError, a full disk, a missing or unreadable path. Anything else is a bug and keeps its traceback.
-    `speaks`: whether this process says the line (one per launch: every rank meets the same error, rank 0 says it);
+    `speaks`: whether this process says the line (one a machine: every rank meets the same error, its first says it);
     `after_progress`: start on a new line (a progress bar may be mid-line). The one handler of `launch/train.py`
     and `grpo-accel`."""
     try:

@@ -28,6 +28,11 @@ def process_rank() -> int:
     return _env_int("RANK", 0)
 
 
+def local_rank() -> int:
+    """This process's rank on its machine (LOCAL_RANK), its global rank where the launcher sets none."""
+    return _env_int("LOCAL_RANK", process_rank())
+
+
 def group_size() -> int:
     """Processes in the running default process group; 1 when none runs."""
     import torch.distributed as dist
