@@ -32,11 +32,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from campaign.results_io import ROOT, run_meta, write_results  # noqa: E402
 
+from grpo_accel.generation.rollout_budget import ROUND_PAGE_SIZE  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "rollout_budget.csv"
 
 
-IMPLS = {"budget_off": [], "trl_steps_per_generation_2": ["--steps_per_generation", "2"],
-         "budget_16": ["--rollout_budget", "16"]}
+# budget_off_page16: today's route with the pages of 16 tokens a budgeted step's pool has (rollout_budget.py
+# ROUND_PAGE_SIZE), so the budget's figure is not credited with what the page size alone gives
+IMPLS = {"budget_off": [],
+         "budget_off_page16": ["--transformers_continuous_batching_config", json.dumps({"page_size": ROUND_PAGE_SIZE})],
+         "trl_steps_per_generation_2": ["--steps_per_generation", "2"], "budget_16": ["--rollout_budget", "16"]}
 
 
 def command(impl: str, seed: int, args, out: Path) -> list[str]:
@@ -50,6 +55,10 @@ def command(impl: str, seed: int, args, out: Path) -> list[str]:
 
 
 def train(impl: str, seed: int, args, out: Path) -> tuple[list[dict], dict, float]:
+    done = out / "bench_wall_s"
+    if done.exists():  # --runs-dir: a run a killed or earlier invocation finished is read, not made again
+        print(f"[train] {impl}, seed {seed}: read from {out}", flush=True)
+        return _read(out) + (float(done.read_text()),)
     cmd = command(impl, seed, args, out)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", WANDB_MODE="offline",
                TOKENIZERS_PARALLELISM="false")
@@ -59,10 +68,14 @@ def train(impl: str, seed: int, args, out: Path) -> tuple[list[dict], dict, floa
     if proc.returncode != 0:
         raise SystemExit(f"error: the {impl} run (seed {seed}) failed:\n{proc.stderr[-3000:]}")
     print(f"[train] {impl}, seed {seed}: {args.steps} steps in {wall:.0f} s (whole process)", flush=True)
+    done.write_text(f"{wall:.3f}")
+    return _read(out) + (wall,)
+
+
+def _read(out: Path) -> tuple[list[dict], dict]:
     with open(out / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("loss")]
-    summary = json.loads((out / "summary.json").read_text())
-    return rows, summary, wall
+    return rows, json.loads((out / "summary.json").read_text())
 
 
 def _f(row: dict, key: str, default: float = float("nan")) -> float:
@@ -83,7 +96,7 @@ def plot(rows: list[dict], png: Path) -> None:
         vals = [statistics.mean([float(r["value"]) for r in want if r["impl"] == impl and r["metric"] == metric]
                                 or [0.0]) for impl in impls]
         ax.bar([x + 0.4 * i for x in range(len(impls))], vals, 0.4, label=metric.replace("_mean", ""))
-    ax.set_xticks([x + 0.2 for x in range(len(impls))], impls)
+    ax.set_xticks([x + 0.2 for x in range(len(impls))], impls, rotation=12, ha="right", fontsize=8)
     ax.set_ylabel("seconds per step (mean over the run and seeds)")
     ax.set_title("route continuous_batching, long-tailed completions")
     ax.legend()
@@ -101,30 +114,36 @@ def parse_args(argv=None):
     p.add_argument("--eval-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--runs-dir", type=Path, default=None,
+                   help="where the runs go (default: a new temporary folder); runs finished there are read, not redone")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="bench_rollout_budget_"))
+    tmp = args.runs_dir or Path(tempfile.mkdtemp(prefix="bench_rollout_budget_"))
+    print(f"runs in {tmp}", flush=True)
     rows = []
     for seed in args.seeds:
         for impl in args.impls:  # alternating, so a change of the machine's speed touches every impl alike
             got, summary, wall = train(impl, seed, args, tmp / f"{impl}-seed{seed}")
             step = summary["train_seconds"] / len(got)
-            gen = statistics.mean(_f(r, "time/generation_s") for r in got)
-            if impl.startswith("budget_") and impl != "budget_off":
+            # a step that generated nothing (TRL's second step of a generation batch) logs no generation figures
+            gen = statistics.mean(_f(r, "time/generation_s", 0.0) for r in got)
+            generated = [r for r in got if _f(r, "completions/max_length") == _f(r, "completions/max_length")]
+            if "rollouts/rounds" in got[0]:
                 slot_use = statistics.mean(_f(r, "rollouts/slot_use") for r in got if _f(r, "rollouts/rounds") > 0)
             else:  # one round at the limit: the batch's tokens over its slots (longest length x completions)
                 slot_use = statistics.mean(_f(r, "completions/mean_length") / _f(r, "completions/max_length")
-                                           for r in got)
+                                           for r in generated)
             shape = (f"smollm2-135m,fp32,lora-r16,G=4,prompts={args.prompts},C={args.completion_length},"
                      f"steps={args.steps},seed={seed}")
             metrics = [("step_s_mean", step, "s"), ("generation_s_mean", gen, "s"),
                        ("step_s_median", statistics.median(_f(r, "step_time") for r in got), "s"),
                        ("steps_per_hour", 3600 / step, "steps/h"), ("slot_use", slot_use, "fraction"),
-                       ("mean_length", statistics.mean(_f(r, "completions/mean_length") for r in got), "tokens"),
-                       ("clipped_ratio", statistics.mean(_f(r, "completions/clipped_ratio") for r in got), "fraction"),
+                       ("mean_length", statistics.mean(_f(r, "completions/mean_length") for r in generated), "tokens"),
+                       ("clipped_ratio", statistics.mean(_f(r, "completions/clipped_ratio") for r in generated),
+                        "fraction"),
                        ("run_wall_s", wall, "s")]
             if "rollouts/rounds" in got[0]:
                 metrics += [("decode_rounds", sum(_f(r, "rollouts/rounds", 0) for r in got), "rounds"),

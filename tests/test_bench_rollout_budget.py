@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from grpo_accel.app.run_spec import resolve_run_spec
+from grpo_accel.generation.rollout_budget import ROUND_PAGE_SIZE
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rollout_budget.py"
 
@@ -21,12 +22,15 @@ def bench(monkeypatch):
 
 def test_each_variant_is_the_run_its_name_says(bench, tmp_path):
     args = bench.parse_args([])
-    want = {"budget_off": (0, 1), "trl_steps_per_generation_2": (0, 2), "budget_16": (16, 1)}
+    want = {"budget_off": (0, 1), "budget_off_page16": (0, 1), "trl_steps_per_generation_2": (0, 2),
+            "budget_16": (16, 1)}
     assert set(bench.IMPLS) == set(want)
     for impl, (budget, steps_per_generation) in want.items():
         cmd = bench.command(impl, 3, args, tmp_path / impl)
         config = resolve_run_spec(cmd[2:]).config
         assert (config.rollout_budget, config.steps_per_generation) == (budget, steps_per_generation), impl
+        pages = (config.transformers_continuous_batching_config or {}).get("page_size")
+        assert pages == (ROUND_PAGE_SIZE if impl == "budget_off_page16" else None), impl  # the budget's own pages
         # the same run otherwise: route, lengths, batch, seed
         assert config.use_transformers_continuous_batching and not config.use_vllm
         assert (config.max_completion_length, config.num_generations, config.per_device_train_batch_size,
