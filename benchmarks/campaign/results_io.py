@@ -47,8 +47,8 @@ def write_results(rows: list[dict], path: Path, meta: tuple[str, str, str], plot
 
 
 def cpu_model() -> str:
-    """The CPU's name, family/model and torch's kernel level: CI's 2-core machines differ 2-3x run to run (an AVX2
-    Zen 2 EPYC, an AVX-512 Zen 5 EPYC, a Xeon), so a CPU figure names the machine it was read on."""
+    """The CPU's name, family/model and torch's kernel level: CI's 2-core machines differ 2-3x run to run (an AVX2-only
+    EPYC, an AVX-512 Zen 5 EPYC, a Xeon), so a CPU figure names the machine it was read on."""
     import torch
 
     info: dict[str, str] = {}
