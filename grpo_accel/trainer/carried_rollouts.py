@@ -33,11 +33,10 @@ import json
 import math
 import os
 
-import torch
-
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.generation.rollout_budget import ROUND_PAGE_SIZE, BudgetedRollouts, paged_decode
+from grpo_accel.trainer.paged_generation import generation_context
 
 
 def attach_rollout_budget(trainer) -> None:
@@ -85,20 +84,6 @@ def _decoder(trainer, unwrapped, sequences: int, prompt_tokens: int):
     return paged_decode(unwrapped, trainer.generation_config, cfg)
 
 
-def _generation_context(trainer):
-    from contextlib import ExitStack
-
-    from trl.models import unwrap_model_for_generation
-
-    stack = ExitStack()
-    unwrapped = stack.enter_context(unwrap_model_for_generation(
-        trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-        gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs))
-    stack.enter_context(torch.no_grad())
-    stack.enter_context(trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False))
-    return stack, unwrapped
-
-
 def generate_and_score(trainer, inputs: list[dict], score):
     """TRL's `_generate_and_score_completions` (`score`) on the groups this step trains (see the module docstring)."""
     G, rollouts = trainer.num_generations, trainer.rollouts
@@ -115,11 +100,10 @@ def generate_and_score(trainer, inputs: list[dict], score):
     version = trainer.state.global_step
     running = sum(1 for g in rollouts.buffer.groups for r in g.rollouts if not r.finished)
     longest = max(len(g.prompt_ids) for g in rollouts.buffer.groups)
-    stack, unwrapped = _generation_context(trainer)
-    with trainer._phase("generation"), stack:  # the rounds are this step's generation (time/generation_s)
+    # the rounds are this step's generation (time/generation_s)
+    with trainer._phase("generation"), generation_context(trainer) as unwrapped:
         with _decoder(trainer, unwrapped, running, longest) as decode:
             ready, dropped = rollouts.step(len(unique), version, decode)
-        unwrapped.train()
     if dropped:
         log(f"rollout_budget: step {version} dropped {len(dropped)} group(s) past max_staleness "
             f"{rollouts.buffer.max_staleness}")
@@ -134,10 +118,9 @@ def carried_single_turn(trainer, prompt_ids) -> tuple[list[list[int]], list[list
     """TRL's `_generate_single_turn` while a budget is on: the ready groups (training), or one unbudgeted round
     (evaluation)."""
     if trainer._carried is None:  # evaluation: every token from this policy, nothing carried
-        stack, unwrapped = _generation_context(trainer)
-        with stack, _decoder(trainer, unwrapped, len(prompt_ids), max(map(len, prompt_ids))) as decode:
+        with generation_context(trainer) as unwrapped, \
+                _decoder(trainer, unwrapped, len(prompt_ids), max(map(len, prompt_ids))) as decode:
             out = decode([list(p) for p in prompt_ids], [trainer.args.max_completion_length] * len(prompt_ids))
-            unwrapped.train()
         return [ids for ids, _, _ in out], [[math.nan] * len(ids) for ids, _, _ in out]
     version, ready = trainer._carried
     rows = [(g.prompt_ids, r) for g in ready for r in g.rollouts]

@@ -9,6 +9,8 @@ aside; returns `(completion_ids, None)` as TRL's does (no behaviour log-probs: t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
@@ -42,15 +44,24 @@ def planned_paged_seqs(trainer, prompt_tokens: int, generation_batch: int) -> in
     return max(1, paged_sequences(plan, total))
 
 
+@contextlib.contextmanager
+def generation_context(trainer):
+    """TRL's context for generating with the trained weights (its unwrap for generation, DeepSpeed-3 gather,
+    gradient checkpointing off; no grad; FSDP's full parameters): the unwrapped model, put back in train mode at the
+    end. The route's own generation and --rollout_budget's rounds (carried_rollouts.py) both run in it."""
+    with (unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                      gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                                      gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
+          as unwrapped, torch.no_grad(), trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False)):
+        yield unwrapped
+        unwrapped.train()
+
+
 def paged_single_turn(trainer, prompt_ids: list[list[int]]) -> tuple[list[list[int]], None]:
     """TRL's continuous-batching branch without the cast; see the module docstring."""
     user = dict(trainer.args.transformers_continuous_batching_config or {})
     prompt_tokens, batch = max(map(len, prompt_ids)), len(prompt_ids)
-    with (profiling_context(trainer, "transformers.generate_batch"),
-          unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                      gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-                                      gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
-          as unwrapped, torch.no_grad(), trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False)):
+    with profiling_context(trainer, "transformers.generate_batch"), generation_context(trainer) as unwrapped:
         cfg, line = paged_config(unwrapped, generation_batch=batch, prompt_tokens=prompt_tokens,
                                  completion_tokens=trainer.args.max_completion_length,
                                  paged_seqs=planned_paged_seqs(trainer, prompt_tokens, batch), user=user)
@@ -58,8 +69,7 @@ def paged_single_turn(trainer, prompt_ids: list[list[int]]) -> tuple[list[list[i
             trainer._paged_line = line
             log(f"continuous batching: {line}")
         completion_ids = generate_paged(unwrapped, prompt_ids, trainer.generation_config, cfg)
-        unwrapped.train()
     return completion_ids, None
 
 
-__all__ = ["paged_single_turn", "planned_paged_seqs"]
+__all__ = ["generation_context", "paged_single_turn", "planned_paged_seqs"]
