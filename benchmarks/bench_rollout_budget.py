@@ -19,7 +19,6 @@ benchmarks/results/rollout_budget.csv (long format) and rollout_budget.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from campaign.results_io import ROOT, run_meta, write_results  # noqa: E402
+from campaign.results_io import ROOT, read_train_run, run_meta, write_results  # noqa: E402
 
 from grpo_accel.generation.rollout_budget import ROUND_PAGE_SIZE  # noqa: E402
 
@@ -58,7 +57,7 @@ def train(impl: str, seed: int, args, out: Path) -> tuple[list[dict], dict, floa
     done = out / "bench_wall_s"
     if done.exists():  # --runs-dir: a run a killed or earlier invocation finished is read, not made again
         print(f"[train] {impl}, seed {seed}: read from {out}", flush=True)
-        return _read(out) + (float(done.read_text()),)
+        return read_train_run(out) + (float(done.read_text()),)
     cmd = command(impl, seed, args, out)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", WANDB_MODE="offline",
                TOKENIZERS_PARALLELISM="false")
@@ -69,13 +68,7 @@ def train(impl: str, seed: int, args, out: Path) -> tuple[list[dict], dict, floa
         raise SystemExit(f"error: the {impl} run (seed {seed}) failed:\n{proc.stderr[-3000:]}")
     print(f"[train] {impl}, seed {seed}: {args.steps} steps in {wall:.0f} s (whole process)", flush=True)
     done.write_text(f"{wall:.3f}")
-    return _read(out) + (wall,)
-
-
-def _read(out: Path) -> tuple[list[dict], dict]:
-    with open(out / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("loss")]
-    return rows, json.loads((out / "summary.json").read_text())
+    return read_train_run(out) + (wall,)
 
 
 def _f(row: dict, key: str, default: float = float("nan")) -> float:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import json
 import os
 import signal
 import socket
@@ -33,7 +31,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from campaign.results_io import ROOT, run_meta, write_results  # noqa: E402
+from campaign.results_io import ROOT, read_train_run, run_meta, write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "server_async.csv"
 KEY, RANK = "bench-server-async", 8
@@ -97,7 +95,7 @@ def trl_sync_bytes(model_dir: str, dtype_bytes: int = 4) -> int:
 def train(url: str, model_dir: str, core: int, staleness: int, seed: int, args, out: Path) -> tuple[list[dict], dict]:
     if (out / "summary.json").exists():  # --runs-dir: a run an earlier invocation finished is read, not made again
         print(f"[train] staleness {staleness}, seed {seed}: read from {out}", flush=True)
-        return _read(out)
+        return read_train_run(out)
     cmd = ["taskset", "-c", str(core), sys.executable, str(ROOT / "launch" / "train.py"), "--model", model_dir,
            "--model_dtype", "float32", "--lora_r", str(RANK), "--lora_alpha", str(2 * RANK), "--train_size", "256",
            "--eval_size", str(args.eval_size), "--eval_max_new_tokens", str(args.completion_length),
@@ -115,13 +113,7 @@ def train(url: str, model_dir: str, core: int, staleness: int, seed: int, args, 
         raise SystemExit(f"error: the staleness-{staleness} run (seed {seed}) failed:\n{proc.stderr[-3000:]}")
     print(f"[train] staleness {staleness}, seed {seed}: {args.steps} steps in {time.perf_counter() - t0:.0f} s "
           "(whole process)", flush=True)
-    return _read(out)
-
-
-def _read(out: Path) -> tuple[list[dict], dict]:
-    with open(out / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("loss")]
-    return rows, json.loads((out / "summary.json").read_text())
+    return read_train_run(out)
 
 
 def plot(rows: list[dict], png: Path) -> None:

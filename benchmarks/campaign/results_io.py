@@ -46,6 +46,14 @@ def write_results(rows: list[dict], path: Path, meta: tuple[str, str, str], plot
     return all_rows
 
 
+def read_train_run(out: Path) -> tuple[list[dict], dict]:
+    """A finished launch/train.py run's output folder: its logged training steps (metrics.csv rows with a loss) and
+    summary.json (held-out accuracy before and after, train_seconds)."""
+    with open(out / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("loss")]
+    return rows, json.loads((out / "summary.json").read_text())
+
+
 def cpu_model() -> str:
     """The CPU's name, family/model and torch's kernel level: CI's 2-core machines differ 2-3x run to run (an AVX2-only
     EPYC, an AVX-512 Zen 5 EPYC, a Xeon), so a CPU figure names the machine it was read on."""
