@@ -138,6 +138,11 @@ def main(argv=None) -> int:
                        ("clipped_ratio", statistics.mean(_f(r, "completions/clipped_ratio") for r in generated),
                         "fraction"),
                        ("run_wall_s", wall, "s")]
+            # memory: on CPU the telemetry's peaks are host RSS (allocated = reserved there); on CUDA its phases' peaks
+            for key in ("memory/generation_peak_gib", "memory/backward_peak_gib", "memory/host_rss_gib"):
+                seen = [_f(r, key) for r in got if r.get(key)]
+                if seen:
+                    metrics.append((key.split("/")[1].replace("_gib", "") + "_max", max(seen), "GiB"))
             if "rollouts/rounds" in got[0]:
                 metrics += [("decode_rounds", sum(_f(r, "rollouts/rounds", 0) for r in got), "rounds"),
                             ("carried_completions", sum(_f(r, "rollouts/carried_completions", 0) for r in got),
