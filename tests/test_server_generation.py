@@ -177,11 +177,12 @@ def test_a_wrong_key_stops_before_the_first_step(server, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("option", [dict(generation_kwargs={"seed": 1}), dict(vllm_structured_outputs_regex=r"\d+"),
-                                    dict(weight_sync_steps=2, max_staleness=1)])
+                                    dict(weight_sync_steps=2, max_staleness=1), dict(rollout_budget=4)])
 def test_options_the_client_does_not_send_are_refused(server, tmp_path, option):
-    """And an adapter loaded every 2 steps with max_staleness 1: every other batch would come out too old."""
+    """And an adapter loaded every 2 steps with max_staleness 1: every other batch would come out too old; and
+    --rollout_budget, whose rounds are the trainer's own routes' (the server samples ahead by itself)."""
     from grpo_accel.core.errors import ConfigError
 
     url, _ = server
-    with pytest.raises(ConfigError, match="not sent to the server|past --max_staleness 1"):
+    with pytest.raises(ConfigError, match="not sent to the server|past --max_staleness 1|already samples ahead"):
         ours(tmp_path, url, **option)

@@ -193,7 +193,7 @@ SETTINGS: dict[str, Setting] = _settings(
             "trains on the first groups whose completions have all ended, and the completions still running are "
             "carried into the next step under the new weights (their older tokens corrected with TRL's importance "
             "sampling; max_staleness bounds their age). 0 = off: every step decodes until its longest completion "
-            "ends. Route continuous_batching (grpo_accel/trainer/carried_rollouts.py).", minimum=0),
+            "ends. Routes continuous_batching and colocated vLLM (grpo_accel/trainer/carried_rollouts.py).", minimum=0),
     Setting("weight_sync_steps", int, 1, "steps", "--vllm_mode server with LoRA: optimizer steps between adapter "
             "loads on the server (TRL's AsyncGRPOConfig name); each is the adapter's MBs, never the base.", minimum=1),
     Setting("adapter_sync_dir", str | None, None, "", "--vllm_mode server with LoRA: the folder each step's adapter "

@@ -98,6 +98,49 @@ class SharedVLLMGeneration:
                 token_ids.append([[tok for tok, _ in r] for r in ranked])
         return prompt_ids, completion_ids, logprobs, token_ids
 
+    @contextlib.contextmanager
+    def rounds(self):
+        """`with generation.rounds() as decode:` --rollout_budget's producer on this engine (rollout_budget.Decode):
+        a round submits each sequence (prompt + its completion so far) with max_tokens = its limit, and returns the
+        new tokens, their behaviour log-probs (the engine's, after temperature: `processed_logprobs`) and whether
+        the completion ended (finish reason "stop": EOS or a stop string; "length" is the budget or the limit).
+
+        A completion is paused by its round's max_tokens rather than aborted mid-flight (vLLM's offline LLM
+        runs a call to its end), which is the same point in its decode. Continued, it is a prefill of prompt +
+        partial completion, no decode step: inside a step vLLM's prefix cache serves its full blocks (the adapter
+        has not changed since the sync); after the next sync the cache is reset (`sync_weights`) and it is prefilled
+        under the new weights, as it must be. What a resubmission changes: vLLM's presence and frequency penalties
+        count output tokens only, so with either set a continued completion is penalised as if its tokens so far
+        were prompt (TRL's sampling sets neither; repetition_penalty counts prompt and output alike)."""
+        from vllm import SamplingParams
+
+        if self.sleep and self.weights_sleeping:
+            self.sync_weights()
+        if self.sleep:
+            self.llm.wake_up(tags=["kv_cache"])
+
+        def decode(sequences: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float], bool]]:
+            params = [SamplingParams(**(self.sampling | {"n": 1, "max_tokens": limit, "logprobs": 0}))
+                      for limit in limits]
+            out = []
+            for seq, limit, o in zip(sequences, limits, self.engine.generate(sequences, params)):
+                c = o.outputs[0]
+                ids, ended = list(c.token_ids), c.finish_reason == "stop"
+                if not ended and len(ids) < limit:  # vLLM stopped at its max_model_len: a next round would add 0
+                    raise RuntimeError(f"vLLM ended a continuation of {len(seq)} tokens after {len(ids)} of {limit} "
+                                       f"new tokens ({c.finish_reason}): its max_model_len "
+                                       f"{self.llm.llm_engine.model_config.max_model_len} is shorter than prompt + "
+                                       "completion limit")
+                out.append((ids, [lp[t].logprob for t, lp in zip(ids, c.logprobs or [])], ended))
+            return out
+
+        try:
+            yield decode
+        finally:
+            if self.sleep:
+                self.llm.sleep(level=2)
+                self.weights_sleeping = True
+
 
 def sampling_settings(args) -> dict:
     """vLLM SamplingParams kwargs from a GRPOConfig, as TRL 1.16's colocate generation builds them."""

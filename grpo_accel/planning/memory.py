@@ -176,9 +176,10 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     one process generates at once (TRL: per_device_train_batch_size x steps_per_generation; None: the former).
     paged_seqs: full-length sequences continuous batching's page pool holds at once (None: the generation batch;
     `planning.fitting.paged_sequences` finds the most that fit a GPU). reward_models: (shape, rows) of each reward
-    model (`reward_model_bytes`). rollout_budget (route continuous_batching): the next generation batch decodes beside
-    this one (trainer/carried_rollouts.py), so the pool holds twice the sequences, and their records (token ids,
-    behaviour log-probs, versions) are host memory."""
+    model (`reward_model_bytes`). rollout_budget: the next generation batch decodes beside this one
+    (trainer/carried_rollouts.py), so continuous batching's pool holds twice the sequences (a colocated engine's KV
+    cache is its fixed size, vllm_kv_seqs, with the rest queued), and the two batches' records (token ids, behaviour
+    log-probs, versions) are host memory."""
     if generation is None:
         generation = choose_route(use_vllm=bool(use_vllm), quantization=quantization, lora_r=lora_r,
                                   vllm_share_weights=vllm_share_weights is not False, stack=PINNED_STACK)[0]
@@ -194,7 +195,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     generation_batch = generation_batch or per_device_train_batch_size
     model_dtype = short_name(model_dtype) or model_dtype  # any spelling (bf16, bfloat16); kept short
     inputs = {k: v for k, v in locals().items() if k != "shape"}
-    carrying = generation == "continuous_batching" and rollout_budget > 0
+    carrying = generation in ("continuous_batching", *COLOCATED) and rollout_budget > 0
     in_flight = 2 * generation_batch if carrying else generation_batch  # this batch and the next, started early
     shape = model_shape(shape)
     if logprob_impl not in PLANNED_LOGPROB_IMPLS:

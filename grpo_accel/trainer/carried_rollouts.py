@@ -19,11 +19,14 @@ lists the reads, tests/test_rollouts.py pins them), so the trainer reads `use_vl
 generation never reaches TRL's vLLM branch (`_generate_single_turn` is ours). An evaluation decodes as without a
 budget (one round at the completion limit, nothing carried), every token on-policy.
 
-Route: continuous batching only for now (transformers' continuous batching returns each token's log-prob after
-temperature and top-k/top-p); inside a step a continued completion gets its full pages back from transformers' prefix
-cache, carried into the next step it is prefilled again (prompt + partial completion) under the new weights.
-`generate()` cannot pause a completion: it says so in one line and runs as without a budget. Colocated vLLM's
-abort-and-resubmit is not built: a vLLM route refuses the flag.
+Routes. Continuous batching (transformers' continuous batching returns each token's log-prob after temperature and
+top-k/top-p): inside a step a continued completion gets its full pages back from transformers' prefix cache, carried
+into the next step it is prefilled again (prompt + partial completion) under the new weights. Colocated vLLM
+(`SharedVLLMGeneration.rounds`): each round resubmits prompt + partial completion with max_tokens the round's limit,
+the adapter synced once per step as TRL syncs it; every token TRL gets carries the engine's behaviour log-prob, as
+on TRL's own vLLM route (the engine is another copy of the policy: its tokens are corrected for even when this
+step's adapter sampled them). `generate()` cannot pause a completion: it says so in one line and runs as without a
+budget. A vLLM server samples ahead on its own (server_mode.py, max_staleness): it refuses the flag.
 Checkpoints hold each rank's rollouts in flight (`rollouts-rank<k>.json`): a resume continues them.
 """
 
@@ -42,11 +45,13 @@ from grpo_accel.trainer.paged_generation import generation_context
 def attach_rollout_budget(trainer) -> None:
     """After TRL's __init__: the rollouts in flight, and `use_vllm` read true for TRL's correction."""
     args = trainer.args
-    if trainer.use_vllm or getattr(trainer, "vllm_engine", None) is not None:
-        raise ConfigError(f"--rollout_budget {args.rollout_budget} pauses completions on route continuous_batching "
-                          "only (vLLM's abort and resubmit is not built). Fix: --use_vllm false "
-                          "--use_transformers_continuous_batching true, or --rollout_budget 0.")
-    if not getattr(trainer, "use_transformers_continuous_batching", False):
+    colocated = getattr(trainer, "vllm_engine", None) is not None
+    if trainer.use_vllm and not colocated:
+        raise ConfigError(f"--rollout_budget {args.rollout_budget} pauses completions on the trainer's own routes "
+                          "(continuous batching, colocated vLLM); a vLLM server already samples ahead of the step "
+                          "(--max_staleness). Fix: --rollout_budget 0 with --vllm_mode server, or --vllm_mode "
+                          "colocate.")
+    if not colocated and not getattr(trainer, "use_transformers_continuous_batching", False):
         log(f"rollout_budget {args.rollout_budget}: route generate cannot pause a completion (transformers' generate() "
             "decodes a batch to its end), so every step runs without a budget; "
             "--use_transformers_continuous_batching true pauses them")
@@ -70,6 +75,7 @@ def attach_rollout_budget(trainer) -> None:
                                         args.max_staleness)
     trainer.use_vllm = True  # TRL's correction gates (see the module docstring); generation stays ours
     trainer._carried = None
+    trainer._engine_rounds = colocated  # every token's engine log-prob goes to TRL, not only the older ones
     log(f"rollout_budget: rounds of {args.rollout_budget} tokens per completion; completions still running when a "
         f"step has its groups are carried into the next (max_staleness {args.max_staleness}, TRL's importance-"
         "sampling correction on the older tokens)")
@@ -101,9 +107,14 @@ def generate_and_score(trainer, inputs: list[dict], score):
     running = sum(1 for g in rollouts.buffer.groups for r in g.rollouts if not r.finished)
     longest = max(len(g.prompt_ids) for g in rollouts.buffer.groups)
     # the rounds are this step's generation (time/generation_s)
-    with trainer._phase("generation"), generation_context(trainer) as unwrapped:
-        with _decoder(trainer, unwrapped, running, longest) as decode:
-            ready, dropped = rollouts.step(len(unique), version, decode)
+    with trainer._phase("generation"):
+        if trainer._engine_rounds:
+            _sync_engine(trainer)
+            with trainer.vllm_generation.rounds() as decode:
+                ready, dropped = rollouts.step(len(unique), version, decode)
+        else:
+            with generation_context(trainer) as unwrapped, _decoder(trainer, unwrapped, running, longest) as decode:
+                ready, dropped = rollouts.step(len(unique), version, decode)
     if dropped:
         log(f"rollout_budget: step {version} dropped {len(dropped)} group(s) past max_staleness "
             f"{rollouts.buffer.max_staleness}")
@@ -114,10 +125,22 @@ def generate_and_score(trainer, inputs: list[dict], score):
         trainer._carried = None
 
 
-def carried_single_turn(trainer, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
+def _sync_engine(trainer) -> None:
+    """TRL's sync before its vLLM generation (in `_generate_single_turn`): once per optimizer step."""
+    from trl.extras.profiling import profiling_context
+
+    if trainer.state.global_step != trainer._last_loaded_step:
+        with profiling_context(trainer, "sync_weights"):
+            trainer.vllm_generation.sync_weights()
+        trainer._last_loaded_step = trainer.state.global_step
+
+
+def carried_single_turn(trainer, prompt_ids) -> tuple[list[list[int]], list[list[float]]] | None:
     """TRL's `_generate_single_turn` while a budget is on: the ready groups (training), or one unbudgeted round
-    (evaluation)."""
+    (evaluation; None on colocated vLLM: TRL's own vLLM generation serves it)."""
     if trainer._carried is None:  # evaluation: every token from this policy, nothing carried
+        if trainer._engine_rounds:
+            return None
         with generation_context(trainer) as unwrapped, \
                 _decoder(trainer, unwrapped, len(prompt_ids), max(map(len, prompt_ids))) as decode:
             out = decode([list(p) for p in prompt_ids], [trainer.args.max_completion_length] * len(prompt_ids))
@@ -126,7 +149,9 @@ def carried_single_turn(trainer, prompt_ids) -> tuple[list[list[int]], list[list
     rows = [(g.prompt_ids, r) for g in ready for r in g.rollouts]
     if [list(p) for p in prompt_ids] != [p for p, _ in rows]:
         raise RuntimeError("TRL tokenized the carried groups' rows into other prompts than they were sampled from")
-    logps = [[lp if v < version else math.nan for lp, v in zip(r.behaviour_logps, r.versions)] for _, r in rows]
+    engine = trainer._engine_rounds
+    logps = [[lp if engine or v < version else math.nan for lp, v in zip(r.behaviour_logps, r.versions)]
+             for _, r in rows]
     return [list(r.completion_ids) for _, r in rows], logps
 
 

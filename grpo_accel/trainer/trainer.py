@@ -378,7 +378,9 @@ class GRPOAccelTrainer(GRPOTrainer):
         a server sampling ahead, the next generation batch is asked for once this one is in hand: the server samples
         it with this step's adapter while this step trains. With --rollout_budget: the groups this step trains."""
         if getattr(self, "rollouts", None) is not None:
-            return carried_single_turn(self, prompt_ids)
+            out = carried_single_turn(self, prompt_ids)
+            if out is not None:
+                return out
         if getattr(self, "use_transformers_continuous_batching", False) and not self.use_vllm \
                 and hasattr(self, "patches"):
             return paged_single_turn(self, prompt_ids)

@@ -9,7 +9,9 @@ MODE: shared    LoRA, use_vllm=True (the model passed as a directory: the engine
 Savers on top (any mode): --offload-tokens N (gradient checkpointing + activation offload, re-run in pieces of
 N tokens: sequence tiles when N is shorter than a row; set GRPO_ACCEL_OFFLOAD_FORCE_COPIES=1 for the real copy
 path on CPU), --token-budget N (packed log-prob forwards of <= N tokens: several per backward), --mini-batch N
-(N padded rows per log-prob forward, padding_free off). --dtype fp16: with --cuda only; --quantization 4bit (QLoRA,
+(N padded rows per log-prob forward, padding_free off). --rollout-budget N: decode rounds of N tokens, unfinished
+completions carried into the next step (the tokens 1000-10999 stop a completion too, so lengths vary).
+--dtype fp16: with --cuda only; --quantization 4bit (QLoRA,
 the engine's own NF4 copy through vllm-bnb-plugin): bf16 compute on CPU, --dtype on CUDA.
 Used by the tests through conftest.grpo_run and by benchmarks/bench_vllm_memory.py. Peak memory is the process's VmHWM.
 """
@@ -76,6 +78,37 @@ def count_forwards(trainer, counts: dict[str, int]) -> None:
     trainer.accelerator.backward = counted_backward
 
 
+def record_handed(trainer) -> list[dict]:
+    """Per trained batch (--rollout-budget): what TRL was handed against the rollout records it came from — tokens
+    and behaviour log-probs equal, none NaN — and how many tokens an older policy version sampled; and the step of
+    each adapter push to the engine."""
+    import grpo_accel.trainer.trainer as trainer_module
+
+    seen, real = [], trainer_module.carried_single_turn
+
+    def handed(tr, prompt_ids):
+        got = real(tr, prompt_ids)
+        if got is not None and tr._carried is not None:
+            version, ready = tr._carried
+            records = [r for g in ready for r in g.rollouts]
+            seen.append({"version": version, "same_tokens": got[0] == [r.completion_ids for r in records],
+                         "same_logps": got[1] == [r.behaviour_logps for r in records],
+                         "nan_logps": sum(math.isnan(x) for seq in got[1] for x in seq),
+                         "older_tokens": sum(v < version for r in records for v in r.versions),
+                         "tokens": sum(len(r.completion_ids) for r in records)})
+        return got
+
+    trainer_module.carried_single_turn = handed
+    sync = trainer.vllm_generation.sync_weights
+
+    def synced():  # the global step each adapter push happened at
+        seen.append({"synced_at": trainer.state.global_step})
+        return sync()
+
+    trainer.vllm_generation.sync_weights = synced
+    return seen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["shared", "unshared", "full", "hf"])
@@ -89,6 +122,7 @@ def main() -> None:
     ap.add_argument("--offload-tokens", type=int, default=0)
     ap.add_argument("--token-budget", type=int, default=None)
     ap.add_argument("--mini-batch", type=int, default=None)
+    ap.add_argument("--rollout-budget", type=int, default=0)
     ap.add_argument("--model", default=None, help="a saved model directory (default: the embedded SmolLM2)")
     args = ap.parse_args()
     if args.dtype != "bf16" and not args.cuda:
@@ -126,7 +160,10 @@ def main() -> None:
         offload_activations="true" if args.offload_tokens else "false",
         offload_recompute_tokens=args.offload_tokens or 16384, logprob_token_budget=args.token_budget,
         logprob_mini_batch=args.mini_batch, padding_free=args.mini_batch is None,
-        model_init_kwargs=None if args.quantization == "4bit" else {"dtype": half if args.cuda else "float32"})
+        model_init_kwargs=None if args.quantization == "4bit" else {"dtype": half if args.cuda else "float32"},
+        rollout_budget=args.rollout_budget, vllm_importance_sampling_correction=True,
+        # a random tiny model almost never samples its EOS: 10,000 stop ids end ~20% of tokens' completions
+        generation_kwargs={"stop_token_ids": list(range(1000, 11000))} if args.rollout_budget else None)
     counts = count_saver_work()
     t0 = time.perf_counter()
     trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_digits, args=config, train_dataset=train,
@@ -152,6 +189,7 @@ def main() -> None:
 
         engine.generate = generate
     count_forwards(trainer, counts)
+    handed = record_handed(trainer) if args.rollout_budget else []
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     t0 = time.perf_counter()
     trainer.train()
@@ -167,6 +205,11 @@ def main() -> None:
     out["share_token_ratios"] = [h.get("share_prompt/token_ratio", 1.0) for h in logs]
     out.update(counts, offload_enabled=trainer.offload_enabled, padding_free=trainer.padding_free)
     out["sampling_logp_difference_max"] = [h.get("sampling/sampling_logp_difference/max") for h in logs]
+    out["is_ratio_min"] = [h.get("sampling/importance_sampling_ratio/min") for h in logs]
+    out["carried_completions"] = [h.get("rollouts/carried_completions") for h in logs]
+    out["rounds"] = [h.get("rollouts/rounds") for h in logs]
+    out["synced_at"] = [h["synced_at"] for h in handed if "synced_at" in h]
+    out["handed"] = [h for h in handed if "synced_at" not in h]
     if engine is not None:
         ids = tokenizer(FIXED)["input_ids"]
         model = trainer.accelerator.unwrap_model(trainer.model)

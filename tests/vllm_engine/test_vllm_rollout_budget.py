@@ -1,0 +1,110 @@
+"""--rollout_budget on colocated vLLM (issue 53, item 3): each decode round resubmits prompt + partial completion to
+the shared engine with max_tokens the round's limit (SharedVLLMGeneration.rounds), and what is unfinished when the
+step has its groups is carried into the next step under the newly synced adapter. `make test-vllm`.
+
+The references: one decode of the whole completion by the same engine (greedy: the rounds must continue exactly the
+completion it gives), the trainer's own float64 forward (each behaviour log-prob is the sampling distribution after
+temperature, within the engine's fp32 gap that test_vllm_colocate.py bounds), and the rollout records (TRL is handed
+their tokens and every token's engine log-prob, as TRL's own vLLM route hands it vLLM's).
+"""
+
+import copy
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.sampling_params")
+pytestmark = pytest.mark.vllm
+
+from conftest import grpo_run, report, trainer_check  # noqa: E402
+
+from grpo_accel.generation import vllm_generation as vg  # noqa: E402
+from grpo_accel.generation.rollout_budget import BudgetedRollouts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def adapted(engine, training_model):
+    """The shared training model with a LoRA adapter moved off zero (so the engine's adapter path is exercised)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(copy.deepcopy(training_model) if not engine.shared else training_model,
+                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    yield model
+    model.unload()  # the session's training model without the adapter again (other files' tests use it)
+
+
+def generation(engine, model, temperature):
+    args = types.SimpleNamespace(repetition_penalty=1.0, temperature=temperature, top_p=1.0, top_k=None, min_p=None,
+                                 max_completion_length=12, generation_kwargs=None)
+    gen = vg.SharedVLLMGeneration(engine, policy=lambda: model, sampling=vg.sampling_settings(args))
+    gen.sync_weights()
+    return gen
+
+
+def test_rounds_continue_the_completion_one_decode_gives(engine, adapted, tokenizer):
+    """Greedy: rounds of 5 tokens (each a prefill of prompt + partial; the last 2, the completion limit) against one
+    12-token decode by the same engine; one round holds sequences with other limits, each stops at its own."""
+    gen = generation(engine, adapted, temperature=0.0)
+    prompt = tokenizer("Once upon a time, in a land far away,")["input_ids"]
+    with gen.rounds() as decode:
+        whole, _, ended = decode([prompt], [12])[0]
+        short, longer = decode([prompt, prompt], [3, 7])
+    assert len(whole) == 12 and not ended, "the check needs a completion that runs to the limit"
+    assert short[0] == whole[:3] and longer[0] == whole[:7] and not short[2]
+    r = BudgetedRollouts(num_generations=1, budget=5, max_completion_length=12)
+    r.add_prompts([prompt])
+    with gen.rounds() as decode:
+        ready, _ = r.step(1, version=0, decode=decode)
+    assert r.stats["rounds"] == 3 and ready[0].rollouts[0].completion_ids == whole
+
+
+def test_behaviour_logprobs_are_the_engines_sampling_distribution(engine, adapted, tokenizer):
+    """Sampling at temperature 0.7 in rounds of 3: each token's behaviour log-prob equals log_softmax(logits / T) of
+    the training model's float64 forward over prompt + completion, within 1e-4 (the fp32 engine's gap to the
+    trainer, test_vllm_colocate.py); a log-prob before temperature (T = 1) is further off than that."""
+    gen = generation(engine, adapted, temperature=0.7)
+    prompt = tokenizer("Name a prime number.")["input_ids"]
+    r = BudgetedRollouts(num_generations=2, budget=3, max_completion_length=10)
+    r.add_prompts([prompt])
+    with gen.rounds() as decode:
+        ready, _ = r.step(1, version=0, decode=decode)
+    m64 = copy.deepcopy(adapted).double()
+    worst = untempered = 0.0
+    for c in ready[0].rollouts:
+        with torch.no_grad():
+            logits = m64(torch.tensor([prompt + c.completion_ids])).logits[0, len(prompt) - 1:-1]
+        pick = torch.tensor(c.completion_ids)[:, None]
+        want = torch.log_softmax(logits / 0.7, -1).gather(1, pick)[:, 0]
+        at_one = torch.log_softmax(logits, -1).gather(1, pick)[:, 0]
+        got = torch.tensor(c.behaviour_logps, dtype=torch.float64)
+        assert len(got) == len(c.completion_ids) and r.stats["rounds"] >= 2
+        worst = max(worst, (got - want).abs().max().item())
+        untempered = max(untempered, (got - at_one).abs().max().item())
+    report(f"rollout budget on vLLM: behaviour log-probs vs float64 forward at T=0.7 {worst:.1e} (at T=1 "
+           f"{untempered:.1e})")
+    assert worst < 1e-4 and untempered > 100 * worst
+
+
+def test_carried_completions_train_with_every_tokens_engine_logprob(tmp_path_factory):
+    """3 GRPO steps through the trainer on the shared engine at --rollout_budget 4: completions are carried across
+    steps (tokens an older adapter sampled reach TRL), and each batch TRL trains is its rollout records: the same
+    tokens and, for every token, the engine's behaviour log-prob (none NaN: the engine is another copy of the
+    policy, so TRL's correction applies to all its tokens, as on TRL's own vLLM route)."""
+    trainer_check("the rounds on the engine are checked on both lines by the two tests above; this is the trainer "
+                  "around them")
+    r = grpo_run("shared", tmp_path_factory, "--steps", "3", "--rollout-budget", "4", tiny=True)
+    assert r["shared"] and len(r["handed"]) == 3
+    assert all(h["same_tokens"] and h["same_logps"] and h["nan_logps"] == 0 for h in r["handed"]), r["handed"]
+    assert sum(h["older_tokens"] for h in r["handed"]) > 0, "nothing carried: the test proves nothing"
+    assert sum(r["carried_completions"]) > 0 and all(x > 1 for x in r["rounds"])
+    assert all(g > 0 for g in r["grad_norms"]) and r["moved"] > 1e-4
+    assert r["synced_at"] == [0, 1, 2], r["synced_at"]  # each step's rounds ran on its own adapter, as TRL syncs
+    report(f"rollout budget on vLLM, 3 steps: carried {r['carried_completions']}, rounds {r['rounds']}, older "
+           f"tokens trained {[h['older_tokens'] for h in r['handed']]} of {[h['tokens'] for h in r['handed']]}, "
+           f"IS ratio min {r['is_ratio_min']}")
