@@ -166,3 +166,28 @@ def test_a_checkpoint_holds_the_rollouts_in_flight_and_a_resume_continues_them(t
     admitted = [tuple(g["prompt_ids"]) for g in before.values()] + [
         tuple(g.prompt_ids) for k, g in after.items() if k not in before]
     assert len(admitted) == len(set(admitted)), "a prompt was admitted twice across the resume"
+
+
+def test_the_budgeted_pool_is_the_planners_where_it_sizes_one(tmp_path, monkeypatch):
+    """On CUDA the planner caps the pages in flight at what fits beside training (planned_paged_seqs; None on CPU:
+    the whole batch): a budgeted step's manager takes that size, as the unbudgeted route's does, not a pool for every
+    sequence of both batches."""
+    from grpo_accel.generation import continuous_batching
+    from grpo_accel.trainer import carried_rollouts
+
+    trainer = ours(tmp_path, rollout_budget=BUDGET, transformers_continuous_batching_config={})
+    asked, pools = [], []
+    monkeypatch.setattr(carried_rollouts, "planned_paged_seqs",
+                        lambda tr, prompt_tokens, batch: asked.append(batch) or 3)
+    real = continuous_batching.paged_config
+
+    def sized(*a, **k):
+        cfg, line = real(*a, **k)
+        pools.append((k.get("paged_seqs"), cfg.num_blocks, line))
+        return cfg, line
+
+    monkeypatch.setattr(continuous_batching, "paged_config", sized)
+    trainer.args.max_steps = 1
+    trainer.train()
+    assert asked and asked[0] == 2 * ROWS  # this batch and the next, in flight together
+    assert pools and all(seqs == 3 and "3 of 16 sequences" in line for seqs, _, line in pools), pools

@@ -39,7 +39,7 @@ import os
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.generation.rollout_budget import ROUND_PAGE_SIZE, BudgetedRollouts, paged_decode
-from grpo_accel.trainer.paged_generation import generation_context
+from grpo_accel.trainer.paged_generation import generation_context, planned_paged_seqs
 
 
 def attach_rollout_budget(trainer) -> None:
@@ -82,10 +82,14 @@ def attach_rollout_budget(trainer) -> None:
 
 
 def _decoder(trainer, unwrapped, sequences: int, prompt_tokens: int):
+    """The step's manager, its pool sized as the unbudgeted route's: on CUDA the most of the `sequences` in flight
+    (both batches) that fit beside training (planned_paged_seqs), the rest queued in transformers'; on CPU all."""
     from grpo_accel.generation.continuous_batching import paged_config
 
-    cfg, _ = paged_config(unwrapped, generation_batch=max(sequences, 1), prompt_tokens=prompt_tokens,
+    batch = max(sequences, 1)
+    cfg, _ = paged_config(unwrapped, generation_batch=batch, prompt_tokens=prompt_tokens,
                           completion_tokens=trainer.args.max_completion_length, page_size=ROUND_PAGE_SIZE,
+                          paged_seqs=planned_paged_seqs(trainer, prompt_tokens, batch),
                           user=dict(trainer.args.transformers_continuous_batching_config or {}))
     return paged_decode(unwrapped, trainer.generation_config, cfg)
 
