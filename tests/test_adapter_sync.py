@@ -7,7 +7,7 @@ import torch
 from support.vllm_standin import serve
 
 from grpo_accel.core.errors import UserError
-from grpo_accel.generation.adapter_sync import API_KEY_ENV, AdapterSync
+from grpo_accel.generation.adapter_sync import API_KEY_ENV, AdapterSync, base_dtype
 
 
 @pytest.fixture
@@ -16,12 +16,12 @@ def server():
         yield url, handler
 
 
-def lora_model():
+def lora_model(dtype=torch.float32):
     from peft import LoraConfig, get_peft_model
 
     from grpo_accel.data.models import build_tiny_model, load_tokenizer
 
-    model = build_tiny_model("tiny-llama", load_tokenizer("tiny-llama"))
+    model = build_tiny_model("tiny-llama", load_tokenizer("tiny-llama"), dtype=dtype)
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
@@ -99,3 +99,39 @@ def test_a_resumed_run_loads_its_versions_beside_the_dead_runs(server, tmp_path)
     model = lora_model()
     names = [first.push(model, 1), resumed.push(model, 1)]
     assert names[0] != names[1] and sorted(handler.loaded) == sorted(names)
+
+
+def test_a_bf16_base_gets_bf16_files_and_the_trainers_adapter_stays_fp32(server, tmp_path):
+    """PEFT keeps the adapter in fp32 over a bf16 base; vLLM casts it to the served model's dtype on load, so the
+    files carry the cast (half the bytes) while the trainer's own adapter keeps every bit. An fp32 run's files are
+    byte for byte today's (no dtype)."""
+    from safetensors.torch import load_file
+
+    url, handler = server
+    model = lora_model(torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_()  # bits past bf16's mantissa in every element
+    own = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    before = {n: (p.detach().clone(), p.data_ptr()) for n, p in own.items()}
+    assert base_dtype(model) == torch.bfloat16 and {p.dtype for p in own.values()} == {torch.float32}
+    narrow, wide = AdapterSync(url, tmp_path / "bf16", api_key="secret", dtype=base_dtype(model)), \
+        AdapterSync(url, tmp_path / "fp32", api_key="secret")
+    narrow.push(model, 1), wide.push(model, 1)
+    saved, full = (load_file(handler.loaded[s.name_of(1)] / "adapter_model.safetensors") for s in (narrow, wide))
+    assert saved.keys() == full.keys() and len(saved) == len(own)
+    for name, tensor in saved.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, full[name].to(torch.bfloat16)), name
+    for n, p in own.items():  # the trainer's adapter: same storage, same fp32 values
+        assert p.dtype == torch.float32 and p.data_ptr() == before[n][1] and torch.equal(p, before[n][0]), n
+    adapter_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    assert abs(wide.bytes_sent - narrow.bytes_sent - adapter_bytes // 2) < 64  # the headers' dtype names differ
+
+    fp32 = lora_model()
+    assert base_dtype(fp32) == torch.float32
+    today, cast = AdapterSync(url, tmp_path / "a", api_key="secret"), \
+        AdapterSync(url, tmp_path / "b", api_key="secret", dtype=base_dtype(fp32))
+    today.push(fp32, 2), cast.push(fp32, 2)
+    files = [(handler.loaded[s.name_of(2)] / "adapter_model.safetensors").read_bytes() for s in (today, cast)]
+    assert files[0] == files[1]

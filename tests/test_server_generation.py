@@ -31,9 +31,9 @@ def config(cls, tmp_path, url, **extra):
                       use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30) | extra)
 
 
-def ours(tmp_path, url, **extra):
+def ours(tmp_path, url, dtype=torch.float32, **extra):
     torch.manual_seed(0)
-    model, tokenizer = load_model("tiny-llama")
+    model, tokenizer = load_model("tiny-llama", dtype=dtype)
     return GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=config(GRPOAccelConfig, tmp_path, url,
                             **PLAIN, **extra), processing_class=tokenizer,
                             train_dataset=arithmetic_dataset("train", PROMPTS),
@@ -134,6 +134,15 @@ def test_staleness_zero_is_synchronous(server, tmp_path):
     name = trainer.vllm_generation.sync.name_of
     assert [model for model, _ in handler.requests] == [name(0), name(1)]
     assert sorted(handler.loaded) == [name(1)]  # the server keeps one version: nothing samples ahead
+    assert trainer.vllm_generation.sync.dtype == torch.float32  # an fp32 base: the adapter's files as PEFT saves them
+
+
+def test_a_bf16_bases_adapter_goes_out_in_bf16(server, tmp_path):
+    """The trainer hands the sync its base's dtype (adapter_sync.base_dtype): PEFT's fp32 adapter over a bf16 base is
+    written in bf16, what vLLM would cast it to on load (tests/test_adapter_sync.py has the files)."""
+    url, _ = server
+    trainer = ours(tmp_path, url, dtype=torch.bfloat16)
+    assert trainer.vllm_generation.sync.dtype == torch.bfloat16
 
 
 def test_a_batch_not_asked_for_or_too_old_is_dropped_and_sampled_again(server, tmp_path):

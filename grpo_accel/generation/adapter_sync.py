@@ -13,6 +13,14 @@ vLLM's routes (tests/test_adapter_sync.py); the trainer calls it through server_
     sync.check()                      # one `error:` line for a wrong key, a dead server, missing LoRA flags
     name = sync.push(model, version)  # "policy-3f9a01c2-v7": send requests with "model": name
 
+The adapter files hold the tensors in `dtype` (the trainer passes base_dtype(model), the base's dtype): vLLM 0.32 holds
+a runtime-loaded adapter in its LoRAConfig.lora_dtype, which "auto" (the default) makes the served model's dtype
+(vllm/config/lora.py:138-139), and casts each tensor to it on load (vllm/lora/lora_model.py:169,173, before any scaling),
+so PEFT's fp32 adapter over a bf16 base sent twice the bytes the server keeps. Cast here with the same
+`Tensor.to`, the bf16 file is what the server would have kept, bit for bit (tests/vllm_engine/test_vllm_lora_dtype.py).
+A server started in a wider dtype than the trainer's base (`--dtype float32` over a bf16 run) gets the narrower
+adapter: pass `dtype=None` there.
+
 The server must be started with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve BASE --enable-lora --max-loras K
 --max-lora-rank R --api-key KEY` (K >= `keep`); the trainer reads KEY from GRPO_ACCEL_VLLM_API_KEY.
 """
@@ -26,9 +34,13 @@ import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 API_KEY_ENV = "GRPO_ACCEL_VLLM_API_KEY"
 NAME = "policy-{run}-v{version}"  # a run's own: a resumed or second run meets a server that holds v1, v2, ...
@@ -56,11 +68,24 @@ def server_request(base_url: str, route: str, body: dict | None, api_key: str | 
                         ) from exc
 
 
+def base_dtype(model) -> torch.dtype | None:
+    """The dtype of the base weights under the model's LoRA layers (a 4-bit layer's compute dtype): what a server that
+    serves this base in the trainer's dtype holds the adapter in. None where the model has no LoRA layer."""
+    for module in model.modules():
+        weight = getattr(getattr(module, "base_layer", None), "weight", None)
+        if weight is None:
+            continue
+        if weight.is_floating_point():
+            return weight.dtype
+        return getattr(module.base_layer, "compute_dtype", None)
+    return None
+
+
 class AdapterSync:
     """Sends a PEFT model's adapter to one vLLM server; keeps the newest `keep` versions loaded there."""
 
     def __init__(self, base_url: str, sync_dir: str | os.PathLike, keep: int = 2, timeout_s: float = 60.0,
-                 api_key: str | None = None, run_id: str | None = None):
+                 api_key: str | None = None, run_id: str | None = None, dtype: torch.dtype | None = None):
         if keep < 1:
             raise ValueError(f"keep={keep}: at least the newest version stays loaded")
         # vLLM refuses a name it holds (HTTP 400), and loading it in place would swap weights under requests still
@@ -70,6 +95,7 @@ class AdapterSync:
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self.loaded: list[int] = []  # versions loaded on the server, oldest first
         self.bytes_sent = 0  # adapter bytes written for the server, all syncs together
+        self.dtype = dtype  # the files' tensors; None: the adapter's own (PEFT's fp32 by default)
 
     def name_of(self, version: int) -> str:
         """The name the server knows this run's policy `version` by: what a request sends as its model."""
@@ -84,6 +110,17 @@ class AdapterSync:
             return UserError(f"the vLLM server at {self.base_url} refused {what}: {API_KEY_ENV} {held}. Fix: export "
                              f"{API_KEY_ENV} with the key the server was started with (--api-key)")
         return None
+
+    def _cast_state_dict(self, model) -> dict:
+        """save_pretrained's kwargs: none where the adapter is already in `dtype`; else a `state_dict` whose LoRA
+        tensors are cast copies (the rest are the model's own, uncopied: PEFT keeps only the adapter's keys), so the
+        folder stays PEFT's and the trainer's adapter is untouched."""
+        if self.dtype is None:
+            return {}
+        state = model.state_dict()
+        cast = {k: v.to(self.dtype) for k, v in state.items()
+                if "lora_" in k and v.is_floating_point() and v.dtype != self.dtype}
+        return {"state_dict": {**state, **cast}} if cast else {}
 
     def check(self) -> None:
         """Before the first step: the server answers, takes our key, and can load adapters at run time."""
@@ -106,7 +143,7 @@ class AdapterSync:
             raise ValueError(f"version {version} after {self.loaded[-1]}: versions only grow")
         name = self.name_of(version)
         folder = self.sync_dir / name
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, **self._cast_state_dict(model))
         self.bytes_sent += sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         status, body = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())})
         if err := self._refused(status, "an adapter load"):
@@ -127,4 +164,4 @@ class AdapterSync:
         return name
 
 
-__all__ = ["API_KEY_ENV", "AdapterSync", "SERVER_FLAGS", "server_request"]
+__all__ = ["API_KEY_ENV", "AdapterSync", "SERVER_FLAGS", "base_dtype", "server_request"]

@@ -61,18 +61,20 @@ class ServerGeneration:
     `accelerator` gives the ranks; `policy()` the unwrapped PEFT model; `step()` the trainer's optimizer step (the
     policy version); `training()` whether the trainer is training (an evaluation's batches are sampled at once and
     leave the batch asked ahead for the next step alone). `sampling`: temperature, top_p, top_k, min_p,
-    repetition_penalty as TRL's config has them."""
+    repetition_penalty as TRL's config has them. `adapter_dtype`: the dtype of the adapter files (AdapterSync's
+    `dtype`; None: the adapter's own)."""
 
     def __init__(self, accelerator, policy, step, *, base_url: str, sync_dir: str | Path, max_completion_length: int,
                  sampling: dict, max_staleness: int = 1, weight_sync_steps: int = 1, timeout_s: float = 240.0,
-                 api_key: str | None = None, training=lambda: True):
+                 api_key: str | None = None, training=lambda: True, adapter_dtype=None):
         if max_staleness < 0 or weight_sync_steps < 1:
             raise ValueError(f"max_staleness {max_staleness} >= 0 and weight_sync_steps {weight_sync_steps} >= 1")
         self.accelerator, self.policy, self.step, self.training = accelerator, policy, step, training
         self.base_url, self.max_completion_length, self.sampling = base_url.rstrip("/"), max_completion_length, sampling
         self.max_staleness, self.weight_sync_steps, self.timeout_s = max_staleness, weight_sync_steps, timeout_s
         # the server keeps the version just loaded and those still sampling for a step ahead
-        self.sync = AdapterSync(base_url, sync_dir, keep=max_staleness + 1, timeout_s=timeout_s, api_key=api_key)
+        self.sync = AdapterSync(base_url, sync_dir, keep=max_staleness + 1, timeout_s=timeout_s, api_key=api_key,
+                                dtype=adapter_dtype)
         self.version: int | None = None  # the optimizer step of the adapter the server holds
         self.requests: deque[_Request] = deque()  # rank 0's batches asked for ahead, oldest first
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-accel-server") \

@@ -10,6 +10,7 @@ import os
 
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError
+from grpo_accel.generation.adapter_sync import base_dtype
 from grpo_accel.generation.server_generation import ServerGeneration
 
 
@@ -80,6 +81,9 @@ def attach_server(trainer) -> ServerGeneration:
                           f"past --max_staleness {m}: they would be dropped and sampled again. Fix: --max_staleness "
                           f"{k}, or --weight_sync_steps {max(m, 1)}.")
     base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    # the adapter files in the base's dtype: vLLM casts a loaded adapter to the served model's dtype, so PEFT's fp32
+    # adapter over a bf16 base would send twice the bytes the server keeps (adapter_sync's docstring)
+    adapter_dtype = base_dtype(trainer.accelerator.unwrap_model(trainer.model))
     generation = ServerGeneration(
         trainer.accelerator, policy=lambda: trainer.accelerator.unwrap_model(trainer.model),
         step=lambda: trainer.state.global_step, training=lambda: trainer.model.training, base_url=base_url,
@@ -87,14 +91,16 @@ def attach_server(trainer) -> ServerGeneration:
         max_completion_length=args.max_completion_length,
         sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                       repetition_penalty=args.repetition_penalty),
-        max_staleness=args.max_staleness, weight_sync_steps=args.weight_sync_steps, timeout_s=args.vllm_server_timeout)
+        max_staleness=args.max_staleness, weight_sync_steps=args.weight_sync_steps, timeout_s=args.vllm_server_timeout,
+        adapter_dtype=adapter_dtype)
     generation.check()
     trainer.use_vllm = True
     trainer.vllm_mode = "server"
     trainer.vllm_generation = generation
     trainer._last_loaded_step = -1
     ahead = "the next batch sampled while this one trains" if args.max_staleness else "synchronous"
-    log(f"generation route vllm_server: {base_url}, adapter-only sync every {args.weight_sync_steps} step(s) "
+    files = f" in {str(adapter_dtype).removeprefix('torch.')}" if adapter_dtype is not None else ""
+    log(f"generation route vllm_server: {base_url}, adapter-only sync{files} every {args.weight_sync_steps} step(s) "
         f"through {generation.sync.sync_dir}; {ahead} (max_staleness {args.max_staleness})")
     return generation
 
