@@ -15,8 +15,8 @@ vLLM's routes (tests/test_adapter_sync.py); the trainer calls it through server_
 
 The adapter files hold the tensors in `dtype` (the trainer passes base_dtype(model), the base's dtype): vLLM 0.32 holds
 a runtime-loaded adapter in its LoRAConfig.lora_dtype, which "auto" (the default) makes the served model's dtype
-(vllm/config/lora.py:138-139), and casts each tensor to it on load (vllm/lora/lora_model.py:169,173, before any scaling),
-so PEFT's fp32 adapter over a bf16 base sent twice the bytes the server keeps. Cast here with the same
+(vllm/config/lora.py:138-139), and casts each tensor to it on load (vllm/lora/lora_model.py:169,173, before any
+scaling), so PEFT's fp32 adapter over a bf16 base sent twice the bytes the server keeps. Cast here with the same
 `Tensor.to`, the bf16 file is what the server would have kept, bit for bit (tests/vllm_engine/test_vllm_lora_dtype.py).
 A server started in a wider dtype than the trainer's base (`--dtype float32` over a bf16 run) gets the narrower
 adapter: pass `dtype=None` there.
@@ -136,15 +136,21 @@ class AdapterSync:
                             f"/v1/load_lora_adapter). Fix: start it as {SERVER_FLAGS} (with --max-loras >= "
                             f"{self.keep})")
 
+    def write(self, model, version: int) -> Path:
+        """push's first half: the adapter folder of policy `version` (PEFT's save_pretrained, tensors in `dtype`),
+        its bytes counted in `bytes_sent`. Alone, what benchmarks/bench_sync_bytes.py measures."""
+        folder = self.sync_dir / self.name_of(version)
+        model.save_pretrained(folder, **self._cast_state_dict(model))
+        self.bytes_sent += sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        return folder
+
     def push(self, model, version: int) -> str:
         """Write the adapter of `model` (a PEFT model) for policy `version` and load it on the server under its own
         name; unload the versions past `keep`. Returns the name requests use."""
         if self.loaded and version <= self.loaded[-1]:
             raise ValueError(f"version {version} after {self.loaded[-1]}: versions only grow")
         name = self.name_of(version)
-        folder = self.sync_dir / name
-        model.save_pretrained(folder, **self._cast_state_dict(model))
-        self.bytes_sent += sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        folder = self.write(model, version)
         status, body = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())})
         if err := self._refused(status, "an adapter load"):
             raise err
