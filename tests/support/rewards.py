@@ -53,6 +53,19 @@ def length_reward_noting_rank(prompts, completions, **kwargs):
     return length_reward(prompts, completions)
 
 
+def length_reward_logged(prompts, completions, completion_ids, trainer_state, question, **kwargs):
+    """length_reward that appends what it scored to the JSONL file $REWARD_LOG, one line a call: the optimizer steps
+    done before it (the step scoring is that + 1), each row's question and completion token ids. A test reads which
+    groups each step trained, and sees a step's generation done while the step is still running."""
+    import json
+    import os
+
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps({"steps_done": trainer_state.global_step, "question": list(question),
+                            "completion_ids": [[int(t) for t in ids] for ids in completion_ids]}) + "\n")
+    return length_reward(prompts, completions)
+
+
 def _texts(completions):
     return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
 
