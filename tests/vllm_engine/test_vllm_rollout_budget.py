@@ -102,7 +102,7 @@ def test_carried_completions_train_with_every_tokens_engine_logprob(tmp_path_fac
     assert r["shared"] and len(r["handed"]) == 3
     assert all(h["same_tokens"] and h["same_logps"] and h["nan_logps"] == 0 for h in r["handed"]), r["handed"]
     assert sum(h["older_tokens"] for h in r["handed"]) > 0, "nothing carried: the test proves nothing"
-    assert sum(r["carried_completions"]) > 0 and all(x > 1 for x in r["rounds"])
+    assert sum(r["carried_completions"]) > 0 and max(r["rounds"]) > 1, r["rounds"]
     assert all(g > 0 for g in r["grad_norms"]) and r["moved"] > 1e-4
     assert r["synced_at"] == [0, 1, 2], r["synced_at"]  # each step's rounds ran on its own adapter, as TRL syncs
     report(f"rollout budget on vLLM, 3 steps: carried {r['carried_completions']}, rounds {r['rounds']}, older "
