@@ -52,9 +52,34 @@ def generation_context(trainer):
     with (unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
                                       gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
                                       gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
-          as unwrapped, torch.no_grad(), trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False)):
+          as unwrapped, zero3_forward_start_paused(trainer.model_wrapped), torch.no_grad(),
+          trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False)):
         yield unwrapped
         unwrapped.train()
+
+
+@contextlib.contextmanager
+def zero3_forward_start_paused(engine):
+    """Inside: DeepSpeed ZeRO-3's start-of-forward hook is off (a no-op elsewhere).
+
+    Why: TRL's unwrap for generation gathers the weights and removes ZeRO-3's per-module hooks, but not the hook on
+    the top module that calls the parameter coordinator's `reset_step` before every forward, and `reset_step` runs a
+    collective (`assert_ints_same_as_other_ranks`) while the coordinator's trace is incomplete, which it is after
+    each generation (TRL's add_hooks invalidates it). transformers' generate() keeps ranks in step (`synced_gpus`);
+    continuous batching does not: a rank whose completions end sooner runs fewer forwards, and the other waits in
+    that collective for good (a 2-rank ZeRO-3 launch with a rollout budget hung at its 4th step:
+    tests/test_budget_sigkill.py). The generation forwards read the gathered weights and record no trace, so the hook
+    has nothing to do there; it goes back, in its place, before TRL re-registers the module hooks."""
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    handle = getattr(offload, "fwd_pre_hook", None)
+    hooks = getattr(getattr(offload, "module", None), "_forward_pre_hooks", None)
+    hook = hooks.pop(handle.id, None) if handle is not None and hooks is not None else None
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hooks[handle.id] = hook
+            hooks.move_to_end(handle.id, last=False)  # first, as DeepSpeed registered it
 
 
 def paged_single_turn(trainer, prompt_ids: list[list[int]]) -> tuple[list[list[int]], None]:
@@ -72,4 +97,4 @@ def paged_single_turn(trainer, prompt_ids: list[list[int]]) -> tuple[list[list[i
     return completion_ids, None
 
 
-__all__ = ["generation_context", "paged_single_turn", "planned_paged_seqs"]
+__all__ = ["generation_context", "paged_single_turn", "planned_paged_seqs", "zero3_forward_start_paused"]
