@@ -1,7 +1,8 @@
 """A step that does not wait for its longest completion (issue 53, item 5): the same LoRA run on route
 continuous_batching with `--rollout_budget` off and on, on a task whose completion lengths have a long tail, beside
 TRL's own way to decode more per generation (`--steps_per_generation 2`: one generation batch for two optimizer
-steps, the second trained one policy version later under TRL's clipped ratio).
+steps, the second trained one policy version later under TRL's clipped ratio); and on route colocated vLLM
+(`vllm_*`, in the vLLM venv: make setup-vllm), off and on.
 
     .venv/bin/python benchmarks/bench_rollout_budget.py --steps 8 --seeds 0 1 2      # nothing else running
 
@@ -40,16 +41,24 @@ RESULTS = ROOT / "benchmarks" / "results" / "rollout_budget.csv"
 # ROUND_PAGE_SIZE), so the budget's figure is not credited with what the page size alone gives
 IMPLS = {"budget_off": [],
          "budget_off_page16": ["--transformers_continuous_batching_config", json.dumps({"page_size": ROUND_PAGE_SIZE})],
-         "trl_steps_per_generation_2": ["--steps_per_generation", "2"], "budget_16": ["--rollout_budget", "16"]}
+         "trl_steps_per_generation_2": ["--steps_per_generation", "2"], "budget_16": ["--rollout_budget", "16"],
+         # route colocated vLLM (vllm_shared: the engine shares the trainer's base weights), in the vLLM venv
+         "vllm_budget_off": [], "vllm_budget_16": ["--rollout_budget", "16"]}
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"  # make setup-vllm
+
+
+def route(impl: str) -> list[str]:
+    return ["--use_vllm", "true"] if impl.startswith("vllm_") else ["--use_transformers_continuous_batching", "true"]
 
 
 def command(impl: str, seed: int, args, out: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "launch" / "train.py"), "--model_dtype", "float32", "--train_size", "256",
+    python = str(VLLM_PYTHON) if impl.startswith("vllm_") else sys.executable
+    return [python, str(ROOT / "launch" / "train.py"), "--model_dtype", "float32", "--train_size", "256",
            "--eval_size", str(args.eval_size), "--eval_max_new_tokens", str(args.completion_length),
            "--max_completion_length", str(args.completion_length),
            "--num_generations", "4", "--per_device_train_batch_size", str(4 * args.prompts),
            "--max_steps", str(args.steps), "--save_steps", "1000", "--logging_steps", "1", "--seed", str(seed),
-           "--use_transformers_continuous_batching", "true", *IMPLS[impl],
+           *route(impl), *IMPLS[impl],
            "--output_dir", str(out), "--report_to", "none"]
 
 
@@ -114,6 +123,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if any(i.startswith("vllm_") for i in args.impls) and not VLLM_PYTHON.exists():
+        raise SystemExit(f"error: the vllm_* runs need the vLLM venv ({VLLM_PYTHON}). Fix: make setup-vllm, or "
+                         "--impls without them")
     tmp = args.runs_dir or Path(tempfile.mkdtemp(prefix="bench_rollout_budget_"))
     print(f"runs in {tmp}", flush=True)
     rows = []
@@ -130,6 +142,7 @@ def main(argv=None) -> int:
                 slot_use = statistics.mean(_f(r, "completions/mean_length") / _f(r, "completions/max_length")
                                            for r in generated)
             shape = (f"smollm2-135m,fp32,lora-r16,G=4,prompts={args.prompts},C={args.completion_length},"
+                     f"route={'vllm_shared' if impl.startswith('vllm_') else 'continuous_batching'},"
                      f"steps={args.steps},seed={seed}")
             metrics = [("step_s_mean", step, "s"), ("generation_s_mean", gen, "s"),
                        ("step_s_median", statistics.median(_f(r, "step_time") for r in got), "s"),
