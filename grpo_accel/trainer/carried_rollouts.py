@@ -22,11 +22,12 @@ budget (one round at the completion limit, nothing carried), every token on-poli
 Routes. Continuous batching (transformers' continuous batching returns each token's log-prob after temperature and
 top-k/top-p): inside a step a continued completion gets its full pages back from transformers' prefix cache, carried
 into the next step it is prefilled again (prompt + partial completion) under the new weights. Colocated vLLM
-(`SharedVLLMGeneration.rounds`): each round resubmits prompt + partial completion with max_tokens the round's limit,
-the adapter synced once per step as TRL syncs it; every token TRL gets carries the engine's behaviour log-prob, as
-on TRL's own vLLM route (the engine is another copy of the policy: its tokens are corrected for even when this
-step's adapter sampled them). `generate()` cannot pause a completion: it says so in one line and runs as without a
-budget. A vLLM server samples ahead on its own (server_mode.py, max_staleness): it refuses the flag.
+(`SharedVLLMGeneration.rounds`): one engine request per completion for a step's rounds, aborted at the step's end and
+resubmitted (prompt + partial completion) after the next sync, the adapter synced once per step as TRL syncs it;
+every token TRL gets carries the engine's behaviour log-prob, as on TRL's own vLLM route (the engine is another copy
+of the policy: its tokens are corrected for even when this step's adapter sampled them). `generate()` cannot pause
+a completion: it says so in one line and runs as without a budget. A vLLM server samples ahead on its own
+(server_mode.py, max_staleness): it refuses the flag.
 Checkpoints hold each rank's rollouts in flight (`rollouts-rank<k>.json`): a resume continues them.
 """
 
