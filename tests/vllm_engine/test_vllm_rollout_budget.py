@@ -36,7 +36,10 @@ def adapted(engine, training_model):
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     yield model
-    model.unload()  # the session's training model without the adapter again (other files' tests use it)
+    # the session's training model without the adapter again, and the engine generating without one (other files'
+    # tests share both: test_vllm_colocate.py compares the engine's generation with the bare model's)
+    model.unload()
+    engine.has_adapter = False
 
 
 def generation(engine, model, temperature):
