@@ -76,20 +76,28 @@ class SharedVLLMGeneration:
             self.llm.wake_up(tags=["weights"])
             self.weights_sleeping = False
 
+    @contextlib.contextmanager
+    def _awake(self):
+        """With EngineConfig.sleep: the engine's weights (pushed again after a level-2 sleep) and KV cache for one
+        generation, released after it (sleep level 2); a no-op otherwise."""
+        if self.sleep and self.weights_sleeping:
+            self.sync_weights()  # level-2 sleep discarded the weights: push the trainer's current ones again
+        if self.sleep:
+            self.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield
+        finally:
+            if self.sleep:
+                self.llm.sleep(level=2)
+                self.weights_sleeping = True
+
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         from vllm import SamplingParams
 
         if images is not None and any(i is not None for i in images):
             raise NotImplementedError("the shared-weight vLLM path is text-only")
-        if self.sleep and self.weights_sleeping:
-            self.sync_weights()  # level-2 sleep discarded the weights: push the trainer's current ones again
-        if self.sleep:
-            self.llm.wake_up(tags=["kv_cache"])
-        with profiler or contextlib.nullcontext():
+        with self._awake(), profiler or contextlib.nullcontext():
             outputs = self.engine.generate(prompts, SamplingParams(**self.sampling))
-        if self.sleep:
-            self.llm.sleep(level=2)
-            self.weights_sleeping = True
         prompt_ids = [list(o.prompt_token_ids) for o in outputs]
         completion_ids = [list(c.token_ids) for o in outputs for c in o.outputs]
         logprobs, token_ids = [], []
@@ -126,10 +134,6 @@ class SharedVLLMGeneration:
         live: dict[tuple, list[_Request]] = {}  # prompt + tokens handed out so far -> the requests decoding it
         numbers = itertools.count()
         lora = self.engine.lora_request()
-        if self.sleep and self.weights_sleeping:
-            self.sync_weights()
-        if self.sleep:
-            self.llm.wake_up(tags=["kv_cache"])
 
         def start(seq: list[int]) -> _Request:
             req = _Request(f"grpo_accel-rollout-{next(numbers)}")
@@ -166,15 +170,13 @@ class SharedVLLMGeneration:
                 out.append((ids, logps, ended))
             return out
 
-        try:
-            yield decode
-        finally:
-            running = [r.request_id for pool in live.values() for r in pool if not r.finished]
-            if running:
-                engine.abort_request(running)
-            if self.sleep:
-                self.llm.sleep(level=2)
-                self.weights_sleeping = True
+        with self._awake():
+            try:
+                yield decode
+            finally:
+                running = [r.request_id for pool in live.values() for r in pool if not r.finished]
+                if running:
+                    engine.abort_request(running)
 
 
 @dataclass

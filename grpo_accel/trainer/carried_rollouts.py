@@ -109,15 +109,15 @@ def generate_and_score(trainer, inputs: list[dict], score):
         rollouts.ahead, _, _ = trainer._tokenize_prompts([x["prompt"] for x in ahead])
         rollouts.add_prompts(rollouts.ahead, ahead)
     version = trainer.state.global_step
-    running = sum(1 for g in rollouts.buffer.groups for r in g.rollouts if not r.finished)
-    longest = max(len(g.prompt_ids) for g in rollouts.buffer.groups)
     # the rounds are this step's generation (time/generation_s)
     with trainer._phase("generation"):
         if trainer._engine_rounds:
             _sync_engine(trainer)
             with trainer.vllm_generation.rounds() as decode:
                 ready, dropped = rollouts.step(len(unique), version, decode)
-        else:
+        else:  # the page pool for the sequences in flight, at the longest prompt
+            running = sum(1 for g in rollouts.buffer.groups for r in g.rollouts if not r.finished)
+            longest = max(len(g.prompt_ids) for g in rollouts.buffer.groups)
             with generation_context(trainer) as unwrapped, _decoder(trainer, unwrapped, running, longest) as decode:
                 ready, dropped = rollouts.step(len(unique), version, decode)
     if dropped:
@@ -165,12 +165,16 @@ def rollouts_file(checkpoint_dir: str, rank: int) -> str:
 
 
 def save_rollouts(trainer, checkpoint_dir: str) -> None:
-    """Each rank's rollouts in flight into the checkpoint (written before trainer_state.json, which completes it)."""
+    """Each rank's rollouts in flight into the checkpoint, every rank's written before any returns: rank 0 writes
+    trainer_state.json, which completes the checkpoint (trainer/checkpoints.py), after this. Without the barrier a
+    SIGKILL between them leaves a checkpoint `latest` resumes from and rank k finds no rollouts in (transformers'
+    store_flos all-gather orders them today, by accident: tests/test_budget_sigkill.py)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     path = rollouts_file(checkpoint_dir, trainer.accelerator.process_index)
     with open(path + ".tmp", "w") as f:
         json.dump(trainer.rollouts.state_dict(), f)
     os.replace(path + ".tmp", path)
+    trainer.accelerator.wait_for_everyone()
 
 
 def load_rollouts(trainer, checkpoint_dir: str) -> None:

@@ -402,15 +402,12 @@ class GRPOAccelTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         """transformers'; with --rollout_budget every rank's rollouts in flight go in first (trainer_state.json, written
-        last by rank 0, completes the checkpoint: trainer/checkpoints.py). The barrier: else a SIGKILL between them
-        leaves a checkpoint `latest` resumes from and rank k finds no rollouts in (transformers' store_flos all-gather
-        orders them today, by accident: tests/test_budget_sigkill.py)."""
+        last, completes the checkpoint: carried_rollouts.save_rollouts)."""
         if getattr(self, "rollouts", None) is not None:
             from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
             save_rollouts(self, os.path.join(self._get_output_dir(trial=trial),
                                              f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
-            self.accelerator.wait_for_everyone()
         return super()._save_checkpoint(model, trial)
 
     def _load_rng_state(self, checkpoint):

@@ -78,13 +78,13 @@ def count_forwards(trainer, counts: dict[str, int]) -> None:
     trainer.accelerator.backward = counted_backward
 
 
-def record_handed(trainer) -> list[dict]:
+def record_handed(trainer) -> tuple[list[dict], list[int]]:
     """Per trained batch (--rollout-budget): what TRL was handed against the rollout records it came from — tokens
     and behaviour log-probs equal, none NaN — and how many tokens an older policy version sampled; and the step of
     each adapter push to the engine."""
     import grpo_accel.trainer.trainer as trainer_module
 
-    seen, real = [], trainer_module.carried_single_turn
+    seen, synced, real = [], [], trainer_module.carried_single_turn
 
     def handed(tr, prompt_ids):
         got = real(tr, prompt_ids)
@@ -101,12 +101,12 @@ def record_handed(trainer) -> list[dict]:
     trainer_module.carried_single_turn = handed
     sync = trainer.vllm_generation.sync_weights
 
-    def synced():  # the global step each adapter push happened at
-        seen.append({"synced_at": trainer.state.global_step})
+    def counted_sync():  # the global step each adapter push happened at
+        synced.append(trainer.state.global_step)
         return sync()
 
-    trainer.vllm_generation.sync_weights = synced
-    return seen
+    trainer.vllm_generation.sync_weights = counted_sync
+    return seen, synced
 
 
 def main() -> None:
@@ -189,7 +189,7 @@ def main() -> None:
 
         engine.generate = generate
     count_forwards(trainer, counts)
-    handed = record_handed(trainer) if args.rollout_budget else []
+    handed, synced = record_handed(trainer) if args.rollout_budget else ([], [])
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     t0 = time.perf_counter()
     trainer.train()
@@ -208,8 +208,7 @@ def main() -> None:
     out["is_ratio_min"] = [h.get("sampling/importance_sampling_ratio/min") for h in logs]
     out["carried_completions"] = [h.get("rollouts/carried_completions") for h in logs]
     out["rounds"] = [h.get("rollouts/rounds") for h in logs]
-    out["synced_at"] = [h["synced_at"] for h in handed if "synced_at" in h]
-    out["handed"] = [h for h in handed if "synced_at" not in h]
+    out["synced_at"], out["handed"] = list(synced), handed  # a copy: the engine check below syncs once more
     if engine is not None:
         ids = tokenizer(FIXED)["input_ids"]
         model = trainer.accelerator.unwrap_model(trainer.model)
