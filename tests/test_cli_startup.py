@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import warnings
+from importlib import metadata
 
 import pytest
 from support.launch import ROOT, child_env
@@ -23,15 +24,39 @@ def imported_modules(args: list[str]) -> tuple[set[str], subprocess.CompletedPro
     return names, proc
 
 
+# The packages whose fields the shipped --help lists (TRL's GRPOConfig, transformers' TrainingArguments: pyproject's
+# dependencies), written here and not read from train_help.VERSIONED: a versions line that stopped naming one would
+# ship the text unchanged through that package's upgrade, and a check built on VERSIONED would agree with it.
+FIELD_PACKAGES = ("trl", "transformers")
+
+
+def written_for() -> dict[str, str]:
+    """What the shipped text's first line names, e.g. {'trl': '1.16.0', 'transformers': '5.24.0', 'python': '3.11'}."""
+    first = train_help.HELP_FILE.read_text().split("\n", 1)[0]
+    return dict(item.rsplit(" ", 1) for item in first.removeprefix("# ").split(", "))
+
+
+def shipped_for_this_venv() -> str:
+    """The shipped text, where this venv has the versions it names (CI's venv: what pyproject.toml resolves to);
+    there `launch/train.py --help` must print it, so None fails. Elsewhere (another TRL, transformers or Python)
+    the live parser prints it and the test skips."""
+    named = written_for()
+    assert set(named) == {*FIELD_PACKAGES, "python"}, f"the shipped --help's versions line names {sorted(named)}"
+    here = {**{name: metadata.version(name) for name in FIELD_PACKAGES},
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    if here != named:
+        pytest.skip(f"the shipped --help is for {named}, this venv has {here} (CI's venv checks it; "
+                    "python -m grpo_accel.app.train_help --write regenerates it)")
+    shipped = train_help.shipped_help()
+    assert shipped is not None, (f"the shipped --help is for this venv's {named}, yet train_help refuses it (its "
+                                 f"versions line here: '{train_help.versions_line()}'): --help would take 13 s")
+    return shipped
+
+
 def test_shipped_help_is_the_live_parsers():
     """The text launch/train.py --help prints without importing TRL is the live parser's, for the installed TRL and
     transformers. Fails after a TRL upgrade or a new flag: `python -m grpo_accel.app.train_help --write`."""
-    shipped = train_help.shipped_help()
-    written_for = train_help.HELP_FILE.read_text().split("\n", 1)[0]
-    if shipped is None:  # another Python, TRL or transformers than the text's: the live parser prints (tested below)
-        assert written_for != train_help.versions_line()
-        pytest.skip(f"the shipped --help is for '{written_for}', this is '{train_help.versions_line()}' (CI's venv "
-                    f"checks it; python -m grpo_accel.app.train_help --write regenerates it)")
+    shipped = shipped_for_this_venv()
     assert shipped == train_help.live_help(), "stale: python -m grpo_accel.app.train_help --write"
     assert "--max_completion_length" in shipped and "--offload_activations" in shipped  # TRL's fields and ours
 
@@ -47,11 +72,10 @@ def test_help_for_other_versions_is_the_live_parsers(tmp_path, monkeypatch, caps
 
 
 def test_train_help_imports_neither_torch_nor_trl():
-    if train_help.shipped_help() is None:
-        pytest.skip("the shipped --help is for other versions than these: the live parser prints it (imports TRL)")
+    shipped = shipped_for_this_venv()  # elsewhere the live parser prints it, importing TRL
     names, proc = imported_modules([os.path.join("launch", "train.py"), "--help"])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout == train_help.shipped_help()
+    assert proc.stdout == shipped
     assert not names & {"torch", "transformers", "trl"}, sorted(names & {"torch", "transformers", "trl"})
 
 
