@@ -147,33 +147,52 @@ def test_sigkill_mid_step_then_resume_continues_the_carried_rollouts(tmp_path):
 
 
 # sitecustomize for the launched processes: rank 1 writes its rollouts $SAVE_DELAY_S late, as a rank descheduled or
-# on a slow disk would. The trainer imports save_rollouts by name, so the module is wrapped as it is imported.
+# on a slow disk would; and transformers' store_flos (the first thing its checkpoint save does) without its all-gather,
+# which every rank enters after writing its rollouts and so orders the writes by accident: what is left to order them
+# is save_rollouts' own barrier. Each patched store_flos leaves a file in $HOOK_MARKS (the patch ran, on every rank).
+# The trainer imports save_rollouts by name, so each module is patched as it is imported.
 LATE_RANK = """
 import importlib.abc, importlib.machinery, os, sys, time
 
 
-class LateRank1(importlib.abc.MetaPathFinder):
+def late_rank1(module):
+    save = module.save_rollouts
+
+    def late(trainer, checkpoint_dir):
+        if trainer.accelerator.process_index == 1:
+            time.sleep(float(os.environ["SAVE_DELAY_S"]))
+        return save(trainer, checkpoint_dir)
+
+    module.save_rollouts = late
+
+
+def store_flos_alone(module):
+    def store_flos(self):  # transformers' single-process branch: no collective
+        self.state.total_flos += self.current_flos
+        self.current_flos = 0
+        open(os.path.join(os.environ["HOOK_MARKS"], f"store_flos-rank{self.args.process_index}"), "a").close()
+
+    module.Trainer.store_flos = store_flos
+
+
+PATCHES = {"grpo_accel.trainer.carried_rollouts": late_rank1, "transformers.trainer": store_flos_alone}
+
+
+class Patch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "grpo_accel.trainer.carried_rollouts":
+        if name not in PATCHES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         real = spec.loader.exec_module
 
         def exec_module(module):
             real(module)
-            save = module.save_rollouts
-
-            def late(trainer, checkpoint_dir):
-                if trainer.accelerator.process_index == 1:
-                    time.sleep(float(os.environ["SAVE_DELAY_S"]))
-                return save(trainer, checkpoint_dir)
-
-            module.save_rollouts = late
+            PATCHES[name](module)
         spec.loader.exec_module = exec_module
         return spec
 
 
-sys.meta_path.insert(0, LateRank1())
+sys.meta_path.insert(0, Patch())
 """
 
 
@@ -181,19 +200,22 @@ sys.meta_path.insert(0, LateRank1())
 def test_no_trainer_state_before_every_ranks_rollouts(tmp_path):
     """Two processes (DDP over gloo): rank 0 must not complete a checkpoint (trainer_state.json) before every rank
     has written its rollouts-rank<k>.json, or a SIGKILL in between leaves a checkpoint that `latest` picks and whose
-    resume fails on rank 1's missing rollouts. Rank 1 is made to write its rollouts 5 s late. Today the order holds
-    through transformers' own collective at the start of its save (store_flos's all-gather, which every rank enters
-    after writing its rollouts): this pins it through a transformers upgrade."""
-    hook = tmp_path / "hook"
+    resume fails on rank 1's missing rollouts. Rank 1 is made to write its rollouts 5 s late, and transformers'
+    store_flos all-gather (at the start of its save, after the rollouts: it ordered the writes by accident) is taken
+    out, so the order is save_rollouts' barrier's alone."""
+    hook, marks = tmp_path / "hook", tmp_path / "marks"
     hook.mkdir()
+    marks.mkdir()
     (hook / "sitecustomize.py").write_text(LATE_RANK)
     config = tmp_path / "ddp.yaml"
     config.write_text(DDP_YAML)
     out = tmp_path / "out"
     args = [*ARGS, "--max_steps", "2", "--rewards", "support.rewards:length_reward", "--output_dir", str(out)]
     done = run_train(args, launcher=[ACCELERATE, "launch", "--config_file", str(config)], timeout=400,
-                     PYTHONPATH=f"{hook}{os.pathsep}{os.path.join(ROOT, 'tests')}", SAVE_DELAY_S="5")
+                     PYTHONPATH=os.pathsep.join([str(hook), os.path.join(ROOT, "tests"), ROOT]), SAVE_DELAY_S="5",
+                     HOOK_MARKS=str(marks))
     assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == ["store_flos-rank0", "store_flos-rank1"], "not patched"
     written = {p.name: p.stat().st_mtime_ns for p in (out / f"checkpoint-{CUT}").iterdir()}
     assert written["rollouts-rank1.json"] - written["rollouts-rank0.json"] > 4e9, "rank 1 was not made late"
     assert written["rollouts-rank1.json"] < written["trainer_state.json"], written
