@@ -1,8 +1,9 @@
 """--vllm_mode server with LoRA under `accelerate launch` with DeepSpeed, 2 processes over gloo (ZeRO-3: as the
 multinode_zero3 preset's two machines on loopback, one process each), one (stand-in) server
 (support/vllm_standin.py): every rank joins the gather of the adapter's ZeRO-3 shards, rank 0 writes and loads it,
-every rank trains on its share of each batch, and a server that stops answering stops every rank with one error line
-(one a machine) within --vllm_server_timeout, the last checkpoint kept (issue 52, item 4)."""
+every rank trains on its share of each batch (the completions the server answered for the rank's own prompts), and
+a server that stops answering stops every rank with one error line (one a machine) within --vllm_server_timeout, the
+last checkpoint kept (issue 52, item 4)."""
 
 import csv
 import json
@@ -14,13 +15,16 @@ import yaml
 from safetensors.torch import load_file
 from support.launch import ACCELERATE, MULTINODE_YAML, ROOT, run_train, run_train_two_machines
 from support.vllm_standin import KEY, serve
+from transformers import AutoTokenizer
 
+from grpo_accel.data.models import embedded_model_dir
 from grpo_accel.generation.adapter_sync import API_KEY_ENV
 
 pytestmark = pytest.mark.distributed
 RANK = 4
 ARGS = ["--eval_size", "0", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1", "--lora_r", str(RANK),
-        "--lora_alpha", "8", "--lora_target_modules", "q_proj,v_proj", "--rewards", "support.rewards:length_reward",
+        "--lora_alpha", "8", "--lora_target_modules", "q_proj,v_proj", "--rewards",
+        "support.rewards:length_reward_logged_by_rank",
         "--use_vllm", "true", "--vllm_mode", "server", "--max_staleness", "1", "--vllm_server_timeout", "8",
         "--per_device_train_batch_size", "4", "--num_generations", "4"]
 
@@ -51,6 +55,23 @@ def config_file(stage, tmp_path) -> str:
     return str(tmp_path / "multinode_zero3.yaml")
 
 
+def assert_each_rank_trained_its_own_prompts(scored, answered):
+    """Every row each rank scored (support.rewards:length_reward_logged_by_rank: its question, from its own sampler,
+    and the completion it was handed) holds a completion the stand-in answered for a prompt asking that question:
+    not another rank's share of the batch (the reward reads lengths only, so a rank on the wrong share still
+    trains)."""
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    for rank in (0, 1):
+        calls = [json.loads(line) for line in open(f"{scored}.rank{rank}")]
+        rows = [row for call in calls for row in zip(call["question"], call["completion_ids"])]
+        assert rows, f"rank {rank} scored nothing"
+        for question, ids in rows:
+            asked = [tokenizer.decode(prompt) for _, prompt, _ in answered.get(tuple(ids), [])]
+            assert asked, f"rank {rank} trained a completion the server never answered: {ids}"
+            assert any(question in prompt for prompt in asked), \
+                f"rank {rank} trained, for its row {question!r}, a completion the server answered for {asked}"
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_train_through_one_server(stage, tmp_path):
     """ZeRO-2: the adapter is whole on each rank. ZeRO-3, launched as two machines of one process each (the
@@ -58,19 +79,20 @@ def test_two_ranks_train_through_one_server(stage, tmp_path):
     (without the gather, PEFT writes empty tensors) and the launch must not hang. Under ZeRO-3 the server stops
     answering once v2 is loaded (step 3's batch, asked ahead at step 2, never comes): both machines stop with the
     timeout's error line, one each (its terminal), checkpoint-2 kept."""
-    out = tmp_path / "run"
+    out, scored = tmp_path / "run", tmp_path / "scored.jsonl"
     args = [*ARGS, "--output_dir", str(out)]
+    env = {API_KEY_ENV: KEY, "REWARD_LOG": str(scored)}
     slow = dict(slow_after_loads=3, slow_s=60.0) if stage == 3 else {}
     with serve(**slow) as (url, handler):
         t0 = time.monotonic()
         if stage == 2:
-            procs = [run_train([*args, "--vllm_server_base_url", url], timeout=400, **{API_KEY_ENV: KEY},
+            procs = [run_train([*args, "--vllm_server_base_url", url], timeout=400, **env,
                                launcher=[ACCELERATE, "launch", "--config_file", config_file(stage, tmp_path)])]
         else:  # --preset: the YAML's name picks the 8B; cpu is what this launch trained on one machine (SmolLM2-135M)
             procs = run_train_two_machines(["--preset", "cpu", *args, "--vllm_server_base_url", url],
-                                           config_file(stage, tmp_path), timeout=400, **{API_KEY_ENV: KEY})
+                                           config_file(stage, tmp_path), timeout=400, **env)
         took = time.monotonic() - t0
-        loads, requests = list(handler.loads), list(handler.requests)
+        loads, requests, answered = list(handler.loads), list(handler.requests), dict(handler.answered)
     stdout = "".join(proc.stdout for proc in procs)
     assert stdout.count(f"generation route vllm_server: {url}, adapter-only sync") == 1  # rank 0 says it
     # every version loaded holds the whole adapter: lora_A (r x hidden) and lora_B (hidden or kv width x r) on q, v
@@ -81,6 +103,7 @@ def test_two_ranks_train_through_one_server(stage, tmp_path):
     # one request per batch for both ranks' prompts (4 rows per rank, 4 completions each: one prompt per rank), not
     # one per rank
     assert requests and all(len(prompts) == 2 for _, prompts in requests), [len(p) for _, p in requests]
+    assert_each_rank_trained_its_own_prompts(scored, answered)
     if stage == 2:
         assert procs[0].returncode == 0, (procs[0].stdout[-2000:], procs[0].stderr[-4000:])
         with open(out / "metrics.csv") as f:

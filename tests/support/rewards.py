@@ -66,6 +66,22 @@ def length_reward_logged(prompts, completions, completion_ids, trainer_state, qu
     return length_reward(prompts, completions)
 
 
+def length_reward_logged_by_rank(prompts, completions, completion_ids, question, **kwargs):
+    """length_reward that appends what this rank scored to $REWARD_LOG.rank<R>, one JSON line a call: each row's
+    question (the rank's own rows, from its sampler) and the completion token ids it was handed for them. A
+    multi-process test checks each rank trained the completions of its own prompts."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(f"{os.environ['REWARD_LOG']}.rank{rank}", "a") as f:
+        f.write(json.dumps({"question": list(question),
+                            "completion_ids": [[int(t) for t in ids] for ids in completion_ids]}) + "\n")
+    return length_reward(prompts, completions)
+
+
 def _texts(completions):
     return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
 

@@ -3,7 +3,8 @@
 /v1 route with 401) and `/v1/completions` with token-id prompts, `n`, `logprobs: 0` and `return_token_ids`
 (entrypoints/openai/completion: choices prompt by prompt, n each). Its completions are not a model's: tokens and
 log-probs drawn from a seed of (model name, prompt, choice), so the same request always gets the same answer and two
-versions' answers differ. Every completions request is recorded (`requests`: model, prompts, in arrival order).
+versions' answers differ. Every completions request is recorded (`requests`: model, prompts, in arrival order), and
+every completion answered (`answered`: its token ids -> the (model, prompt, choice) it answers).
 What a stand-in cannot show, that a real server's completions come from the adapter just loaded, is the vLLM tier's
 test (tests/vllm_engine/test_vllm_server.py)."""
 
@@ -25,6 +26,7 @@ class StandIn(BaseHTTPRequestHandler):
     loaded: dict = {}  # a fresh dict per server (serve())
     requests: list = []
     loads: list = []  # every adapter loaded, in order: (name, folder)
+    answered: dict = {}  # every completion answered: its token ids (a tuple) -> [(model, prompt token ids, choice)]
     vocab = (10, 200)  # token ids drawn from this range
 
     def log_message(self, *args):  # quiet
@@ -83,6 +85,7 @@ class StandIn(BaseHTTPRequestHandler):
         for prompt in prompts:
             for i in range(n):
                 ids, logps = answer(model, prompt, i, max_tokens, self.vocab)
+                self.answered.setdefault(tuple(ids), []).append((model, list(prompt), i))
                 length = len(ids)
                 choices.append({"index": len(choices), "text": "", "token_ids": ids,
                                 "logprobs": {"token_logprobs": logps},
@@ -100,7 +103,7 @@ def answer(model: str, prompt: list[int], choice: int, max_tokens: int, vocab=St
 @contextmanager
 def serve(**attrs):
     """(base URL, handler class) of a fresh stand-in on a free loopback port; `attrs` override StandIn's."""
-    handler = type("Handler", (StandIn,), {"loaded": {}, "requests": [], "loads": [], **attrs})
+    handler = type("Handler", (StandIn,), {"loaded": {}, "requests": [], "loads": [], "answered": {}, **attrs})
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
