@@ -299,3 +299,71 @@ def test_every_supported_line_has_its_internals():
     from grpo_accel.generation.vllm_colocate import LINE_INTERNALS
 
     assert set(LINE_INTERNALS) == set(VLLM_LINES)
+
+
+def test_a_refused_share_is_planned_with_two_copies():
+    """a100_40gb_lora plans one copy of Qwen2.5-7B (route vllm_shared, 23 GiB); on a card that holds that but not a
+    second copy, the plan with the route a refused share runs (vllm_copy: the engine's own copy, awake: LoRA) fails,
+    naming the route; on the preset's own 38 GiB both fit."""
+    from grpo_accel.app.run_spec import resolve_run_spec
+    from grpo_accel.app.startup_checks import check_memory
+    from grpo_accel.core.units import GIB
+    from grpo_accel.planning.memory import weights_bytes
+    from grpo_accel.planning.routes import PINNED_STACK
+
+    spec = resolve_run_spec(["--preset", "a100_40gb_lora"], for_plan=True)
+    spec.__dict__["stack"] = PINNED_STACK  # the preset's machine: CUDA vLLM (spec.stack is a cached property)
+    one, two = spec.plan(), spec.plan(generation="vllm_copy")
+    assert spec.route()[0] == "vllm_shared" and one.route == "vllm_shared" and two.route == "vllm_copy"
+    copy = weights_bytes(model_shape(spec.preset.architecture), 2, "none")
+    assert two.peak_bytes - one.peak_bytes > copy  # the second copy (and the allocator's margin on it)
+    gpu = int((one.peak_gib + two.peak_gib) / 2 * GIB)
+    assert check_memory(spec, gpu) is None
+    problem = check_memory(spec, gpu, generation="vllm_copy")
+    assert problem is not None and problem.startswith("memory: generation route vllm_copy") and "Fix" in problem
+    assert check_memory(spec, int(spec.preset.min_gpu_mem_gib * GIB), generation="vllm_copy") is None
+
+
+class _RefusingEngine:
+    """SharedVLLM as it behaves when its share check refuses (vllm_colocate.SharedVLLM.build_training_model): the
+    caller's before_copy runs before the copy loads."""
+
+    def __init__(self, model_dir, cfg):
+        self.cfg, self.shared, self.agreement, self.copies = cfg, False, None, 0
+        self.refusal = "model.layers.0.self_attn.k_proj.weight differs from the checkpoint's"
+
+    def build_training_model(self, before_copy=None):
+        before_copy(self.refusal)
+        self.copies += 1
+        return torch.nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_refused_share_says_why_and_what_it_costs_and_stops_when_two_copies_do_not_fit(tmp_path, monkeypatch,
+                                                                                            fits):
+    from grpo_accel.generation import vllm_availability as va
+    from grpo_accel.generation import vllm_colocate as vc
+
+    monkeypatch.setattr(va, "vllm_stack_problem", lambda *a, **k: None)
+    monkeypatch.setattr(vc, "SharedVLLM", _RefusingEngine)
+    lines = []
+    args = _args(tmp_path, use_vllm=True)
+    call = lambda: vs.start_colocated_engine(  # noqa: E731
+        str(embedded_model_dir()), args, peft_config=types.SimpleNamespace(r=16), dtype=torch.bfloat16,
+        route="vllm_shared", longest_prompt=30, log=lines.append,
+        fits_unshared=lambda: None if fits else "memory: generation route vllm_copy (...); this run needs more")
+    if fits:
+        engine, model = call()
+        assert engine.copies == 1 and isinstance(model, torch.nn.Linear)
+    else:
+        with pytest.raises(vs.VLLMSetupError, match="two copies do not fit: memory: generation route vllm_copy"):
+            call()
+    refusal = [line for line in lines if "weight sharing refused:" in line]
+    assert len(refusal) == 1 and "k_proj.weight differs" in refusal[0]
+    from transformers import AutoConfig
+
+    from grpo_accel.planning.memory import weights_bytes
+
+    gib = weights_bytes(model_shape(AutoConfig.from_pretrained(embedded_model_dir())), 2, "none") / 2**30
+    assert f"+{gib:.2f} GiB" in refusal[0] and "two copies where the plan counted one" in refusal[0]
+    assert not fits or "sharing refused (above)" in lines[-1]

@@ -172,9 +172,14 @@ def load_training_model(spec, tokenizer, longest_prompt: int):
         config.use_vllm = False
         config.use_transformers_continuous_batching = route.startswith("generation route continuous_batching:")
     if action == "from_path":
+        from grpo_accel.app.startup_checks import check_memory
+
+        gpu_bytes, host_bytes = machine_memory()
         engine, model = start_colocated_engine(script.model, config, peft_config=lora_config(script),
                                                longest_prompt=longest_prompt, route=route,
-                                               dtype=dtypes.torch_dtype(script.model_dtype))
+                                               dtype=dtypes.torch_dtype(script.model_dtype),
+                                               fits_unshared=lambda: check_memory(spec, gpu_bytes, host_bytes,
+                                                                                  generation="vllm_copy"))
         return model, engine
     # Otherwise (no vLLM, a 4-bit or tiny model) the trainer starts an unshared engine or says why it cannot.
     model, _ = load_model(script.model, dtype=script.model_dtype, quantization=script.quantization, **init_kwargs)
@@ -194,15 +199,23 @@ def train_from_argv(argv: list[str]) -> int:
     return run(spec)
 
 
-def startup(spec, tokenizer, train_ds) -> int:
-    """Every check that needs no weights, before any load; returns the longest prompt (it sizes the engine)."""
-    from grpo_accel.app.startup_checks import host_memory_bytes, model_config, raise_on_failure, run_checks
+def machine_memory() -> tuple[int | None, int | None]:
+    """(GPU bytes, host bytes per process) the plan is checked against; (None, None) without CUDA: nothing to fit."""
+    from grpo_accel.app.startup_checks import host_memory_bytes
 
-    longest = max(prompt_lengths(tokenizer, train_ds["prompt"]))
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     host_bytes = host_memory_bytes() if gpu_bytes is not None else None
     if host_bytes is not None:  # the plan is per process; the processes of one machine share its memory
         host_bytes //= local_processes()
+    return gpu_bytes, host_bytes
+
+
+def startup(spec, tokenizer, train_ds) -> int:
+    """Every check that needs no weights, before any load; returns the longest prompt (it sizes the engine)."""
+    from grpo_accel.app.startup_checks import model_config, raise_on_failure, run_checks
+
+    longest = max(prompt_lengths(tokenizer, train_ds["prompt"]))
+    gpu_bytes, host_bytes = machine_memory()
     raise_on_failure(run_checks(spec, model_config(spec), longest, gpu_bytes, host_bytes))
     if host_bytes is not None:
         from grpo_accel.core.settings import device_budget_bytes, device_budget_gib

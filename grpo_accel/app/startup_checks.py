@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.units import GIB
+from grpo_accel.planning.routes import ROUTES
 
 # A padded [B, 1, T, T] boolean mask for SDPA above this size is refused (12 GiB per row at T = 110K).
 MAX_MASK_BYTES = 1 * GIB
@@ -153,15 +154,17 @@ def check_sequence_parallel(spec, config) -> str | None:
                                         f"divides the attention heads, or 1.")
 
 
-def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None) -> str | None:
+def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None,
+                 generation: str | None = None) -> str | None:
     """The planner's verdict on this GPU; with `host_bytes`, offloaded layer inputs the host cannot hold are
-    planned on the device (`fit_host`), and a host too small even then is named."""
+    planned on the device (`fit_host`), and a host too small even then is named. `generation`: plan that route
+    instead of the run's (a refused vLLM share runs vllm_copy: two copies of the weights)."""
     from grpo_accel.core.units import GIB
     from grpo_accel.planning.fitting import fit_host
 
     if gpu_bytes is None:
         return None
-    planned = spec.plan()
+    planned = spec.plan(**({"generation": generation} if generation else {}))
     plan = fit_host(planned, host_bytes)
     verdict = plan.verdict(gpu_bytes)
     if verdict.fits:
@@ -172,7 +175,7 @@ def check_memory(spec, gpu_bytes: int | None, host_bytes: int | None = None) -> 
                 f"{host_bytes / GIB:.1f} GiB; the rest on the GPU makes the peak {plan.peak_gib:.1f} GiB of "
                 f"{gpu_bytes / GIB:.1f}. Fix: a shorter --max_completion_length (`grpo-accel plan --find-max-t` names "
                 f"the longest that fits), or a host with more memory.")
-    route, why = spec.route()
+    route, why = (generation, ROUTES[generation]) if generation else spec.route()
     return f"memory: generation route {route} ({why}); this run {verdict}"
 
 

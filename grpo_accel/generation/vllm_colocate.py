@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +35,7 @@ import torch
 from grpo_accel._compat.vllm_cpu import keep_cpu_weights, packed_isa_026, packed_isa_032
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import launched_processes
+from grpo_accel.generation.share_check import Agreement, agreement, checkpoint_mismatch
 from grpo_accel.generation.vllm_availability import check_vllm_version, vllm_line
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,6 @@ ADAPTER_NAME = "grpo_accel"
 # The adapter never exists on disk; vLLM only needs a non-empty path string in the request.
 IN_MEMORY_PATH = "in-memory://grpo_accel"
 SELF_CHECK_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, so the answer is 42."
-SELF_CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
 
 # TRL options that its own colocate engine honours and the shared engine does not (yet): refused, never dropped.
@@ -276,34 +275,42 @@ class SharedVLLM:
         self.config = config or EngineConfig(**overrides)
         self.llm = create_engine(self.model_dir, self.config)
         self.shared = False
+        self.refusal: str | None = None        # why the share was refused (None: shared, or not tried)
+        self.agreement: Agreement | None = None  # engine vs HF on SELF_CHECK_TEXT, with its measured bound
+        self.self_check_error: float | None = None  # agreement.difference (nats)
         self.has_adapter = False
-        self.self_check_error: float | None = None
 
     # --- the training model ------------------------------------------------------------------------------
-    def build_training_model(self, check: bool = True):
-        """The HF model for training: base weights shared with the engine when the self-check passes.
+    def build_training_model(self, check: bool = True, before_copy: Callable[[str], None] | None = None):
+        """The HF model for training: base weights shared with the engine when the share checks out
+        (`_share_problem`: the engine's memory, bit-equal to the checkpoint).
 
-        On a mismatch (a model family whose engine layout we slice wrongly, a dtype the engine changed) it warns
-        and returns an independent copy loaded from disk, so training stays correct at the cost of memory.
+        On a refusal (`self.refusal` says why: a model family whose engine layout we slice wrongly, weights the
+        engine changed) `before_copy(reason)` runs first (vllm_setup logs it and checks the plan with two copies; it
+        may stop the run), then an independent copy is loaded from disk: training stays correct at the cost of memory.
         """
         from transformers import AutoModelForCausalLM
 
         try:
             model = build_shared_model(self.llm, self.model_dir, self.config.dtype)
-            reason = self._self_check(model) if check else None
-        except (KeyError, RuntimeError, ValueError) as exc:
+            reason = self._share_problem(model) if check else None
+        except (KeyError, RuntimeError, ValueError, OSError) as exc:
             model, reason = None, f"{type(exc).__name__}: {exc}"
-        if self._record_sharing(reason):
+        if self._record_sharing(reason, model if check else None):
             return model
+        del model
+        if before_copy is not None:
+            before_copy(reason)
         return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.config.dtype)
 
     def adopt_model(self, model, check: bool = True):
         """Make an already loaded HF model share the engine's weights (the reverse of build_training_model).
 
-        Every parameter must equal the engine's bit for bit (same checkpoint, same dtype); then it is replaced by a
-        view into the engine and the model's own copy is freed once nothing else holds it. On any mismatch the
-        model is left as it is, unshared, with a warning that says why. Loading the model first costs a second
-        copy at start-up; passing the directory to build_training_model avoids even that.
+        Every parameter must equal the engine's bit for bit (same checkpoint, same dtype: the loaded model is the
+        checkpoint as transformers reads it, so this is the checkpoint check); then it is replaced by a view into the
+        engine and the model's own copy is freed once nothing else holds it. On any mismatch the model is left as it
+        is, unshared (`self.refusal` says why). Loading the model first costs a second copy at start-up; passing the
+        directory to build_training_model avoids even that.
         """
         try:
             params = dict(model.named_parameters(remove_duplicate=False))
@@ -313,32 +320,36 @@ class SharedVLLM:
                     raise ValueError(f"{name} differs from the engine's weights (another checkpoint or dtype)")
             for name, view in views.items():
                 params[name].data = view
-            reason = self._self_check(model) if check else None
+            reason = None
         except (KeyError, RuntimeError, ValueError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
-        self._record_sharing(reason)
+        self._record_sharing(reason, model if check else None)
         return model
 
-    def _record_sharing(self, reason: str | None) -> bool:
-        """Shared when there is no reason against it; otherwise warn with the reason (the run goes on unshared)."""
-        self.shared = reason is None
-        if reason is not None:
-            warnings.warn(f"vLLM weight sharing disabled, the engine keeps its own copy of the base weights: "
-                          f"{reason}", stacklevel=3)
+    def _share_problem(self, model) -> str | None:
+        """Why `model` is not a correct share, or None: its parameters must be the engine's memory
+        (`shared_fraction` 1.0) and hold the checkpoint's values bit for bit (share_check.checkpoint_mismatch)."""
+        fraction = shared_fraction(model, self.llm)
+        if fraction < 1.0:
+            return f"{1 - fraction:.1%} of the training model's weight bytes are not the engine's memory"
+        return checkpoint_mismatch(model, self.model_dir)
+
+    def _record_sharing(self, reason: str | None, checked_model=None) -> bool:
+        """Shared when there is no reason against it (`refusal` keeps it: the caller says it, vllm_setup); a shared
+        model that was checked also gets the engine-vs-HF agreement measured (`agreement`)."""
+        self.shared, self.refusal = reason is None, reason
+        if self.shared and checked_model is not None:
+            ids = self.self_check_ids()
+            self.agreement = agreement(checked_model, ids, self.prompt_logprobs(ids, use_adapter=False),
+                                       self.config.dtype)
+            self.self_check_error = self.agreement.difference
         return self.shared
 
-    def _self_check(self, model) -> str | None:
+    def self_check_ids(self) -> list[int]:
+        """SELF_CHECK_TEXT's token ids: the fixed sequence the engine and HF are compared on."""
         from transformers import AutoTokenizer
 
-        ids = AutoTokenizer.from_pretrained(self.model_dir)(SELF_CHECK_TEXT)["input_ids"]
-        ref = hf_token_logprobs(model, ids)
-        got = self.prompt_logprobs(ids, use_adapter=False)
-        err = (ref - got).abs().max().item()
-        self.self_check_error = err
-        tol = SELF_CHECK_TOL.get(self.config.dtype, 0.1)
-        if not err <= tol:  # also catches NaN
-            return f"self-check: engine and HF log-probs differ by {err:.3g} (> {tol}) on a fixed sequence"
-        return None
+        return AutoTokenizer.from_pretrained(self.model_dir)(SELF_CHECK_TEXT)["input_ids"]
 
     # --- adapter sync ------------------------------------------------------------------------------------
     def push_adapter(self, peft_model, adapter_name: str = "default") -> None:

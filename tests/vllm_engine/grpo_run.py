@@ -176,7 +176,8 @@ def main() -> None:
     if engine is not None:
         out.update(shared=engine.shared, kv_cache_bytes=engine.config.kv_cache_bytes, sleep=engine.config.sleep,
                    memory_fraction=engine.config.memory_fraction,
-                   shared_fraction=vc.shared_fraction(trainer.model, engine.llm))
+                   shared_fraction=vc.shared_fraction(trainer.model, engine.llm), refusal=engine.refusal,
+                   agreement_bound=engine.agreement.bound if engine.agreement else None)
         original = engine.generate
 
         def generate(*a, **k):

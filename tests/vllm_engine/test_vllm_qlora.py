@@ -52,8 +52,8 @@ def test_cpu_qlora_trains_through_the_4bit_engine(tmp_path_factory):
 def test_cuda_qlora_engine_quantizes_its_own_copy(tmp_path_factory):
     """QLoRA x vLLM (CUDA vLLM): a 4-bit NF4 model (bf16 compute) trains; the engine loads the checkpoint and
     quantizes its own copy in flight (quantization="bitsandbytes"), so nothing is shared; only the adapter is pushed.
-    Engine vs trainer log-probs within 0.1 (vllm_colocate.SELF_CHECK_TOL for bf16: two bf16 runs of two separately
-    quantized copies, double-quantized absmax in the trainer), and the stale engine further off."""
+    Engine vs trainer log-probs within 0.1 (two bf16 runs of two separately quantized copies, double-quantized absmax
+    in the trainer), and the stale engine further off."""
     pytest.importorskip("bitsandbytes")
     if not bitsandbytes_in_vllm():
         # vLLM 0.28+ removed it from its tree: 0.32 without vllm-bnb-plugin refuses "Unknown quantization method:
