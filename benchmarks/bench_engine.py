@@ -17,7 +17,10 @@ Figures (op engine; metric -> unit):
                       allocations outside torch's allocator (CUDA graphs, NCCL) count; CPU: the process's RSS then
   engine_cost_gib     used_gib minus its baseline variant's (generate / generate-4bit): what the engine adds
   kv_cache_gib        the KV cache the engine was given (kv_cache_memory_bytes), so cost - kv = the engine's runtime
-  weights_shared      fraction of the training model's parameter bytes inside the engine's storages (1.0: one copy)
+  weights_shared      fraction of the training model's parameter bytes inside the engine's storages (1.0: one copy);
+                      the shared variant fails (exits with its `error:` line) when the engine refuses its share
+  self_check_error    shared: engine vs HF log-probs on the self-check text before the adapter (nats), within
+                      agreement_bound = AGREEMENT_MARGIN x hf_rounding (HF in the run's dtype vs one wider: share_check)
   logprob_gap_max/mean |engine - trainer| log-probs of the same tokens after an adapter push (nats)
   decode_tok_s_C      G x C / wall of one generation of G sequences of exactly C tokens (EOS ignored), after a warm-up
 Writes benchmarks/results/engine.csv (long format) and engine.png.
@@ -45,6 +48,8 @@ BASELINE = {"shared": "generate", "copy": "generate", "4bit": "generate-4bit"}
 ROUTE = {"shared": "vllm_shared", "copy": "vllm_copy", "4bit": "vllm_4bit", "generate": "generate",
          "generate-4bit": "generate"}
 SCORED_TOKENS = 256  # the text scored by both sides after the push
+# the shared variant's start-up agreement (share_check.Agreement): engine vs HF, and the bound it must stay within
+AGREEMENT_KEYS = ("self_check_error", "agreement_bound", "hf_rounding")
 EMBEDDED = "smollm2-135m-instruct"  # --arch: the embedded real model (grpo_accel.data.models), not random weights
 
 
@@ -115,6 +120,12 @@ def worker(args) -> dict:
     engine = vc.SharedVLLM(args.model_dir, cfg)
     if variant == "shared":
         model = engine.build_training_model()
+        # the route this variant measures is one copy in the run's dtype: a refused share is a failed variant, not a
+        # row of two copies under the shared route's name
+        if not engine.shared:
+            raise SystemExit(f"error: variant shared: the engine refused its share in {args.dtype}: {engine.refusal}")
+        assert {p.dtype for p in model.parameters()} == {dtype}, {p.dtype for p in model.parameters()}
+        out["agreement_bound"], out["hf_rounding"] = engine.agreement.bound, engine.agreement.hf_rounding
     else:
         model = hf_model(args.model_dir, dtype, variant == "4bit", device)
     out["self_check_error"] = engine.self_check_error
@@ -179,11 +190,11 @@ def rows_of(results: dict, args, meta) -> list[dict]:
         base = results.get(BASELINE.get(variant, ""))
         if base:
             add(variant, "engine_cost_gib", (r["used"] - base["used"]) / GIB, "GiB")
-        # self_check_error: the shared route's own check (vllm_colocate.SELF_CHECK_TOL); over it the route falls back
-        # to an unshared copy, as on the H200 (2026-11-28: 0.172 in bf16), and the row must say so
+        # self_check_error: engine vs HF on the self-check text, within agreement_bound (share_check.agreement: the
+        # bound this model's own rounding in this dtype earns, hf_rounding x AGREEMENT_MARGIN)
         for key, metric, unit in (("kv_cache", "kv_cache_gib", "GiB"), ("weights_shared", "weights_shared", "frac"),
                                   ("gap_max", "logprob_gap_max", "nats"), ("gap_mean", "logprob_gap_mean", "nats"),
-                                  ("self_check_error", "self_check_error", "nats")):
+                                  *((k, k, "nats") for k in AGREEMENT_KEYS)):
             if r.get(key) is not None:  # None: not measured (the check runs on the shared route only)
                 add(variant, metric, r[key] / GIB if unit == "GiB" else r[key], unit)
         for C in args.completion_lengths:
@@ -201,7 +212,7 @@ def measured(args, meta) -> dict:
         return {}
     shape = rows_of({"x": {"used": 0}}, args, meta)[0]["shape"]
     back = {"used_gib": "used", "kv_cache_gib": "kv_cache", "weights_shared": "weights_shared",
-            "logprob_gap_max": "gap_max", "logprob_gap_mean": "gap_mean", "self_check_error": "self_check_error"}
+            "logprob_gap_max": "gap_max", "logprob_gap_mean": "gap_mean", **{k: k for k in AGREEMENT_KEYS}}
     out: dict[str, dict] = {}
     with args.csv.open() as f:
         for r in csv.DictReader(f):

@@ -257,16 +257,18 @@ def judge_engine(v: RowView):
                 f"{_fmt(q.get('logprob_gap_mean'), 4)} nats"), NO_GOAL if v.cpu else "measured (no goal)"
     decode = sorted(k for k in sh if k.startswith("decode_tok_s_"))
     speed = {k.rsplit("_", 1)[-1]: _ratio(sh.get(k), cp.get(k)) for k in decode}
-    refused = ("shared route REFUSED by its self-check (error "
-               f"{_fmt(sh.get('self_check_error'), 3)}): an unshared copy; " if sh.get("weights_shared") == 0 else "")
-    text = refused + (
+    # a refused share fails the shared variant (bench_engine.py): the row is then failed, with its log's tail
+    agree = (f"engine vs HF {_fmt(sh.get('self_check_error'), 3)} nats (bound {_fmt(sh.get('agreement_bound'), 3)}); "
+             if sh.get("agreement_bound") is not None else "")
+    text = agree + (
             f"shared: weights shared {_fmt(sh.get('weights_shared'))}, engine cost {gib(sh)} GiB vs the copy's "
             f"{gib(cp)} (KV {_fmt(sh.get('kv_cache_gib'), 1)}); gap max {_fmt(sh.get('logprob_gap_max'), 3)} vs "
             f"{_fmt(cp.get('logprob_gap_max'), 3)}; decode shared/copy "
             + ", ".join(f"{_fmt(r)}x at C={c}" for c, r in speed.items()))
     if v.cpu:
         return text, NO_GOAL
-    met = (sh.get("weights_shared", 0) >= 0.99 and cp and sh.get("engine_cost_gib", 1e9) < cp.get("engine_cost_gib", 0)
+    met = (sh.get("weights_shared", 0) >= 0.99 and sh.get("self_check_error", 1e9) <= sh.get("agreement_bound", 0)
+           and cp and sh.get("engine_cost_gib", 1e9) < cp.get("engine_cost_gib", 0)
            and sh.get("logprob_gap_max", 1e9) <= 1.5 * cp.get("logprob_gap_max", 0) + 1e-3
            and speed and all(r is not None and r >= 0.9 for r in speed.values()))
     return text, "met" if met else "missed"
