@@ -27,9 +27,12 @@ def main(argv=None):
         from grpo_accel.app.train_help import print_help
 
         return print_help()
-    from grpo_accel.app.runner import main_guarded, train_from_argv
+    from grpo_accel.core.upstream_noise import quiet_upstream
 
-    return main_guarded(train_from_argv, argv)
+    with quiet_upstream():  # the lines the stack prints that a user cannot act on (core/upstream_noise.py)
+        from grpo_accel.app.runner import main_guarded, train_from_argv
+
+        return main_guarded(train_from_argv, argv)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grpo_accel.core.upstream_noise import quiet_upstream
+
+    with quiet_upstream():  # the lines the stack prints that a user cannot act on (core/upstream_noise.py)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     from grpo_accel.core.errors import run_guarded
 
     args, rest = build_parser().parse_known_args(argv)
