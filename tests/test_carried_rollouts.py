@@ -18,7 +18,7 @@ from support.trainers import assert_steps_equal
 import grpo_accel.trainer.trainer as trainer_module
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.data.datasets import arithmetic_dataset
-from grpo_accel.data.models import load_model
+from grpo_accel.data.models import build_tiny_model, load_model
 from grpo_accel.trainer.config import GRPOAccelConfig
 from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
@@ -41,9 +41,17 @@ def lora():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
-def ours(tmp_path, **extra):
+# Weights' init std for the greedy check: at tiny-llama's 0.02 every greedy completion repeats one token whatever its
+# context (a completion decoded again from its prompt would look the same); at 0.2 they differ by prompt and position,
+# and 14 of the 16 prompts reach an EOS_IDS token within 16 tokens, at positions 0 to 8.
+GREEDY_INIT_STD = 0.2
+
+
+def ours(tmp_path, init_std=None, **extra):
     torch.manual_seed(0)
     model, tokenizer = load_model("tiny-llama")
+    if init_std is not None:
+        model = build_tiny_model("tiny-llama", tokenizer, initializer_range=init_std)
     args = config(GRPOAccelConfig, tmp_path, **(PLAIN | dict(use_transformers_continuous_batching=True,
                                                            transformers_continuous_batching_config=POOL) | extra))
     trainer = GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
@@ -127,6 +135,45 @@ def test_carried_groups_train_as_trls_trainer_fed_the_same_rows_and_rollouts(tmp
     reference = trls(tmp_path / "trl", seen)
     reference.train()
     assert_steps_equal(trainer, reference)
+
+
+def test_carried_completions_are_the_greedy_decode_and_train_off_policy(tmp_path, monkeypatch):
+    """References that are not the rollouts code: (1) decoding greedily, every completion a budgeted run trains, those
+    carried across steps included, is transformers' `generate` of its prompt by the untrained model (greedy: a group's
+    G completions are equal, its advantages 0, so the adapter never moves and every step's policy is the first);
+    (2) sampling, with a learning rate that moves the adapter, a step that trains tokens an older adapter sampled
+    shows TRL importance ratios other than 1 (TRL's own forward against the sampler's log-probs), and a step that
+    trains none shows exactly 1 (nothing to correct)."""
+    seen = recording(monkeypatch)
+    greedy = ours(tmp_path / "greedy", init_std=GREEDY_INIT_STD, rollout_budget=BUDGET, max_staleness=STEPS,
+                  generation_kwargs={"do_sample": False})  # nothing dropped: the long ones train, carried
+    greedy.train()
+    trained = [n for n, p in greedy.model.named_parameters() if "lora_B" in n and p.abs().max() > 0]
+    assert not trained, f"the greedy run moved its adapter ({trained[:2]}): the first policy is no reference"
+    carried = [(g.prompt_ids, r) for batch in seen for g in batch["groups"] for r in g.rollouts
+               if len(set(r.versions)) > 1]
+    assert carried, "no completion was carried across a step: the test would not test the carry"
+    _, tokenizer = load_model("tiny-llama")
+    model = build_tiny_model("tiny-llama", tokenizer, initializer_range=GREEDY_INIT_STD)
+    eos = [tokenizer.eos_token_id, *EOS_IDS]
+    for prompt_ids, r in [(g.prompt_ids, r) for batch in seen for g in batch["groups"] for r in g.rollouts]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=C, eos_token_id=eos,
+                                 pad_token_id=tokenizer.eos_token_id)
+        assert r.completion_ids == out[0, len(prompt_ids):].tolist(), (r.versions, r.completion_ids)
+
+    seen.clear()
+    sampled = ours(tmp_path / "sampled", rollout_budget=BUDGET, learning_rate=1e-2)
+    sampled.train()
+    logs = [h for h in sampled.state.log_history if "loss" in h]
+    older = [any(v < batch["version"] for vs in batch["versions"] for v in vs) for batch in seen]
+    ratios = [(h["sampling/importance_sampling_ratio/min"], h["sampling/importance_sampling_ratio/max"]) for h in logs]
+    assert any(older) and not all(older), older
+    for step, (old, (low, high)) in enumerate(zip(older, ratios, strict=True)):
+        if old:
+            assert max(abs(low - 1), abs(high - 1)) > 1e-3, (step, ratios)
+        else:
+            assert low == high == 1.0, (step, ratios)
 
 
 def test_an_option_that_cannot_carry_is_one_error_line(tmp_path):
