@@ -168,7 +168,8 @@ def save_rollouts(trainer, checkpoint_dir: str) -> None:
     """Each rank's rollouts in flight into the checkpoint, every rank's written before any returns: rank 0 writes
     trainer_state.json, which completes the checkpoint (trainer/checkpoints.py), after this. Without the barrier a
     SIGKILL between them leaves a checkpoint `latest` resumes from and rank k finds no rollouts in (transformers'
-    store_flos all-gather orders them today, by accident: tests/test_budget_sigkill.py)."""
+    store_flos all-gather also orders them today, by accident: tests/test_budget_sigkill.py checks the order with it
+    taken out)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     path = rollouts_file(checkpoint_dir, trainer.accelerator.process_index)
     with open(path + ".tmp", "w") as f:
