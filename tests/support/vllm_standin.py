@@ -28,6 +28,9 @@ class StandIn(BaseHTTPRequestHandler):
     loads: list = []  # every adapter loaded, in order: (name, folder)
     answered: dict = {}  # every completion answered: its token ids (a tuple) -> [(model, prompt token ids, choice)]
     vocab = (10, 200)  # token ids drawn from this range
+    # the part of the adapter's name its answers are drawn by: all of it (two runs' versions answer apart); the
+    # behaviour check (tests/behaviour.py) drops the run's own id so that two runs of one commit get the same answers
+    seed_of = staticmethod(lambda model: model)
 
     def log_message(self, *args):  # quiet
         pass
@@ -84,7 +87,7 @@ class StandIn(BaseHTTPRequestHandler):
         choices = []
         for prompt in prompts:
             for i in range(n):
-                ids, logps = answer(model, prompt, i, max_tokens, self.vocab)
+                ids, logps = answer(self.seed_of(model), prompt, i, max_tokens, self.vocab)
                 self.answered.setdefault(tuple(ids), []).append((model, list(prompt), i))
                 length = len(ids)
                 choices.append({"index": len(choices), "text": "", "token_ids": ids,
