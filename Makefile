@@ -3,6 +3,7 @@
 #   make test   ruff, the import contract (lint-imports), then the CPU test tier (unit + tiny-model GRPO through launch/train.py)
 #   make test-portability   the numerically sensitive tests under each CPU kernel level this machine offers, at 1 and
 #                           2 threads (tests/portability.py): a tolerance fitted to one CPU fails here, not on a user's
+#   make test-mutations     one-line bugs put into the package one at a time: each must fail its tests (tests/mutations.py)
 #   make test-distributed   the multi-process tier: 2-process DeepSpeed / DDP / SP launches over gloo (marker distributed),
 #                           and the long single-process runs (marker long)
 VENV ?= .venv
@@ -25,7 +26,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # DeepSpeed JIT-builds ops on first use (~35 s); a stable path builds them once per machine.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/grpo_accel/torch_extensions
 
-.PHONY: setup demo test test-portability test-distributed test-all clean
+.PHONY: setup demo test test-portability test-mutations test-distributed test-all clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -58,6 +59,15 @@ test: setup
 test-portability: setup
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
 	$(PY) tests/portability.py
+
+# The mutation check (tests/mutations.py): one-line bugs put into the package one at a time, each with the tests that
+# must fail on it; exits 1 naming any bug its tests passed, any pattern that no longer matches. It edits a scratch copy
+# of the checkout, never the working tree; the rows needing .venv-vllm run only where that venv is built. Not in
+# .ci/run: longer than the 5 minutes a CI tier may add (docs/testing.md). MUTATIONS_ARGS="--only 8b 10c" for some.
+MUTATIONS_ARGS ?=
+test-mutations: setup
+	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
+	$(PY) tests/mutations.py $(MUTATIONS_ARGS)
 
 # Several processes per test (each launch ~20 s of imports), and the long single-process runs (marker `long`: the
 # 200-step soak, the planner's measured step, the benchmark scripts): their own tier, run by .ci/run after `make test`.

@@ -38,8 +38,10 @@ downcast_bf16: 'no'
 
 
 def child_env(**extra):
+    """A launched process's environment: offline, one thread, `support` importable, and grpo_accel from this checkout
+    (not the one the venv's editable install names: tests/mutations.py runs the tests in a scratch copy)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "tests"))
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]))
     env.update(extra)
     return env
 
