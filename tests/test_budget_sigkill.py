@@ -150,7 +150,7 @@ def test_sigkill_mid_step_then_resume_continues_the_carried_rollouts(tmp_path):
 # on a slow disk would; and transformers' store_flos (the first thing its checkpoint save does) without its all-gather,
 # which every rank enters after writing its rollouts and so orders the writes by accident: what is left to order them
 # is save_rollouts' own barrier. Each patched store_flos leaves a file in $HOOK_MARKS (the patch ran, on every rank).
-# The trainer imports save_rollouts by name, so each module is patched as it is imported.
+# BudgetMode.save looks save_rollouts up in its module when it runs, so the module is patched as it is imported.
 LATE_RANK = """
 import importlib.abc, importlib.machinery, os, sys, time
 
@@ -158,10 +158,10 @@ import importlib.abc, importlib.machinery, os, sys, time
 def late_rank1(module):
     save = module.save_rollouts
 
-    def late(trainer, checkpoint_dir):
+    def late(trainer, *rest):
         if trainer.accelerator.process_index == 1:
             time.sleep(float(os.environ["SAVE_DELAY_S"]))
-        return save(trainer, checkpoint_dir)
+        return save(trainer, *rest)
 
     module.save_rollouts = late
 

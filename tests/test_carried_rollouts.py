@@ -15,10 +15,10 @@ from peft import LoraConfig
 from support.rewards import length_reward
 from support.trainers import assert_steps_equal
 
-import grpo_accel.trainer.trainer as trainer_module
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.data.datasets import arithmetic_dataset
 from grpo_accel.data.models import build_tiny_model, load_model
+from grpo_accel.trainer.carried_rollouts import BudgetMode
 from grpo_accel.trainer.config import GRPOAccelConfig
 from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
@@ -63,19 +63,19 @@ def ours(tmp_path, init_std=None, **extra):
 def recording(monkeypatch):
     """Per scored batch: the rows, the groups (their versions), the tokens and log-probs handed to TRL, and the RNG
     state TRL's scoring started from."""
-    seen, real = [], trainer_module.generate_and_score
+    seen, real = [], BudgetMode.generate_and_score
 
-    def record(trainer, inputs, score):
+    def record(mode, trainer, inputs, score):
         def scored(rows):
-            version, ready = trainer._carried
-            got = trainer_module.carried_single_turn(trainer, [g.prompt_ids for g in ready for _ in range(G)])
+            version, ready = mode.carried
+            got = mode.single_turn(trainer, [g.prompt_ids for g in ready for _ in range(G)])
             seen.append(dict(rows=copy.deepcopy(rows), rng=torch.get_rng_state(), version=version, out=got,
                              versions=[list(r.versions) for g in ready for r in g.rollouts],
                              groups=copy.deepcopy(ready)))
             return score(rows)
-        return real(trainer, inputs, scored)
+        return real(mode, trainer, inputs, scored)
 
-    monkeypatch.setattr(trainer_module, "generate_and_score", record)
+    monkeypatch.setattr(BudgetMode, "generate_and_score", record)
     return seen
 
 
@@ -183,7 +183,7 @@ def test_an_option_that_cannot_carry_is_one_error_line(tmp_path):
 
 def test_generate_says_it_cannot_pause_and_runs_as_without_a_budget(tmp_path, capsys):
     trainer = ours(tmp_path, rollout_budget=BUDGET, use_transformers_continuous_batching=False)
-    assert trainer.rollouts is None and not trainer.use_vllm
+    assert not isinstance(trainer.generation_mode, BudgetMode) and not trainer.use_vllm
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "rollout_budget" in ln]
     assert len(lines) == 1 and "route generate cannot pause" in lines[0]
 
@@ -203,8 +203,9 @@ def test_a_checkpoint_holds_the_rollouts_in_flight_and_a_resume_continues_them(t
     second = ours(tmp_path, rollout_budget=BUDGET, max_steps=3, save_steps=100)
     second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert len(seen) == 1  # step 3 only
-    after = {g.group_id: g for g in [*seen[0]["groups"], *second.rollouts.buffer.groups]}
-    dropped = second.rollouts.buffer.stats["dropped_groups"] - saved["buffer"]["stats"]["dropped_groups"]
+    buffer = second.generation_mode.rollouts.buffer
+    after = {g.group_id: g for g in [*seen[0]["groups"], *buffer.groups]}
+    dropped = buffer.stats["dropped_groups"] - saved["buffer"]["stats"]["dropped_groups"]
     assert len([k for k in before if k in after]) + dropped == len(before)
     for k in before.keys() & after.keys():
         for r, old in zip(after[k].rollouts, before[k]["rollouts"], strict=True):

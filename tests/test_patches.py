@@ -16,7 +16,8 @@ from support.rewards import length_reward
 from grpo_accel.data.datasets import arithmetic_dataset
 from grpo_accel.data.models import load_model
 from grpo_accel.trainer.config import GRPOAccelConfig
-from grpo_accel.trainer.trainer import FORCE_OFFLOAD_COPIES_ENV, GRPOAccelTrainer
+from grpo_accel.trainer.savers import FORCE_OFFLOAD_COPIES_ENV
+from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
 
 def registries():

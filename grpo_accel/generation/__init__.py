@@ -1,3 +1,5 @@
-"""Generation for the trainer: colocated vLLM sharing the training model's weights (vllm_colocate.py), the choice of
-engine, its size and seed, and the fallback to transformers' generate() (vllm_setup.py), whether vLLM is here at a
-supported version (vllm_availability.py)."""
+"""Generation's producers and the record they fill: the colocated engine sharing the training model's weights
+(vllm_setup.py starts it, vllm_colocate.py is it, share_check.py checks the share, vllm_generation.py is TRL's
+vllm_generation over it), transformers' continuous batching (continuous_batching.py), a `vllm serve` machine
+(adapter_sync.py, server_generation.py, server_rollouts.py), --rollout_budget's rounds (rollout_budget.py), the
+versioned rollout record (rollouts.py), whether vLLM is here at a supported line (vllm_availability.py)."""

@@ -19,15 +19,15 @@ from grpo_accel.generation.rollouts import Rollout, RolloutGroup
 
 
 def sample_groups(base_url: str, model: str, version: int, prompts: list[list[int]], num_generations: int,
-                  max_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = -1,
-                  min_p: float | None = 0.0, repetition_penalty: float = 1.0, inputs: list[dict] | None = None,
+                  max_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                  min_p: float = 0.0, repetition_penalty: float = 1.0, inputs: list[dict] | None = None,
                   first_group_id: int = 0, api_key: str | None = None,
                   timeout_s: float = 600.0) -> list[RolloutGroup]:
     """G completions of each prompt from the server's `model` (the adapter of policy `version`), as RolloutGroups
     whose every token carries `version` and its behaviour log-prob."""
     body = {"model": model, "prompt": prompts, "n": num_generations, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "top_k": -1 if not top_k else top_k,  # TRL's 0/None: off
-            "min_p": min_p or 0.0, "repetition_penalty": repetition_penalty, "logprobs": 0, "return_token_ids": True}
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,  # vllm_generation's rule
+            "repetition_penalty": repetition_penalty, "logprobs": 0, "return_token_ids": True}
     status, text = server_request(base_url, "/v1/completions", body, api_key, timeout_s)
     if status != 200:
         raise UserError(f"the vLLM server at {base_url} refused the completions of {model} (HTTP {status}: "

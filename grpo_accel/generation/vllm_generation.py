@@ -189,13 +189,18 @@ class _Request:
     finished: bool = False
 
 
+def sampling_options(args) -> dict:
+    """TRL's sampling options as vLLM takes them (an engine's SamplingParams, a server's completions request), the one
+    rule: top_k 0 or None is off (-1), min_p None is 0."""
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or -1, min_p=args.min_p or 0.0,
+                repetition_penalty=args.repetition_penalty)
+
+
 def sampling_settings(args) -> dict:
     """vLLM SamplingParams kwargs from a GRPOConfig, as TRL 1.16's colocate generation builds them."""
-    sampling = dict(n=1, repetition_penalty=args.repetition_penalty, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k if args.top_k is not None else -1, min_p=0.0 if args.min_p is None else args.min_p,
-                    max_tokens=args.max_completion_length, logprobs=0)
+    sampling = dict(n=1, **sampling_options(args), max_tokens=args.max_completion_length, logprobs=0)
     sampling.update(args.generation_kwargs or {})
     return sampling
 
 
-__all__ = ["SharedVLLMGeneration", "sampling_settings"]
+__all__ = ["SharedVLLMGeneration", "sampling_options", "sampling_settings"]

@@ -1,3 +1,5 @@
-"""GRPOAccelTrainer (trainer.py) wires the savers into TRL's GRPOTrainer hooks, its log-prob passes in
-logprob_passes.py and its reward guard in reward_guard.py; GRPOAccelConfig (config.py); resumable checkpoints
+"""GRPOAccelTrainer (trainer.py) wires the savers (savers.py) into TRL's GRPOTrainer hooks, its log-prob passes in
+logprob_passes.py and its reward guard in reward_guard.py, and forwards generation to one mode object
+(generation_modes.py: TRL's generate() and colocated vLLM; paged_generation.py: continuous batching; server_mode.py:
+a vLLM server; carried_rollouts.py: --rollout_budget); GRPOAccelConfig (config.py); resumable checkpoints
 (checkpoints.py); callbacks/ (guards, preemption, telemetry, learning signal)."""

@@ -18,6 +18,7 @@ from trl.models import unwrap_model_for_generation
 from grpo_accel.core.console import log
 from grpo_accel.core.dtypes import short_name
 from grpo_accel.generation.continuous_batching import generate_paged, paged_config
+from grpo_accel.trainer.generation_modes import GenerationMode
 
 
 def planned_paged_seqs(trainer, prompt_tokens: int, generation_batch: int) -> int | None:
@@ -82,19 +83,27 @@ def zero3_forward_start_paused(engine):
             hooks.move_to_end(handle.id, last=False)  # first, as DeepSpeed registered it
 
 
-def paged_single_turn(trainer, prompt_ids: list[list[int]]) -> tuple[list[list[int]], None]:
-    """TRL's continuous-batching branch without the cast; see the module docstring."""
-    user = dict(trainer.args.transformers_continuous_batching_config or {})
-    prompt_tokens, batch = max(map(len, prompt_ids)), len(prompt_ids)
-    with profiling_context(trainer, "transformers.generate_batch"), generation_context(trainer) as unwrapped:
-        cfg, line = paged_config(unwrapped, generation_batch=batch, prompt_tokens=prompt_tokens,
-                                 completion_tokens=trainer.args.max_completion_length,
-                                 paged_seqs=planned_paged_seqs(trainer, prompt_tokens, batch), user=user)
-        if getattr(trainer, "_paged_line", None) != line:  # once per size, not every step
-            trainer._paged_line = line
-            log(f"continuous batching: {line}")
-        completion_ids = generate_paged(unwrapped, prompt_ids, trainer.generation_config, cfg)
-    return completion_ids, None
+class ContinuousBatchingMode(GenerationMode):
+    """The route continuous_batching: TRL's `use_transformers_continuous_batching` branch without its cast (module
+    docstring); `line`: the pool's sizing, said once per size."""
+
+    route = "continuous_batching"
+
+    def __init__(self):
+        self.line = None
+
+    def single_turn(self, trainer, prompt_ids: list[list[int]]) -> tuple[list[list[int]], None]:
+        user = dict(trainer.args.transformers_continuous_batching_config or {})
+        prompt_tokens, batch = max(map(len, prompt_ids)), len(prompt_ids)
+        with profiling_context(trainer, "transformers.generate_batch"), generation_context(trainer) as unwrapped:
+            cfg, line = paged_config(unwrapped, generation_batch=batch, prompt_tokens=prompt_tokens,
+                                     completion_tokens=trainer.args.max_completion_length,
+                                     paged_seqs=planned_paged_seqs(trainer, prompt_tokens, batch), user=user)
+            if self.line != line:  # once per size, not every step
+                self.line = line
+                log(f"continuous batching: {line}")
+            completion_ids = generate_paged(unwrapped, prompt_ids, trainer.generation_config, cfg)
+        return completion_ids, None
 
 
-__all__ = ["generation_context", "paged_single_turn", "planned_paged_seqs", "zero3_forward_start_paused"]
+__all__ = ["ContinuousBatchingMode", "generation_context", "planned_paged_seqs", "zero3_forward_start_paused"]

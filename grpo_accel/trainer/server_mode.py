@@ -1,7 +1,6 @@
-"""Server mode with a LoRA adapter, the trainer's side (issue 52): attach the server as TRL's `vllm_generation`, read
-the next generation batch one optimizer step early, and ask the server for it while this step trains. The server
-client itself (sync, sampling, staleness, errors) is generation/server_generation.py; GRPOAccelTrainer calls these
-from its `get_batch_samples` and `_generate_single_turn`."""
+"""Server mode with a LoRA adapter, the trainer's side (issue 52): the `vllm serve` machine as TRL's
+`vllm_generation`, the next generation batch read one optimizer step early and asked for while this step trains.
+The server client itself (sync, sampling, staleness, errors) is generation/server_generation.py."""
 
 from __future__ import annotations
 
@@ -12,51 +11,38 @@ from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.generation.adapter_sync import base_dtype
 from grpo_accel.generation.server_generation import ServerGeneration
+from grpo_accel.generation.vllm_generation import sampling_options
+from grpo_accel.trainer.generation_modes import GenerationMode, ReadAhead, attach_to_trl, refuse_multi_turn
 
 
-def read_ahead(trainer, epoch_iterator, num_batches: int) -> list:
-    """transformers' micro-batches of one optimizer step, reading on past them to the next generation batch (kept as
-    `trainer._next_generation_rows`): TRL generates at micro-steps that are multiples of steps_per_generation x
-    num_iterations, so that batch is known one optimizer step early. Read-ahead batches are handed out in order
-    later; at an epoch's end there is none (its first step samples synchronously)."""
-    source, ahead = trainer._ahead
-    if source is not epoch_iterator:
-        ahead = []
-    trainer._ahead = (epoch_iterator, ahead)
-    exhausted = False
+class ServerMode(GenerationMode):
+    """Generation on a `vllm serve` machine with adapter-only sync; with max_staleness >= 1 the next batch is
+    asked for once this one is in hand, sampled with this step's adapter while this step trains."""
 
-    def pull() -> bool:
-        nonlocal exhausted
-        try:
-            ahead.append(next(epoch_iterator))
-        except StopIteration:
-            exhausted = True
-        return not exhausted
+    route = "vllm_server"
 
-    while len(ahead) < num_batches and pull():
-        pass
-    batches = [ahead.pop(0) for _ in range(min(num_batches, len(ahead)))]
-    every = trainer.args.steps_per_generation * trainer.num_iterations
-    after = trainer._step + len(batches)  # the micro-step of the first batch not handed out
-    index = -(-after // every) * every - after  # the next generation's batch, counted from there
-    while len(ahead) <= index and not exhausted and pull():
-        pass
-    trainer._next_generation_rows = ahead[index] if len(ahead) > index else None
-    return batches
+    def __init__(self, trainer):
+        self.generation = attach_server(trainer)
+        self.read_ahead = ReadAhead() if trainer.args.max_staleness >= 1 else None
 
+    def after_single_turn(self, trainer, num_generations: int) -> None:
+        """Every rank, once this step's batch is in hand: its share of the next generation batch goes to the
+        server."""
+        rows = self.read_ahead.take_next_rows() if self.read_ahead is not None else None
+        if rows is None:  # None on every rank alike: the epoch's last batch (the ranks read in lockstep)
+            return
+        sp = getattr(trainer, "sequence_parallel", None)
+        if sp is not None:  # this rank's piece, as generate_once splits the group's batch (untested: a wrong split
+            k = len(rows) // sp.sp  # costs the overlap, counted as dropped, never a wrong row)
+            rows = rows[sp.rank * k:(sp.rank + 1) * k]
+        ahead_ids = trainer._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))[0]
+        self.generation.submit(ahead_ids, num_generations)
 
-def ask_ahead(trainer, num_generations: int) -> None:
-    """Every rank, once this step's batch is in hand: its share of the next generation batch goes to the server,
-    sampled with this step's adapter while this step trains."""
-    rows, trainer._next_generation_rows = trainer._next_generation_rows, None
-    if rows is None:  # None on every rank alike: the epoch's last batch (the ranks read in lockstep)
-        return
-    sp = getattr(trainer, "sequence_parallel", None)
-    if sp is not None:  # this rank's piece, as generate_once splits the group's batch (untested: a wrong split
-        k = len(rows) // sp.sp  # costs the overlap, counted as dropped, never a wrong row)
-        rows = rows[sp.rank * k:(sp.rank + 1) * k]
-    ahead_ids = trainer._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))[0]
-    trainer.vllm_generation.submit(ahead_ids, num_generations)
+    def metrics(self) -> dict:
+        return self.generation.metrics()
+
+    def close(self) -> None:
+        self.generation.close()  # batches asked for ahead: nobody will train on them
 
 
 def attach_server(trainer) -> ServerGeneration:
@@ -65,11 +51,9 @@ def attach_server(trainer) -> ServerGeneration:
     (--vllm_server_base_url, else host and port), each request bounded by --vllm_server_timeout; the server is checked
     (it answers, takes GRPO_ACCEL_VLLM_API_KEY, loads adapters at run time) before the first step."""
     args = trainer.args
-    for what, value in (("tools", trainer.tools), ("a rollout_func", trainer.rollout_func),
-                        ("an environment_factory", trainer.environment_factories)):
-        if value and args.max_staleness >= 1:
-            raise ConfigError(f"--vllm_mode server sampling ahead (--max_staleness {args.max_staleness}) cannot run "
-                              f"with {what}: the batch ahead is sampled in one request. Fix: --max_staleness 0.")
+    if args.max_staleness >= 1:
+        refuse_multi_turn(trainer, f"--vllm_mode server sampling ahead (--max_staleness {args.max_staleness})",
+                          ": the batch ahead is sampled in one request", "--max_staleness 0")
     for flag, value in (("--generation_kwargs", args.generation_kwargs),
                         ("--vllm_structured_outputs_regex", args.vllm_structured_outputs_regex)):
         if value:  # TRL's server client sends them; ours would drop them without a word
@@ -89,15 +73,11 @@ def attach_server(trainer) -> ServerGeneration:
         step=lambda: trainer.state.global_step, training=lambda: trainer.model.training, base_url=base_url,
         sync_dir=args.adapter_sync_dir or os.path.join(args.output_dir, "adapter_sync"),
         max_completion_length=args.max_completion_length,
-        sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                      repetition_penalty=args.repetition_penalty),
+        sampling=sampling_options(args),
         max_staleness=args.max_staleness, weight_sync_steps=args.weight_sync_steps, timeout_s=args.vllm_server_timeout,
         adapter_dtype=adapter_dtype)
     generation.check()
-    trainer.use_vllm = True
-    trainer.vllm_mode = "server"
-    trainer.vllm_generation = generation
-    trainer._last_loaded_step = -1
+    attach_to_trl(trainer, generation, "server")
     ahead = "the next batch sampled while this one trains" if args.max_staleness else "synchronous"
     files = f" in {str(adapter_dtype).removeprefix('torch.')}" if adapter_dtype is not None else ""
     log(f"generation route vllm_server: {base_url}, adapter-only sync{files} every {args.weight_sync_steps} step(s) "
@@ -105,4 +85,4 @@ def attach_server(trainer) -> ServerGeneration:
     return generation
 
 
-__all__ = ["ask_ahead", "attach_server", "read_ahead"]
+__all__ = ["ServerMode", "attach_server"]

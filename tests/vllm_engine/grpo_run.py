@@ -82,14 +82,16 @@ def record_handed(trainer) -> tuple[list[dict], list[int]]:
     """Per trained batch (--rollout-budget): what TRL was handed against the rollout records it came from — tokens
     and behaviour log-probs equal, none NaN — and how many tokens an older policy version sampled; and the step of
     each adapter push to the engine."""
-    import grpo_accel.trainer.trainer as trainer_module
+    from grpo_accel.trainer.carried_rollouts import BudgetMode
 
-    seen, synced, real = [], [], trainer_module.carried_single_turn
+    mode = trainer.generation_mode
+    assert isinstance(mode, BudgetMode)
+    seen, synced, real = [], [], mode.single_turn
 
     def handed(tr, prompt_ids):
         got = real(tr, prompt_ids)
-        if got is not None and tr._carried is not None:
-            version, ready = tr._carried
+        if got is not None and mode.carried is not None:
+            version, ready = mode.carried
             records = [r for g in ready for r in g.rollouts]
             seen.append({"version": version, "same_tokens": got[0] == [r.completion_ids for r in records],
                          "same_logps": got[1] == [r.behaviour_logps for r in records],
@@ -98,7 +100,7 @@ def record_handed(trainer) -> tuple[list[dict], list[int]]:
                          "tokens": sum(len(r.completion_ids) for r in records)})
         return got
 
-    trainer_module.carried_single_turn = handed
+    mode.single_turn = handed  # this mode object's own, for this run
     sync = trainer.vllm_generation.sync_weights
 
     def counted_sync():  # the global step each adapter push happened at

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.vllm
 from conftest import report  # noqa: E402
 
 from grpo_accel.generation import vllm_colocate as vc  # noqa: E402
-from grpo_accel.trainer.trainer import attach_shared_vllm  # noqa: E402  (it writes TRL state: trainer/)
+from grpo_accel.trainer.generation_modes import attach_shared_vllm  # noqa: E402  (it writes TRL state: trainer/)
 
 
 def test_grpo_step_generates_through_shared_engine(engine, tokenizer, tmp_path):

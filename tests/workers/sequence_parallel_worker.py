@@ -42,7 +42,7 @@ def run_case(rank, world, out, port, offload, model, full):
 
     from grpo_accel._compat.cpu_distributed import prepare_cpu_processes
     from grpo_accel.parallel import sequence_parallel
-    from grpo_accel.trainer.trainer import FORCE_OFFLOAD_COPIES_ENV
+    from grpo_accel.trainer.savers import FORCE_OFFLOAD_COPIES_ENV
 
     os.environ[FORCE_OFFLOAD_COPIES_ENV] = "1" if offload else "0"
     from pathlib import Path
