@@ -57,17 +57,19 @@ GREEDY = "tests/test_carried_rollouts.py::test_carried_completions_are_the_greed
 SIGKILL = "tests/test_budget_sigkill.py::test_sigkill_mid_step_then_resume_continues_the_carried_rollouts"
 SERVER = "tests/test_server_generation.py::"
 SERVER_2 = "tests/test_server_distributed.py::test_two_ranks_train_through_one_server[2]"
-KEEP = "keep = [g for g in self.groups if g.staleness(version) <= self.max_staleness]"
-AHEAD = "if req.prompts == prompts and step - req.version <= self.max_staleness:"
+RULE = "return staleness <= max_staleness"  # rollouts.within_staleness: the one staleness rule
+KEEP = "keep = [g for g in self.groups if within_staleness(g.staleness(version), self.max_staleness)]"
+AHEAD = "if req.prompts == prompts and within_staleness(step - req.version, self.max_staleness):"
 
-# ../shared/mutations.md's rows (their numbers), then each capability's own since.
+# ../shared/mutations.md's rows (their numbers; 1, 1b and 5c follow the staleness rule into its one home), then each
+# capability's own since.
 MUTATIONS = [
-    Mutation("1", "staleness keep test `<=` -> `<`: groups exactly at the bound vanish", R,
-             KEEP, KEEP.replace("<=", "<"), (TAKE,)),
-    Mutation("1b", "staleness bound exclusive on both sides", R,
-             "dropped = [g for g in self.groups if g.staleness(version) > self.max_staleness]\n        " + KEEP,
-             "dropped = [g for g in self.groups if g.staleness(version) >= self.max_staleness]\n        "
-             + KEEP.replace("<=", "<"), (TAKE,)),
+    Mutation("1", "staleness rule `<=` -> `<`: groups exactly at the bound vanish", R, RULE,
+             RULE.replace("<=", "<"), (TAKE,)),
+    Mutation("1-server", "the same, caught where the server's batches ahead use the rule", R, RULE,
+             RULE.replace("<=", "<"), (SERVER + "test_steps_ahead_equal_trls_trainer_fed_the_same_rollouts",)),
+    Mutation("1b", "the buffer keeps every group, however old (the rule not applied)", R, KEEP,
+             "keep = list(self.groups)", (TAKE,)),
     Mutation("2", "RolloutBuffer.take newest first", R, "key=lambda g: (g.oldest_version, g.group_id))",
              "key=lambda g: (g.oldest_version, g.group_id), reverse=True)", (TAKE,)),
     Mutation("3", "Rollout.extend records version - 1", R, "self.versions += [int(version)] * len(ids)",
@@ -88,7 +90,8 @@ MUTATIONS = [
              (SERVER + "test_steps_ahead_equal_trls_trainer_fed_the_same_rollouts",)),
     Mutation("5b", "server batch sampled ahead used however old", SG, AHEAD, "if req.prompts == prompts:",
              (SERVER + "test_a_batch_not_asked_for_or_too_old_is_dropped_and_sampled_again",)),
-    Mutation("5c", "server staleness `<=` -> `<`", SG, AHEAD, AHEAD.replace("<=", "<"),
+    Mutation("5c", "server batch's age counted one too many", SG, AHEAD,
+             AHEAD.replace("step - req.version", "step - req.version + 1"),
              (SERVER + "test_steps_ahead_equal_trls_trainer_fed_the_same_rollouts",)),
     Mutation("6a", "carried completions decoded from the prompt again", RB,
              "sequences = [g.prompt_ids + r.completion_ids for g, r in running]",

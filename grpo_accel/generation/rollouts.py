@@ -57,6 +57,13 @@ class Rollout:
         return min(self.versions) if self.versions else None
 
 
+def within_staleness(staleness: int, max_staleness: int) -> bool:
+    """The one staleness rule (docs/off-policy-rollouts.md): tokens sampled `staleness` policy updates ago may
+    train while that is at most `max_staleness`; older ones are dropped (their correction would be too far off).
+    The buffer's groups (RolloutBuffer.take) and the server's batches asked ahead (ServerGeneration) both apply it."""
+    return staleness <= max_staleness
+
+
 @dataclass
 class RolloutGroup:
     """The G completions of one prompt; `prompt_ids` and `inputs` (the dataset row the rewards read) as given."""
@@ -106,8 +113,9 @@ class RolloutBuffer:
     def take(self, n_groups: int, version: int) -> tuple[list[RolloutGroup], list[RolloutGroup]]:
         """(ready, dropped): up to n_groups complete groups within the bound, oldest first, and the complete or
         partial groups past the bound (removed: their oldest tokens can no longer be corrected for)."""
-        dropped = [g for g in self.groups if g.staleness(version) > self.max_staleness]
-        keep = [g for g in self.groups if g.staleness(version) <= self.max_staleness]
+        keep = [g for g in self.groups if within_staleness(g.staleness(version), self.max_staleness)]
+        kept = {id(g) for g in keep}
+        dropped = [g for g in self.groups if id(g) not in kept]
         ready = sorted((g for g in keep if g.complete), key=lambda g: (g.oldest_version, g.group_id))[:n_groups]
         taken = {id(g) for g in ready}
         self.groups = [g for g in keep if id(g) not in taken]
@@ -140,4 +148,4 @@ class RolloutBuffer:
         return buffer
 
 
-__all__ = ["Rollout", "RolloutBuffer", "RolloutGroup"]
+__all__ = ["Rollout", "RolloutBuffer", "RolloutGroup", "within_staleness"]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from grpo_accel.core.errors import UserError
 from grpo_accel.generation.adapter_sync import AdapterSync
-from grpo_accel.generation.rollouts import RolloutGroup
+from grpo_accel.generation.rollouts import RolloutGroup, within_staleness
 from grpo_accel.generation.server_rollouts import sample_groups
 
 
@@ -181,7 +181,7 @@ class ServerGeneration:
         while self.requests and groups is None and self.training():
             req = self.requests.popleft()
             result = req.future.result()  # sample_groups' own timeout bounds it
-            if req.prompts == prompts and step - req.version <= self.max_staleness:
+            if req.prompts == prompts and within_staleness(step - req.version, self.max_staleness):
                 groups = result
                 self.stats["ahead"] += 1
             else:  # not this batch (an epoch's end, a resume) or too old: dropped whole, counted
