@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import textwrap
 
+from grpo_accel.core import dtypes
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.generation import kv_bytes_per_token, kv_cache_sequences
 from grpo_accel.planning.routes import COLOCATED, PINNED_STACK
@@ -26,7 +27,7 @@ def weighed_routes(preset) -> list[tuple[str, object]]:
     route, _ = preset.route()
     out = [(route, preset.plan())]
     if route in ("vllm_4bit", "vllm_shared"):
-        half = "bfloat16" if preset.model_dtype == "bf16" else "float16"
+        half = dtypes.long_name("bf16" if preset.model_dtype == "bf16" else "fp16")
         other = (f"{preset.model_dtype} LoRA + vllm_shared", dict(quantization="none", model_dtype=half)) \
             if route == "vllm_4bit" else ("QLoRA + vllm_4bit", dict(quantization="4bit"))
         out.append((other[0], preset.plan(other[1])))

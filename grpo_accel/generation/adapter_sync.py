@@ -38,13 +38,14 @@ from typing import TYPE_CHECKING
 
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import UserError
+from grpo_accel.planning.server import lora_serve_command
 
 if TYPE_CHECKING:
     import torch
 
 API_KEY_ENV = "GRPO_ACCEL_VLLM_API_KEY"
+SERVER_COMMAND = lora_serve_command("BASE", "K", "R")  # what an error names (the plan prints the whole command)
 NAME = "policy-{run}-v{version}"  # a run's own: a resumed or second run meets a server that holds v1, v2, ...
-SERVER_FLAGS = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve BASE --enable-lora --max-loras K --max-lora-rank R"
 
 
 def server_request(base_url: str, route: str, body: dict | None, api_key: str | None, timeout_s: float,
@@ -64,7 +65,7 @@ def server_request(base_url: str, route: str, body: dict | None, api_key: str | 
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
         reason = getattr(exc, "reason", exc)
         raise UserError(f"the vLLM server at {base_url} did not answer within {timeout_s:g} s ({reason}). Fix: "
-                        f"start it ({SERVER_FLAGS} --api-key KEY), or pass its address with --vllm_server_base_url"
+                        f"start it ({SERVER_COMMAND} --api-key KEY), or pass its address with --vllm_server_base_url"
                         ) from exc
 
 
@@ -133,7 +134,7 @@ class AdapterSync:
             raise err
         if status == 404:
             raise UserError(f"the vLLM server at {self.base_url} cannot load adapters at run time (no "
-                            f"/v1/load_lora_adapter). Fix: start it as {SERVER_FLAGS} (with --max-loras >= "
+                            f"/v1/load_lora_adapter). Fix: start it as {SERVER_COMMAND} (with --max-loras >= "
                             f"{self.keep})")
 
     def write(self, model, version: int) -> Path:
@@ -170,4 +171,4 @@ class AdapterSync:
         return name
 
 
-__all__ = ["API_KEY_ENV", "AdapterSync", "SERVER_FLAGS", "base_dtype", "server_request"]
+__all__ = ["API_KEY_ENV", "AdapterSync", "SERVER_COMMAND", "base_dtype", "server_request"]

@@ -187,7 +187,6 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
 
     shape = model_shape(hf_config)
     seqs = generations_per_rank(args)
-    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     cuda = torch.cuda.is_available()
     cfg = vc.EngineConfig(dtype=dtype, max_model_len=model_len, max_num_seqs=seqs, max_lora_rank=lora_r,
                           num_threads=None if cuda else torch.get_num_threads(), seed=engine_seed(),
@@ -202,7 +201,7 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
     if args.vllm_gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
         cfg.memory_fraction = args.vllm_gpu_memory_utilization
         return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
-    plan = plan_memory(shape, model_dtype=dtype_name,
+    plan = plan_memory(shape, model_dtype=dtypes.short_name(dtype),
                        quantization="4bit" if route in ("vllm_4bit", "vllm_fp8") else "none", lora_r=lora_r,
                        num_generations=args.num_generations,
                        max_prompt_length=max(model_len - args.max_completion_length, 1),

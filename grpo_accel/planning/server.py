@@ -53,11 +53,11 @@ class ServerPlan:
         """What the server machine runs: `vllm serve` taking adapters at run time for a LoRA run (the key from the
         environment the trainer reads it from), TRL's own `vllm-serve` for full fine-tuning."""
         if self.lora_r:
-            return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve {self.model} --tensor-parallel-size "
-                    f"{self.tensor_parallel_size} --max-model-len {self.max_model_len} --gpu-memory-utilization "
-                    f"{self.utilization} --dtype {self.dtype} --enable-lora --max-loras {self.max_loras} "
-                    f"--max-lora-rank {self.lora_r} --logprobs-mode processed_logprobs --api-key "
-                    f"$GRPO_ACCEL_VLLM_API_KEY")
+            return lora_serve_command(
+                self.model, self.max_loras, self.lora_r,
+                before=(f"--tensor-parallel-size {self.tensor_parallel_size}", f"--max-model-len {self.max_model_len}",
+                        f"--gpu-memory-utilization {self.utilization}", f"--dtype {self.dtype}"),
+                after=("--logprobs-mode processed_logprobs", "--api-key $GRPO_ACCEL_VLLM_API_KEY"))
         return (f"trl vllm-serve --model {self.model} --tensor_parallel_size {self.tensor_parallel_size} "
                 f"--max_model_len {self.max_model_len} --gpu_memory_utilization {self.utilization} "
                 f"--dtype {self.dtype}")
@@ -76,6 +76,13 @@ class ServerPlan:
                 f"{self.generation_batch} asked per generation"
                 + (f" ({queued} wait in vLLM's queue while the pool is full)" if queued else "")
                 + f"\nserver command: {self.command()}")
+
+
+def lora_serve_command(model, max_loras, max_lora_rank, before=(), after=()) -> str:
+    """`vllm serve` loading LoRA adapters at run time, the one spelling: the plan prints it (`before` / `after`: its
+    other flags), and a trainer that cannot reach its server names it (generation/adapter_sync.py)."""
+    return " ".join(["VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve", str(model), *before, "--enable-lora",
+                     f"--max-loras {max_loras}", f"--max-lora-rank {max_lora_rank}", *after])
 
 
 def plan_server(shape: ModelShape, *, model: str, max_model_len: int, generation_batch: int, gpu_bytes: int,
