@@ -195,8 +195,6 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     generation_batch = generation_batch or per_device_train_batch_size
     model_dtype = short_name(model_dtype) or model_dtype  # any spelling (bf16, bfloat16); kept short
     inputs = {k: v for k, v in locals().items() if k != "shape"}
-    carrying = generation in ("continuous_batching", *COLOCATED) and rollout_budget > 0
-    in_flight = 2 * generation_batch if carrying else generation_batch  # this batch and the next, started early
     shape = model_shape(shape)
     if logprob_impl not in PLANNED_LOGPROB_IMPLS:
         raise ValueError(f"logprob_impl={logprob_impl!r}: use one of {PLANNED_LOGPROB_IMPLS}")
@@ -204,61 +202,97 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
         raise ValueError(f"quantization={quantization!r}: use 'none' or '4bit'")
     if quantization == "4bit" and lora_r <= 0:
         raise ValueError("quantization='4bit' trains adapters only: set lora_r > 0 (QLoRA)")
-    a = dtype_bytes(model_dtype)  # weights of non-quantized parts and activations use the compute dtype
-    B, L, H = per_device_train_batch_size, shape.layers, shape.hidden
-    T = max_prompt_length + max_completion_length  # tokens per sequence in the training forward
-    # Ulysses SP (grpo_accel.parallel.sequence_parallel): an SP group of sp GPUs shares its B rows
-    # (per_device_train_batch_size counts rows per group), each GPU runs T/sp tokens of each row (row groups or
-    # sequence tiles in the re-run) and scores its shard; generation's KV cache (a colocated engine generates whole
-    # sequences) does not shrink
-    sp = max(int(sequence_parallel_size or 1), 1)
-    T_gpu, rows = -(-T // sp), B
-    # share_prompt: a micro-batch's rows of one prompt (min(B, G) of them) are one packed row, the prompt in it once
-    group = min(B, num_generations)
-    if not share_prompt_blocker(True, sp) and share_prompt_pays(max_prompt_length, [max_completion_length] * group,
-                                                                 share_prompt):
-        rows, T_gpu = -(-B // group), shared_group_tokens(max_prompt_length, [max_completion_length] * group)
-    n_tok, n_c = rows * T_gpu, -(-B * max_completion_length // sp)  # tokens through the layers / scored by the head
-    world = max(num_processes, 1) if deepspeed_stage else 1
+    step = _Step.of(shape, inputs)
     dev, host = {}, {}
+    _training_state_terms(shape, step, inputs, dev, host)
+    _activation_terms(shape, step, inputs, dev, host)
+    _generation_side_terms(shape, step, inputs, dev, host)
+    live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
+    dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
+    return MemoryPlan(shape, inputs, {k: int(dev[k]) for k in DEVICE_TERMS}, {k: int(v) for k, v in host.items()})
 
+
+@dataclass(frozen=True)
+class _Step:
+    """The sizes every term reads, derived once from plan_memory's inputs."""
+
+    a: int            # bytes per element of the compute dtype (weights outside NF4, activations)
+    T: int            # tokens per sequence in the training forward
+    sp: int           # Ulysses SP group size
+    rows: int         # rows through the layers per micro-batch (a shared prompt's group is one row)
+    T_gpu: int        # tokens of each row on one GPU
+    n_tok: int        # tokens through the layers (rows x T_gpu)
+    n_c: int          # completion tokens scored by the head on one GPU
+    world: int        # processes ZeRO shards over (1 without DeepSpeed)
+    in_flight: int    # sequences in flight (two generation batches when a budget starts the next early)
+    carrying: bool    # a rollout budget carries completions across steps on this route
+
+    @classmethod
+    def of(cls, shape, i: dict) -> _Step:
+        B, G, P, C = i["per_device_train_batch_size"], i["num_generations"], i["max_prompt_length"], \
+            i["max_completion_length"]
+        T = P + C
+        # Ulysses SP (grpo_accel.parallel.sequence_parallel): an SP group of sp GPUs shares its B rows
+        # (per_device_train_batch_size counts rows per group), each GPU runs T/sp tokens of each row (row groups or
+        # sequence tiles in the re-run) and scores its shard; generation's KV cache (a colocated engine generates
+        # whole sequences) does not shrink
+        sp = max(int(i["sequence_parallel_size"] or 1), 1)
+        T_gpu, rows = -(-T // sp), B
+        # share_prompt: a micro-batch's rows of one prompt (min(B, G) of them) are one packed row, the prompt in it once
+        group = min(B, G)
+        if not share_prompt_blocker(True, sp) and share_prompt_pays(P, [C] * group, i["share_prompt"]):
+            rows, T_gpu = -(-B // group), shared_group_tokens(P, [C] * group)
+        carrying = i["generation"] in ("continuous_batching", *COLOCATED) and i["rollout_budget"] > 0
+        return cls(a=dtype_bytes(i["model_dtype"]), T=T, sp=sp, rows=rows, T_gpu=T_gpu, n_tok=rows * T_gpu,
+                   n_c=-(-B * C // sp), world=max(i["num_processes"], 1) if i["deepspeed_stage"] else 1,
+                   in_flight=2 * i["generation_batch"] if carrying else i["generation_batch"], carrying=carrying)
+
+
+def _training_state_terms(shape, s: _Step, i: dict, dev: dict, host: dict) -> None:
+    """Weights, trainable parameters, gradients, optimizer states."""
+    a, world, lora_r = s.a, s.world, i["lora_r"]
     # weights: base model; ZeRO-3 shards them and gathers ~2 layers plus the embedding at a time
-    weights = weights_bytes(shape, a, quantization)
-    if deepspeed_stage >= 3:
-        gathered = (2 * shape.layer_linear_params + shape.vocab * H) * a
-        host["weights"] = weights / world if offload_params else 0
-        weights = gathered + (0 if offload_params else weights / world)
+    weights = weights_bytes(shape, a, i["quantization"])
+    if i["deepspeed_stage"] >= 3:
+        gathered = (2 * shape.layer_linear_params + shape.vocab * shape.hidden) * a
+        host["weights"] = weights / world if i["offload_params"] else 0
+        weights = gathered + (0 if i["offload_params"] else weights / world)
     dev["weights"] = weights
     # trainable params: LoRA adapters live in fp32 (PEFT upcasts them); full fine-tune trains the weights above
     trainable = shape.lora_params(lora_r) if lora_r > 0 else shape.n_params
     dev["lora_weights"] = trainable * 4 if lora_r > 0 else 0
     grad_bytes = 4 if lora_r > 0 else a
-    dev["gradients"] = (trainable * grad_bytes / (world if deepspeed_stage >= 2 else 1)
+    dev["gradients"] = (trainable * grad_bytes / (world if i["deepspeed_stage"] >= 2 else 1)
                         + expert_grad_transient_bytes(shape, grad_bytes, lora_r))
     # optimizer: fp32 master copy when the trained weights are not fp32, then Adam m and v (fp32, or 1 byte each
     # for 8-bit Adam); ZeRO-1+ shards them, offload_optimizer moves them to host
     master = 4 if (lora_r <= 0 and a != 4) else 0
-    moments = {"adamw": 8, "adamw_8bit": 2, "sgd": 0}[optimizer]
-    opt = trainable * (master + moments) / (world if deepspeed_stage >= 1 else 1)
-    dev["optimizer_states"], host["optimizer_states"] = (0, opt) if offload_optimizer else (opt, 0)
+    moments = {"adamw": 8, "adamw_8bit": 2, "sgd": 0}[i["optimizer"]]
+    opt = trainable * (master + moments) / (world if i["deepspeed_stage"] >= 1 else 1)
+    dev["optimizer_states"], host["optimizer_states"] = (0, opt) if i["offload_optimizer"] else (opt, 0)
 
-    # activations
-    saved = layer_saved_bytes_per_token(shape, a, lora_r)
+
+def _activation_terms(shape, s: _Step, i: dict, dev: dict, host: dict) -> None:
+    """Checkpointed layer inputs (on the device or offloaded), the recompute's working set, Ulysses' all-to-all,
+    the log-prob head's workspace."""
+    a, L, H, rows, T_gpu, n_tok, sp = s.a, shape.layers, shape.hidden, s.rows, s.T_gpu, s.n_tok, s.sp
+    offload, tokens = i["offload_activations"], i["offload_recompute_tokens"]
+    saved = layer_saved_bytes_per_token(shape, a, i["lora_r"])
     transient = layer_backward_transient_per_token(shape, a)
     # PEFT's adapted experts (Qwen3-MoE LoRA): per MoE layer, whatever the tokens; one layer's peak at a time
-    adapter_saved, adapter_peak = expert_adapter_bytes(shape, a, lora_r)
-    if gradient_checkpointing:
+    adapter_saved, adapter_peak = expert_adapter_bytes(shape, a, i["lora_r"])
+    if i["gradient_checkpointing"]:
         # each layer's input [B, T, H] plus the final hidden states fed to the head: (L + 1) tensors;
         # offload keeps <= 2 of them on the device (the one in use and the one being prefetched), plus the first
         # ones up to offload_device_budget_bytes (OffloadConfig.device_budget_bytes, grpo_accel.offload.residency)
         ckpt, layer_input = (L + 1) * n_tok * H * a, n_tok * H * a
-        kept = min(L - 1, int(offload_device_budget_bytes // layer_input)) if offload_activations else 0
-        on_device = min(2 + max(kept, 0), L + 1) * layer_input if offload_activations else ckpt
+        kept = min(L - 1, int(i["offload_device_budget_bytes"] // layer_input)) if offload else 0
+        on_device = min(2 + max(kept, 0), L + 1) * layer_input if offload else ckpt
         dev["activations_checkpointed"], host["activations_offloaded"] = on_device, ckpt - on_device
-        pieces = offload_activations and deepspeed_stage < 3
+        pieces = offload and i["deepspeed_stage"] < 3
         dev["recompute_working_set"] = (
-            _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, offload_recompute_tokens) if sp == 1 else
-            _sp_rerun_bytes(shape, a, rows, T_gpu, sp, saved + transient, pieces, offload_recompute_tokens)
+            _rerun_bytes(shape, a, rows, T_gpu, saved + transient, pieces, tokens) if sp == 1 else
+            _sp_rerun_bytes(shape, a, rows, T_gpu, sp, saved + transient, pieces, tokens)
         ) + adapter_peak
     else:  # every layer keeps everything
         dev["activations_checkpointed"] = L * n_tok * saved + n_tok * H * a + shape.moe_layers * adapter_saved
@@ -267,26 +301,26 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     # ([T/sp, all heads] <-> [T, heads/sp]: the same bytes), for the rows of one re-run piece, or one sequence tile
     # of a longer shard (all rows without offload); kv heads repeated up to sp when fewer (DeepSpeed)
     kv_dim = max(shape.kv_heads, sp) * shape.head_dim
-    pieces = gradient_checkpointing and offload_activations and deepspeed_stage < 3 and offload_recompute_tokens
-    a2a_tokens = (min(rows, max(1, offload_recompute_tokens // T_gpu)) * T_gpu if T_gpu <= offload_recompute_tokens else
-                  offload_recompute_tokens) if pieces else n_tok
+    pieces = i["gradient_checkpointing"] and offload and i["deepspeed_stage"] < 3 and tokens
+    a2a_tokens = (min(rows, max(1, tokens // T_gpu)) * T_gpu if T_gpu <= tokens else tokens) if pieces else n_tok
     dev["sp_all_to_all"] = 2 * a2a_tokens * (2 * shape.heads * shape.head_dim + 2 * kv_dim) * a if sp > 1 else 0
-    head_trainable = lora_r <= 0
-    dev["logprob_workspace"] = _logprob_workspace(logprob_impl, shape, n_c, a, device, logprob_chunk_size,
-                                                  head_trainable)
-    # generation, by route: a colocated engine's own weights (none when it shares the trainer's) and a KV cache that
-    # must hold vllm_kv_seqs full-length sequences (vLLM refuses to start below one); generate() holds the whole
-    # generation batch's cache; a vLLM server nothing here
+    dev["logprob_workspace"] = _logprob_workspace(i["logprob_impl"], shape, s.n_c, a, i["device"],
+                                                  i["logprob_chunk_size"], i["lora_r"] <= 0)
+
+
+def _generation_side_terms(shape, s: _Step, i: dict, dev: dict, host: dict) -> None:
+    """Generation, by route: a colocated engine's own weights (none when it shares the trainer's) and a KV cache that
+    must hold vllm_kv_seqs full-length sequences (vLLM refuses to start below one); generate() holds the whole
+    generation batch's cache; a vLLM server nothing here. Then the carried rollouts' records and reward models."""
+    a, generation = s.a, i["generation"]
     dev["vllm_weights"] = {"vllm_4bit": weights_bytes(shape, a, "4bit"), "vllm_fp8": _fp8_weights_bytes(shape, a),
                            "vllm_copy": weights_bytes(shape, a, "none")}.get(generation, 0)
-    dev.update(generation_terms(shape, a, generation, in_flight, vllm_kv_seqs, max_prompt_length, T, paged_seqs,
-                                group=num_generations))
-    if carrying:  # one record per group: its prompt once, its G completions' tokens
-        host["carried_rollouts"] = in_flight // num_generations * record_bytes(max_prompt_length, num_generations * T)
-    dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, T, a) for rm, rows in reward_models)
-    live = sum(dev.values()) - _released(dev, generation, vllm_sleep)
-    dev["allocator_margin"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * live if device == "cuda" else 0
-    return MemoryPlan(shape, inputs, {k: int(dev[k]) for k in DEVICE_TERMS}, {k: int(v) for k, v in host.items()})
+    dev.update(generation_terms(shape, a, generation, s.in_flight, i["vllm_kv_seqs"], i["max_prompt_length"], s.T,
+                                i["paged_seqs"], group=i["num_generations"]))
+    if s.carrying:  # one record per group: its prompt once, its G completions' tokens
+        host["carried_rollouts"] = s.in_flight // i["num_generations"] * record_bytes(
+            i["max_prompt_length"], i["num_generations"] * s.T)
+    dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, s.T, a) for rm, rows in i["reward_models"])
 
 
 def _released(dev: dict, generation: str, vllm_sleep: bool) -> float:
