@@ -4,6 +4,7 @@
 #   make test-portability   the numerically sensitive tests under each CPU kernel level this machine offers, at 1 and
 #                           2 threads (tests/portability.py): a tolerance fitted to one CPU fails here, not on a user's
 #   make test-mutations     one-line bugs put into the package one at a time: each must fail its tests (tests/mutations.py)
+#   make test-behaviour     each generation route trains as at a base commit, bit for bit (tests/behaviour.py)
 #   make test-distributed   the multi-process tier: 2-process DeepSpeed / DDP / SP launches over gloo (marker distributed),
 #                           and the long single-process runs (marker long)
 VENV ?= .venv
@@ -26,7 +27,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # DeepSpeed JIT-builds ops on first use (~35 s); a stable path builds them once per machine.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/grpo_accel/torch_extensions
 
-.PHONY: setup demo test test-portability test-mutations test-distributed test-all clean
+.PHONY: setup demo test test-portability test-mutations test-behaviour test-distributed test-all clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -68,6 +69,15 @@ MUTATIONS_ARGS ?=
 test-mutations: setup
 	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
 	$(PY) tests/mutations.py $(MUTATIONS_ARGS)
+
+# The behaviour check (tests/behaviour.py): each generation route trains a few steps at its BASE commit (a worktree)
+# and in this tree; every computed metrics.csv column must be equal bit for bit. The vLLM routes: `.venv-vllm/bin/python
+# tests/behaviour.py`.
+# Not in .ci/run (~6 min); run before landing a change that must not change what the routes train.
+BEHAVIOUR_ARGS ?=
+test-behaviour: setup
+	$(PY) -c "from grpo_accel.data.models import embedded_model_dir; embedded_model_dir()"
+	$(PY) tests/behaviour.py $(BEHAVIOUR_ARGS)
 
 # Several processes per test (each launch ~20 s of imports), and the long single-process runs (marker `long`: the
 # 200-step soak, the planner's measured step, the benchmark scripts): their own tier, run by .ci/run after `make test`.
