@@ -367,3 +367,18 @@ def test_a_refused_share_says_why_and_what_it_costs_and_stops_when_two_copies_do
     gib = weights_bytes(model_shape(AutoConfig.from_pretrained(embedded_model_dir())), 2, "none") / 2**30
     assert f"+{gib:.2f} GiB" in refusal[0] and "two copies where the plan counted one" in refusal[0]
     assert not fits or "sharing refused (above)" in lines[-1]
+
+
+def test_a_rollout_budget_gets_an_engine_slot_for_every_completion_in_flight(tmp_path, hf_config):
+    """--rollout_budget keeps two generation batches in flight (this step's and the next, started early:
+    carried_rollouts.py), each completion one engine request across the step's rounds. With slots for one batch, the
+    requests beyond them wait until running ones end at EOS, so a round of N tokens decodes far past N (seen: 253
+    engine steps for a round of 2 with 3 sequences in 2 slots). Every request gets a slot, and on CPU its KV."""
+    plain = _args(tmp_path, per_device_train_batch_size=4, num_generations=4)
+    budget = _args(tmp_path, per_device_train_batch_size=4, num_generations=4, rollout_budget=8)
+    sizes = {}
+    for name, args in (("plain", plain), ("budget", budget)):
+        cfg, _ = vs.engine_config(args, hf_config, dtype=torch.float32, lora_r=16, route="vllm_shared", model_len=200)
+        sizes[name] = cfg
+    assert sizes["plain"].max_num_seqs == 4 and sizes["budget"].max_num_seqs == 8
+    assert sizes["budget"].kv_cache_bytes == 2 * sizes["plain"].kv_cache_bytes

@@ -186,7 +186,10 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
     from grpo_accel.planning.memory import plan_memory
 
     shape = model_shape(hf_config)
-    seqs = generations_per_rank(args)
+    # --rollout_budget keeps this step's batch and the next in flight, each completion one request across the step's
+    # rounds: with slots for one batch, the rest wait for running ones to end at EOS and a round decodes far past its
+    # budget (tests/test_vllm_setup.py)
+    seqs = generations_per_rank(args) * (2 if setting(args, "rollout_budget") else 1)
     cuda = torch.cuda.is_available()
     cfg = vc.EngineConfig(dtype=dtype, max_model_len=model_len, max_num_seqs=seqs, max_lora_rank=lora_r,
                           num_threads=None if cuda else torch.get_num_threads(), seed=engine_seed(),
