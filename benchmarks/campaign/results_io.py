@@ -34,7 +34,8 @@ def merge_csv(rows: list[dict], path: Path, key=("op", "impl", "shape", "device"
 def write_results(rows: list[dict], path: Path, meta: tuple[str, str, str], plot=None,
                   key=("op", "impl", "shape", "device")) -> list[dict]:
     """Every benchmark's tail: stamp `rows` with run_meta's (versions, git sha, device) and today's date, merge them
-    into `path`, redraw the PNG beside it with `plot(all_rows, png_path)`, and say where. Returns the file's rows."""
+    into `path`, redraw the PNG beside it with `plot(all_rows, png_path)` and its card (benchmarks/cards.py), and say
+    where. Returns the file's rows."""
     versions, sha, dev = meta
     today = datetime.date.today().isoformat()
     for r in rows:
@@ -42,7 +43,10 @@ def write_results(rows: list[dict], path: Path, meta: tuple[str, str, str], plot
     all_rows = merge_csv(rows, path, key)
     if plot is not None:
         plot(all_rows, path.with_suffix(".png"))
-    print(f"wrote {path}" + (f" and {path.with_suffix('.png')}" if plot is not None else ""), flush=True)
+    from cards import card  # benchmarks/cards.py (benchmarks/ is on sys.path): the CSV's card beside it
+
+    path.with_suffix(".md").write_text(card(path))
+    print(f"wrote {path}, its card" + (f" and {path.with_suffix('.png')}" if plot is not None else ""), flush=True)
     return all_rows
 
 
