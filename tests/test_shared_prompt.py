@@ -131,7 +131,7 @@ def test_trls_loss_on_a_generated_batch(tmp_path):
     results = {}
     for share in ("false", "true"):
         trainer.share_prompt = share
-        trainer._token_counts = [0, 0]
+        trainer.packed_passes.ran = trainer.packed_passes.unshared = 0
         torch.manual_seed(1)
         inputs = trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(8)])
         trainer.model.zero_grad(set_to_none=True)
@@ -146,7 +146,7 @@ def test_trls_loss_on_a_generated_batch(tmp_path):
     assert any(g.norm() > 0 for g in grads.values())
     assert grads.keys() <= grads0.keys()
     assert_rel_close({n: grads0[n] for n in grads}, grads, 1e-5, floor=1e-30)
-    ran, unshared = trainer._token_counts
+    ran, unshared = trainer.packed_passes.ran, trainer.packed_passes.unshared
     assert ran < 0.8 * unshared  # the shared runs did share (2 prompts x 4 rows)
 
 

@@ -29,6 +29,22 @@ from grpo_accel.parallel.packing import (
 from grpo_accel.parallel.shared_prompt import pack_units, prompt_units, split_units_to_count
 
 
+class PackedPasses:
+    """What the packed log-prob passes did, owned by the trainer (`packed_passes`): tokens they ran and would have run
+    without the shared prompt since the last log (`pop_token_ratio`: share_prompt/token_ratio), and whether the
+    padded fallback was said (once)."""
+
+    def __init__(self):
+        self.ran = self.unshared = 0
+        self.fallback_said = False
+
+    def pop_token_ratio(self) -> float | None:
+        """ran / unshared since the last call (1.0: nothing shared; None: no packed pass ran)."""
+        ratio = self.ran / self.unshared if self.unshared else None
+        self.ran = self.unshared = 0
+        return ratio
+
+
 def logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
                          compute_entropy, compute_aux_loss, **multimodal):
     batch_size = setting(trainer.args, "logprob_mini_batch") or batch_size or input_ids.size(0)
@@ -88,12 +104,12 @@ def packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
             units = None
     if units is not None:
         costs = [u.tokens(prompt_lens[u.rows[0]], lengths) for u in units]
-        trainer._token_counts[0] += sum(costs)
+        trainer.packed_passes.ran += sum(costs)
         groups = [[units[i] for i in g] for g in plan_micro_batches(costs, budget)]
     else:
         groups = plan_micro_batches(lengths, budget) if ok else []
-        trainer._token_counts[0] += sum(lengths)
-    trainer._token_counts[1] += sum(lengths)
+        trainer.packed_passes.ran += sum(lengths)
+    trainer.packed_passes.unshared += sum(lengths)
     if several_processes():  # same forwards on every rank: see split_to_count
         plan = torch.tensor([len(groups), int(not ok)], device=trainer.accelerator.device)
         torch.distributed.all_reduce(plan, op=torch.distributed.ReduceOp.MAX)
@@ -101,9 +117,9 @@ def packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
         split = split_units_to_count if units is not None else split_to_count
         groups = split(groups, int(plan[0])) if ok else []
     if not ok:
-        if not getattr(trainer, "_padding_free_warned", False):
+        if not trainer.packed_passes.fallback_said:
             log("padding_free: a batch has a row whose attention mask has holes or no tokens; it runs padded.")
-            trainer._padding_free_warned = True
+            trainer.packed_passes.fallback_said = True
         return None
     outs, routers = [], []
     for group in groups:

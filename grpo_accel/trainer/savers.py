@@ -30,6 +30,7 @@ from grpo_accel.offload.residency import host_budget_per_process
 from grpo_accel.ops.select import triton_usable
 from grpo_accel.parallel.packing import ATTN_NAME, enable_packed_attention, packing_unsupported_reason
 from grpo_accel.planning.memory import shortest_shared_prompt
+from grpo_accel.trainer.logprob_passes import PackedPasses
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
 FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
@@ -75,7 +76,7 @@ class SaverInstallers:
         # SP shards carry their own positions through Ulysses' SDPA: no packed rows under it
         self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
         self.share_prompt = self._install_share_prompt()
-        self._token_counts = [0, 0]  # tokens the packed passes ran, and would have run unshared (since the last log)
+        self.packed_passes = PackedPasses()  # the packed passes' token counts (share_prompt/token_ratio)
         if self.sequence_parallel is not None and self.settings.padding_free:  # mini-batch caps: refused in config.py
             log("sequence parallelism: each pass runs the group's rows in one forward, unpadded and split along "
                 "their length; padding_free does not apply")

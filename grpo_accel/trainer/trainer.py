@@ -261,10 +261,9 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
             if self.nonfinite_guard is not None:
                 logs.update(self.nonfinite_guard.metrics())
             logs.update(self.generation_mode.metrics())
-            ran, unshared = getattr(self, "_token_counts", (0, 0))
-            if getattr(self, "share_prompt", "false") != "false" and unshared:
-                logs["share_prompt/token_ratio"] = ran / unshared  # 1.0: nothing shared
-                self._token_counts = [0, 0]
+            ratio = self.packed_passes.pop_token_ratio()
+            if self.share_prompt != "false" and ratio is not None:
+                logs["share_prompt/token_ratio"] = ratio  # 1.0: nothing shared
         super().log(logs, start_time)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
