@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from campaign.results_io import ROOT, read_train_run, run_meta, write_results  # noqa: E402
 
-from grpo_accel.generation.rollout_budget import ROUND_PAGE_SIZE  # noqa: E402
+from grpo_accel.generation.continuous_batching import ROUND_PAGE_SIZE  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "rollout_budget.csv"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from grpo_accel.app.run_spec import resolve_run_spec
-from grpo_accel.generation.rollout_budget import ROUND_PAGE_SIZE
+from grpo_accel.generation.continuous_batching import ROUND_PAGE_SIZE
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rollout_budget.py"
 

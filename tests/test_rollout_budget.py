@@ -13,7 +13,8 @@ import json
 import pytest
 import torch
 
-from grpo_accel.generation.rollout_budget import BudgetedRollouts, paged_decode
+from grpo_accel.generation.continuous_batching import paged_decode
+from grpo_accel.generation.rollout_budget import BudgetedRollouts
 
 P, EOS = 3, 2  # the scripted prompts' length, the scripted EOS id
 

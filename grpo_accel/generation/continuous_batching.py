@@ -136,4 +136,67 @@ def generate_paged(model, prompt_ids: list[list[int]], generation_config, cb_con
     return [list(o.generated_tokens) for o in outputs.values()]
 
 
-__all__ = ["continuous_batching_missing", "generate_paged", "paged_config", "prompt_group", "stock_attention"]
+# Pages of a budgeted step's pool: a continued sequence gets back its full pages, so at most ROUND_PAGE_SIZE - 1 of
+# its tokens are prefilled again per round (transformers' default is 256: a whole completion of the demo's length).
+ROUND_PAGE_SIZE = 16
+
+
+@contextlib.contextmanager
+def paged_decode(model, generation_config, cb_config=None):
+    """`with paged_decode(model, generation_config, cb_config) as decode:` the route `continuous_batching`'s producer:
+    transformers' continuous batching with its own log-probs (`return_logprobs`), one manager for every round of a
+    step, each sequence with its own limit. EOS: the generation config's eos_token_id(s).
+
+    Why not `generate_batch` per round: each call starts a manager and its thread, and its teardown runs
+    `gc.collect()` twice (0.36 s in a bare process, more in a trainer's); a budgeted step runs several rounds, and
+    sequences near the completion limit have other limits than the budget (one call each). One manager per step pays
+    that once, as the unbudgeted route's one `generate_batch` does. The weights do not change inside a step, so the
+    pages a round wrote stay valid for the next: transformers' prefix cache (`allow_block_sharing`, its hashes of full
+    pages) hands a continued sequence its full pages back, and only the tokens past its last full page are prefilled
+    again (what that saves: 44067c6 measured it). A new step's manager starts empty: its rounds prefill the carried
+    tokens under the new weights, as they must."""
+    import torch
+    from transformers.generation import ContinuousBatchingConfig
+
+    eos = generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    gen = copy.deepcopy(generation_config)
+    gen.num_return_sequences = 1
+    cfg = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
+    cfg.return_logprobs = True
+    cfg.allow_block_sharing = True  # a round's prompt + partial completion finds its full pages from the round before
+    with stock_attention(model), torch.no_grad():
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
+        manager.start()
+
+        def decode(sequences: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float], bool]]:
+            ids = [manager.add_request(list(seq), max_new_tokens=limit) for seq, limit in zip(sequences, limits)]
+            done: dict = {}
+            # no bound on a round's time (a round of a long budget on a large model may take many minutes): a thread
+            # that stopped is what ends the wait; a hung one is the run's hang handling's (SIGUSR1 prints stacks)
+            while len(done) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    done[result.request_id] = result
+                elif result is None and not manager.is_running():
+                    raise RuntimeError(f"transformers' continuous batching returned {len(done)} of {len(ids)} "
+                                       "continuations: its generation thread stopped; its log says why")
+            failed = [o.error for o in done.values() if getattr(o, "error", None) is not None]
+            if failed:
+                raise RuntimeError(f"transformers' continuous batching failed {len(failed)} continuation(s): "
+                                   f"{failed[:3]}")
+            out = []
+            for i in ids:
+                tokens = list(done[i].generated_tokens)
+                out.append((tokens, [float(x) for x in done[i].logprobs], bool(tokens) and tokens[-1] in eos))
+            return out
+
+        try:
+            yield decode
+        finally:
+            manager.stop(block=True, timeout=30)
+            manager.destroy()
+
+
+__all__ = ["ROUND_PAGE_SIZE", "continuous_batching_missing", "generate_paged", "paged_config", "paged_decode",
+           "prompt_group", "stock_attention"]

@@ -3,7 +3,8 @@ step (issue 53's producer of versioned rollouts; the record and its rules are ge
 
     rollouts = BudgetedRollouts(num_generations=8, budget=256, max_completion_length=4096, max_staleness=1)
     rollouts.add_prompts(prompt_ids, rows)              # this step's new groups (one prompt per group)
-    ready, dropped = rollouts.step(n_groups=2, version=step, decode=paged_decode(model, generation_config))
+    ready, dropped = rollouts.step(n_groups=2, version=step, decode=decode)  # a route's producer, e.g.
+    # continuous_batching.paged_decode or vllm_generation.SharedVLLMGeneration.rounds
 
 Why: a synchronous step decodes until its longest completion ends while most of the batch has finished. Here a step
 decodes in rounds of at most `budget` tokens per running completion and stops as soon as `n_groups` groups have
@@ -16,18 +17,16 @@ Each token keeps the policy version that sampled it and its behaviour log-prob a
 (what `decode` returns); a group whose oldest token is more than `max_staleness` versions old is dropped before it
 costs another decode round (RolloutBuffer's rule: the bias toward short completions is counted, not assumed).
 
-`decode(sequences, max_new_tokens)` is the route: for each sequence (prompt + the completion so far) and its limit,
-(new token ids, their behaviour log-probs, ended by EOS). `paged_decode` is transformers' continuous batching with its
-own log-probs (`return_logprobs`: log-softmax of the processed scores, as vLLM's processed_logprobs), one manager
-for all of a step's rounds: inside a step a continued completion gets its pages back from transformers' prefix cache;
-carried into the next step it is prefilled again under the new weights (prompt + partial completion: a prefill, no
-decode step), rather than its pages held in the pool through the optimizer step.
+`decode(sequences, max_new_tokens)` is the route: for each sequence (prompt + the completion so far) and its limit, (new
+token ids, their behaviour log-probs, ended by EOS). Continuous batching's (`continuous_batching.paged_decode`) is
+transformers' continuous batching with its own log-probs (`return_logprobs`: log-softmax of the processed scores, as
+vLLM's processed_logprobs), one manager for all of a step's rounds: inside a step a continued completion gets its pages
+back from transformers' prefix cache; carried into the next step it is prefilled again under the new weights (prompt +
+partial completion: a prefill, no decode step), rather than its pages held in the pool through the optimizer step.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from collections.abc import Callable
 
 from grpo_accel.generation.rollouts import Rollout, RolloutBuffer, RolloutGroup
@@ -118,68 +117,4 @@ class BudgetedRollouts:
         self.next_group_id, self.stats, self.ahead = state["next_group_id"], dict(state["stats"]), state["ahead"]
 
 
-# Pages of a budgeted step's pool: a continued sequence gets back its full pages, so at most ROUND_PAGE_SIZE - 1 of
-# its tokens are prefilled again per round (transformers' default is 256: a whole completion of the demo's length).
-ROUND_PAGE_SIZE = 16
-
-
-@contextlib.contextmanager
-def paged_decode(model, generation_config, cb_config=None):
-    """`with paged_decode(model, generation_config, cb_config) as decode:` the route `continuous_batching`'s producer:
-    transformers' continuous batching with its own log-probs (`return_logprobs`), one manager for every round of a
-    step, each sequence with its own limit. EOS: the generation config's eos_token_id(s).
-
-    Why not `generate_batch` per round: each call starts a manager and its thread, and its teardown runs
-    `gc.collect()` twice (0.36 s in a bare process, more in a trainer's); a budgeted step runs several rounds, and
-    sequences near the completion limit have other limits than the budget (one call each). One manager per step pays
-    that once, as the unbudgeted route's one `generate_batch` does. The weights do not change inside a step, so the
-    pages a round wrote stay valid for the next: transformers' prefix cache (`allow_block_sharing`, its hashes of full
-    pages) hands a continued sequence its full pages back, and only the tokens past its last full page are prefilled
-    again (what that saves: 44067c6 measured it). A new step's manager starts empty: its rounds prefill the carried
-    tokens under the new weights, as they must."""
-    import torch
-    from transformers.generation import ContinuousBatchingConfig
-
-    from grpo_accel.generation.continuous_batching import stock_attention
-
-    eos = generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    gen = copy.deepcopy(generation_config)
-    gen.num_return_sequences = 1
-    cfg = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
-    cfg.return_logprobs = True
-    cfg.allow_block_sharing = True  # a round's prompt + partial completion finds its full pages from the round before
-    with stock_attention(model), torch.no_grad():
-        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
-        manager.start()
-
-        def decode(sequences: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float], bool]]:
-            ids = [manager.add_request(list(seq), max_new_tokens=limit) for seq, limit in zip(sequences, limits)]
-            done: dict = {}
-            # no bound on a round's time (a round of a long budget on a large model may take many minutes): a thread
-            # that stopped is what ends the wait; a hung one is the run's hang handling's (SIGUSR1 prints stacks)
-            while len(done) < len(ids):
-                result = manager.get_result(timeout=1)
-                if result is not None and result.is_finished():
-                    done[result.request_id] = result
-                elif result is None and not manager.is_running():
-                    raise RuntimeError(f"transformers' continuous batching returned {len(done)} of {len(ids)} "
-                                       "continuations: its generation thread stopped; its log says why")
-            failed = [o.error for o in done.values() if getattr(o, "error", None) is not None]
-            if failed:
-                raise RuntimeError(f"transformers' continuous batching failed {len(failed)} continuation(s): "
-                                   f"{failed[:3]}")
-            out = []
-            for i in ids:
-                tokens = list(done[i].generated_tokens)
-                out.append((tokens, [float(x) for x in done[i].logprobs], bool(tokens) and tokens[-1] in eos))
-            return out
-
-        try:
-            yield decode
-        finally:
-            manager.stop(block=True, timeout=30)
-            manager.destroy()
-
-
-__all__ = ["BudgetedRollouts", "Decode", "paged_decode"]
+__all__ = ["BudgetedRollouts", "Decode"]

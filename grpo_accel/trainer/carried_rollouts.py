@@ -39,7 +39,8 @@ import os
 
 from grpo_accel.core.console import log
 from grpo_accel.core.errors import ConfigError
-from grpo_accel.generation.rollout_budget import ROUND_PAGE_SIZE, BudgetedRollouts, paged_decode
+from grpo_accel.generation.continuous_batching import ROUND_PAGE_SIZE, paged_decode
+from grpo_accel.generation.rollout_budget import BudgetedRollouts
 from grpo_accel.trainer.generation_modes import (
     ColocatedVLLMMode,
     GenerationMode,
