@@ -36,7 +36,7 @@ from grpo_accel.generation.server_rollouts import sample_groups
 
 
 @dataclass
-class _Request:
+class _BatchAsked:
     """A batch asked for ahead: its unique prompts (one per group), the version that samples it, the answer."""
 
     prompts: list[list[int]]
@@ -76,7 +76,7 @@ class ServerGeneration:
         self.sync = AdapterSync(base_url, sync_dir, keep=max_staleness + 1, timeout_s=timeout_s, api_key=api_key,
                                 dtype=adapter_dtype)
         self.version: int | None = None  # the optimizer step of the adapter the server holds
-        self.requests: deque[_Request] = deque()  # rank 0's batches asked for ahead, oldest first
+        self.requests: deque[_BatchAsked] = deque()  # rank 0's batches asked for ahead, oldest first
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-accel-server") \
             if accelerator.is_main_process else None
         self._group_id = 0
@@ -165,7 +165,7 @@ class ServerGeneration:
         all_prompts = self._gather(prompts)
         if self.accelerator.is_main_process and len(self.requests) < self.max_staleness:
             unique = [list(p) for p in all_prompts[::num_generations]]
-            self.requests.append(_Request(unique, self.version, self._pool.submit(
+            self.requests.append(_BatchAsked(unique, self.version, self._pool.submit(
                 self._sample, unique, num_generations, self.version)))
 
     # ------------------------------------------------------------------------------------------------------ rank 0

@@ -130,12 +130,12 @@ class SharedVLLMGeneration:
 
         engine = self.llm.llm_engine
         model_len = engine.model_config.max_model_len
-        live: dict[tuple, list[_Request]] = {}  # prompt + tokens handed out so far -> the requests decoding it
+        live: dict[tuple, list[_EngineRequest]] = {}  # prompt + tokens handed out so far -> the requests decoding it
         numbers = itertools.count()
         lora = self.engine.lora_request()
 
-        def start(seq: list[int]) -> _Request:
-            req = _Request(f"grpo_accel-rollout-{next(numbers)}")
+        def start(seq: list[int]) -> _EngineRequest:
+            req = _EngineRequest(f"grpo_accel-rollout-{next(numbers)}")
             params = SamplingParams(**(self.sampling | {"n": 1, "max_tokens": max(1, model_len - len(seq)),
                                                         "logprobs": 0, "output_kind": RequestOutputKind.DELTA}))
             engine.add_request(req.request_id, {"prompt_token_ids": list(seq)}, params, lora_request=lora)
@@ -179,7 +179,7 @@ class SharedVLLMGeneration:
 
 
 @dataclass
-class _Request:
+class _EngineRequest:
     """One completion's engine request inside a step's rounds: tokens decoded and not yet handed out."""
 
     request_id: str
