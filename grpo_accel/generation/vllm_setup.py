@@ -281,18 +281,7 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     cfg.max_lora_rank = engine_lora_rank(peft_config, hf_config)
     engine = vc.SharedVLLM(model_dir, cfg)
     if route == "vllm_shared":
-        def refused(reason: str) -> None:  # before the second copy loads: say it, and stop if it cannot fit
-            say_refusal(reason, hf_config, dtype, log)
-            problem = fits_unshared() if fits_unshared is not None else None
-            if problem is not None:
-                raise VLLMSetupError(f"vLLM weight sharing was refused and two copies do not fit: {problem}")
-
-        if isinstance(model, str):
-            model = engine.build_training_model(before_copy=refused)
-        else:
-            model = engine.adopt_model(model)
-            if engine.refusal is not None:
-                refused(engine.refusal)  # the loaded model stays as it is: its copy is already there
+        model = shared_training_model(engine, model, hf_config, dtype, fits_unshared, log)
     elif isinstance(model, str):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     why = ("base weights shared with the training model" if engine.shared else
@@ -306,6 +295,24 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
         log(f"the engine samples from another distribution than the trainer scores: {engine.agreement} (TRL's "
             f"importance sampling corrects for it; sampling/sampling_logp_difference shows it each step)")
     return engine, model
+
+
+def shared_training_model(engine, model, hf_config, dtype: torch.dtype, fits_unshared, log=console_log):
+    """The training model on route vllm_shared: built around the engine's weights (a path) or made to share them (a
+    loaded model). A refused share is said (`say_refusal`) and, before a second copy loads, the caller's plan with two
+    copies is checked (`fits_unshared`): a run that no longer fits stops with one error line."""
+    def refused(reason: str) -> None:
+        say_refusal(reason, hf_config, dtype, log)
+        problem = fits_unshared() if fits_unshared is not None else None
+        if problem is not None:
+            raise VLLMSetupError(f"vLLM weight sharing was refused and two copies do not fit: {problem}")
+
+    if isinstance(model, str):
+        return engine.build_training_model(before_copy=refused)
+    model = engine.adopt_model(model)
+    if engine.refusal is not None:
+        refused(engine.refusal)  # the loaded model stays as it is: its copy is already there
+    return model
 
 
 def say_refusal(reason: str, hf_config, dtype: torch.dtype, log=console_log) -> None:
@@ -346,4 +353,5 @@ def engine_lora_rank(peft_config, hf_config) -> int:
 
 
 __all__ = ["VLLMSetupError", "colocated_route", "engine_config", "engine_lora_rank", "generations_per_rank",
-           "local_stack", "max_model_len", "model_directory", "moe_lora_refusal", "start_colocated_engine"]
+           "local_stack", "max_model_len", "model_directory", "moe_lora_refusal", "say_refusal",
+           "shared_training_model", "start_colocated_engine"]
