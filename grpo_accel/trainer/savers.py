@@ -4,7 +4,7 @@ Each saver that patches a model or a process-wide registry keeps its undo in `se
 `GRPOAccelTrainer.close()` (run when train() ends, however it ends) leaves the models and transformers' registries
 as they were. What they set on the trainer, read by the log-prob passes (logprob_passes.py): `settings` (the config's
 settings as they run on this device), `offload_config` / `offload_enabled`, `logprob_impl`, `sequence_parallel`,
-`padding_free`, `share_prompt`, `savers_installed`.
+`padding_free`, `share_prompt`, `packed_passes` (the packed passes' counts), `savers_installed`.
 """
 
 from __future__ import annotations
