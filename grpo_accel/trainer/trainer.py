@@ -191,6 +191,7 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         return telemetry.phase(name) if telemetry is not None else contextlib.nullcontext()
 
     def _generate(self, prompts):
+        """TRL's, timed as the `generation` memory phase; under SP once per group, split over its ranks."""
         with self._phase("generation"):
             # under SP: once per SP group, split over its ranks
             if getattr(self, "sequence_parallel", None) is not None and self.model.training:
@@ -256,6 +257,8 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
                                   self.sequence_parallel.sp)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """transformers' (TRL's metrics included); a training step's line also gets the phases' memory, the
+        non-finite counters, the generation mode's metrics and share_prompt/token_ratio."""
         if self.model.training and getattr(self, "telemetry", None) is not None:
             logs.update(self.telemetry.pop_metrics())
             if self.nonfinite_guard is not None:
@@ -268,7 +271,8 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
-        # No grad: the old-policy / reference passes in generate-and-score; with grad: the policy forward.
+        """TRL's one hook for the policy (with grad), old and reference (no grad) log-probs, through the savers
+        (logprob_passes.py: packed rows, the fused head in mini-batches, the SP pass)."""
         if not getattr(self, "savers_installed", False):  # closed (after train()), or made without our __init__
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
