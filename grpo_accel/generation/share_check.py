@@ -75,12 +75,16 @@ def checkpoint_mismatch(model, model_dir) -> str | None:
     A parameter with no tensor of its name in the checkpoint cannot be verified: that is a reason too."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = _tied_source(model)
-    unverified = dict(params)
-    for path in checkpoint_files(model_dir):
+    unverified, verified = dict(params), {}  # id(parameter) -> the checkpoint key it equals
+    files = checkpoint_files(model_dir)
+    for path in files:
         with _opened(path) as tensors:
             for name, p in params.items():
                 key = name if name in tensors else tied.get(name)
                 if key not in tensors or name not in unverified:
+                    continue
+                if verified.get(id(p)) == key:  # a tied output embedding: the input embedding's tensor, compared once
+                    del unverified[name]
                     continue
                 want = tensors[key]()
                 if tuple(want.shape) != tuple(p.shape):
@@ -91,10 +95,11 @@ def checkpoint_mismatch(model, model_dir) -> str | None:
                     return (f"{name} differs from the checkpoint's {key}: {int((diff != 0).sum())} of {p.numel()} "
                             f"values, max abs difference {diff.max().item():.3g} (a shared weight must be bit-equal)")
                 del unverified[name]
+                verified[id(p)] = key
     if unverified:
         names = sorted(unverified)
         return (f"{len(names)} parameter(s) not in the checkpoint to compare with, e.g. {names[0]} "
-                f"(in {Path(model_dir).name}: {json.dumps([p.name for p in checkpoint_files(model_dir)][:3])})")
+                f"(in {Path(model_dir).name}: {json.dumps([f.name for f in files][:3])})")
     return None
 
 
