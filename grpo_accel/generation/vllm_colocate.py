@@ -35,7 +35,7 @@ import torch
 from grpo_accel._compat.vllm_cpu import keep_cpu_weights, packed_isa_026, packed_isa_032
 from grpo_accel.core.errors import UserError
 from grpo_accel.core.processes import launched_processes
-from grpo_accel.generation.share_check import Agreement, agreement, checkpoint_mismatch
+from grpo_accel.generation.share_check import Agreement, agreement, checkpoint_mismatch, token_logprobs
 from grpo_accel.generation.vllm_availability import check_vllm_version, vllm_line
 
 logger = logging.getLogger(__name__)
@@ -256,15 +256,9 @@ def shared_fraction(model, llm) -> float:
     return shared / max(total, 1)
 
 
-@torch.no_grad()
 def hf_token_logprobs(model, token_ids: list[int]) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for t >= 1 from an HF causal LM, fp32, shape [T-1]."""
-    ids = torch.tensor([token_ids], device=next(model.parameters()).device)
-    was_training = model.training
-    model.eval()
-    logits = model(input_ids=ids).logits[0, :-1].float()
-    model.train(was_training)
-    return logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1).cpu()
+    """log p(token_t | tokens_<t) for t >= 1 from an HF causal LM, fp32, shape [T-1] (share_check.token_logprobs)."""
+    return token_logprobs(model, token_ids).float()
 
 
 class SharedVLLM:
@@ -277,7 +271,6 @@ class SharedVLLM:
         self.shared = False
         self.refusal: str | None = None        # why the share was refused (None: shared, or not tried)
         self.agreement: Agreement | None = None  # engine vs HF on SELF_CHECK_TEXT, with its measured bound
-        self.self_check_error: float | None = None  # agreement.difference (nats)
         self.has_adapter = False
 
     # --- the training model ------------------------------------------------------------------------------
@@ -342,8 +335,12 @@ class SharedVLLM:
             ids = self.self_check_ids()
             self.agreement = agreement(checked_model, ids, self.prompt_logprobs(ids, use_adapter=False),
                                        self.config.dtype)
-            self.self_check_error = self.agreement.difference
         return self.shared
+
+    @property
+    def self_check_error(self) -> float | None:
+        """Engine vs HF on the self-check text (nats; `agreement.difference`), None where it was not measured."""
+        return self.agreement.difference if self.agreement is not None else None
 
     def self_check_ids(self) -> list[int]:
         """SELF_CHECK_TEXT's token ids: the fixed sequence the engine and HF are compared on."""

@@ -179,11 +179,11 @@ def test_a_wrong_share_is_refused_and_the_copy_loads_after_the_callers_check(eng
     wrong, name = _wrong_views(kind)
     monkeypatch.setattr(vc, "engine_views", wrong)
     seen = []
-    state = engine.shared, engine.refusal, engine.agreement, engine.self_check_error
+    state = engine.shared, engine.refusal, engine.agreement
     try:
         model = engine.build_training_model(before_copy=seen.append)
         assert not engine.shared and engine.refusal.startswith(f"{name} differs from the checkpoint"), engine.refusal
         assert seen == [engine.refusal]
         assert vc.shared_fraction(model, engine.llm) == 0.0
     finally:
-        engine.shared, engine.refusal, engine.agreement, engine.self_check_error = state
+        engine.shared, engine.refusal, engine.agreement = state
