@@ -52,13 +52,12 @@ from grpo_accel.trainer.paged_generation import ContinuousBatchingMode, generati
 
 
 class BudgetMode(GenerationMode):
-    """--rollout_budget on the route under it (`base`: continuous batching or colocated vLLM): the rollouts in flight
+    """--rollout_budget over the route under it (continuous batching or colocated vLLM): the rollouts in flight
     (`rollouts`), the groups this step trains while TRL scores them (`carried`: (version, groups)), the next batch's
     rows read one step early (`read_ahead`)."""
 
     def __init__(self, trainer, base: GenerationMode):
         args = trainer.args
-        self.base, self.route = base, base.route
         self.engine_rounds = isinstance(base, ColocatedVLLMMode)  # every token's engine log-prob goes to TRL
         self.rollouts = BudgetedRollouts(trainer.num_generations, args.rollout_budget, args.max_completion_length,
                                          args.max_staleness)

@@ -4,7 +4,7 @@ The route is decided once, at start-up (planning.routes.choose_route, through vl
 then holds one mode (`GRPOAccelTrainer.generation_mode`) and forwards TRL's generation hooks to it:
 
     mode                     what generates                                         where
-    GenerateMode             TRL's own generate() (nothing of ours)                 here
+    GenerationMode (base)    TRL's own generate() (nothing of ours)                 here
     ContinuousBatchingMode   transformers' continuous batching, weights uncast      trainer/paged_generation.py
     ColocatedVLLMMode        the engine sharing the trainer's weights                here
     ServerMode               a `vllm serve` machine, the next batch asked ahead     trainer/server_mode.py
@@ -99,7 +99,6 @@ class ReadAhead:
 class GenerationMode:
     """TRL's own generation: every hook is TRL's (the base of the modes, module docstring)."""
 
-    route = "generate"
     read_ahead: ReadAhead | None = None  # set by a mode that reads the next generation batch early
 
     def generate_and_score(self, trainer, inputs: list[dict], score):
@@ -124,14 +123,10 @@ class GenerationMode:
         pass
 
 
-GenerateMode = GenerationMode
-
 
 class ColocatedVLLMMode(GenerationMode):
     """The in-process engine whose base weights are the trainer's (generation/vllm_colocate.py) as TRL's
     `vllm_generation`: TRL syncs (adapter only: SharedVLLMGeneration.sync_weights) and generates through it."""
-
-    route = "vllm_shared"
 
     def __init__(self, trainer, engine):
         from grpo_accel.generation.vllm_colocate import unsupported_options
@@ -153,5 +148,5 @@ def attach_shared_vllm(trainer, engine):
     return ColocatedVLLMMode(trainer, engine).generation
 
 
-__all__ = ["ColocatedVLLMMode", "GenerateMode", "GenerationMode", "ReadAhead", "attach_shared_vllm", "attach_to_trl",
+__all__ = ["ColocatedVLLMMode", "GenerationMode", "ReadAhead", "attach_shared_vllm", "attach_to_trl",
            "refuse_multi_turn", "sync_once_per_step"]

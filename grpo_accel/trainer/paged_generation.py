@@ -87,8 +87,6 @@ class ContinuousBatchingMode(GenerationMode):
     """The route continuous_batching: TRL's `use_transformers_continuous_batching` branch without its cast (module
     docstring); `line`: the pool's sizing, said once per size."""
 
-    route = "continuous_batching"
-
     def __init__(self):
         self.line = None
 

@@ -19,8 +19,6 @@ class ServerMode(GenerationMode):
     """Generation on a `vllm serve` machine with adapter-only sync; with max_staleness >= 1 the next batch is
     asked for once this one is in hand, sampled with this step's adapter while this step trains."""
 
-    route = "vllm_server"
-
     def __init__(self, trainer):
         self.generation = attach_server(trainer)
         self.read_ahead = ReadAhead() if trainer.args.max_staleness >= 1 else None

@@ -39,7 +39,7 @@ from grpo_accel.trainer.callbacks.preemption import Preemption
 from grpo_accel.trainer.callbacks.telemetry import PhaseTelemetry
 from grpo_accel.trainer.carried_rollouts import BudgetMode
 from grpo_accel.trainer.config import GRPOAccelConfig
-from grpo_accel.trainer.generation_modes import ColocatedVLLMMode, GenerateMode, GenerationMode
+from grpo_accel.trainer.generation_modes import ColocatedVLLMMode, GenerationMode
 from grpo_accel.trainer.logprob_passes import logps_and_entropies
 from grpo_accel.trainer.paged_generation import ContinuousBatchingMode
 from grpo_accel.trainer.reward_guard import guarded
@@ -122,7 +122,7 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         elif getattr(self, "use_transformers_continuous_batching", False) and not self.use_vllm:
             mode = ContinuousBatchingMode()
         else:
-            mode = GenerateMode()
+            mode = GenerationMode()  # TRL's own generate()
         return BudgetMode.over(self, mode) if self.args.rollout_budget else mode
 
     def close(self) -> None:
