@@ -63,8 +63,9 @@ def card(csv_path: Path) -> str:
     with csv_path.open() as f:
         rows = list(csv.DictReader(f))
     script = writer(name)
-    lines = [f"# {name}.csv", "", f"Written by `benchmarks/{script.relative_to(BENCH)}`; its commands:", ""]
-    lines += ["```bash", *(commands(script) or [f"python benchmarks/{script.relative_to(BENCH)} --help"]), "```", ""]
+    rel = script.relative_to(BENCH)
+    lines = [f"# {name}.csv", "", f"Written by `benchmarks/{rel}`; its commands:", ""]
+    lines += ["```bash", *(commands(script) or [f"python benchmarks/{rel} --help"]), "```", ""]
     if csv_path.with_suffix(".png").exists():
         lines += [f"![{name}]({name}.png)", ""]
     runs: dict[tuple, list[dict]] = defaultdict(list)
