@@ -41,6 +41,12 @@ if __name__ == "__main__":
 
     # A run that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to stderr and the run goes on.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not {"-h", "--help"} & set(sys.argv[1:]):
+        from grpo_accel.app.bitsandbytes_gate import hide_unless_quantized
+
+        # a run without 4-bit weights never imports bitsandbytes; for the whole process, so here, where the process
+        # is the run's, not in main() (which tests call in their own process)
+        hide_unless_quantized(sys.argv[1:])
     try:
         code = main()
     except KeyboardInterrupt:

@@ -36,3 +36,22 @@ def test_unknown_model_names_the_fix(tmp_path):
         resolve_model_path("no-such-org/no-such-model-xyz")
     with pytest.raises(ModelNotFoundError, match="without config.json"):
         resolve_model_path(str(tmp_path))
+
+
+def test_a_bitsandbytes_checkpoint_without_quantization_names_the_flag(tmp_path):
+    """A run with --quantization none does not import bitsandbytes (app/bitsandbytes_gate.py), so a checkpoint saved
+    4-bit must say which flag loads it, not fail inside transformers."""
+    import json
+    import os
+
+    from grpo_accel.data.models import ModelLoadError
+
+    src = embedded_model_dir()
+    for name in os.listdir(src):
+        os.symlink(src / name, tmp_path / name)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="bitsandbytes-quantized weights. Fix: --quantization 4bit"):
+        load_model(str(tmp_path))

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import sys
 
 import pytest
 from safetensors.torch import load_file
@@ -16,8 +17,10 @@ from grpo_accel.app.tracking import read_wandb_history
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "tiny"
+    # -X importtime: each module the run imports, a line on stderr (test_a_run_that_does_not_quantize_...)
     result = run_train([*TINY_ARGS, "--output_dir", str(out), "--run_name", "tiny", "--report_to", "wandb",
-                        "--rewards", "support.rewards:length_reward_that_warns,format"])
+                        "--rewards", "support.rewards:length_reward_that_warns,format"],
+                       launcher=[sys.executable, "-X", "importtime"])
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result
 
@@ -37,6 +40,18 @@ def test_no_upstream_warning_before_our_first_line_and_the_runs_own_still_show(t
     lines = result.stdout.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("[grpo_accel]"))
     assert not [line for line in lines[:first] if "warn" in line.lower()], lines[:first]
+
+
+def test_a_run_that_does_not_quantize_never_imports_bitsandbytes(tiny_run):
+    """peft imports bitsandbytes wherever it is installed; a LoRA run without 4-bit weights hides it for its process
+    (app/bitsandbytes_gate.py). Its import-time log names every module the run imported, peft's included."""
+    _, result = tiny_run
+    lines = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")}
+    assert "peft" in imported, "the import log is not there: the check would pass on anything"
+    # peft's `import bitsandbytes` is still tried and logged (a few µs, refused); the package itself imports its
+    # submodules (bitsandbytes.nn, .functional, ...) as it loads
+    assert not {m for m in imported if m.startswith("bitsandbytes.")}
 
 
 def test_two_steps_log_loss_and_reward_and_change_parameters(tiny_run):

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from grpo_accel.app import bitsandbytes_gate
 from grpo_accel.app.report import plot_reward_curve, step_rows, write_json, write_metrics_csv
 from grpo_accel.core import dtypes
 from grpo_accel.core.console import log
@@ -195,6 +196,7 @@ def train_from_argv(argv: list[str]) -> int:
 
         prepare_cpu_processes()
     spec = resolve_run_spec(argv)
+    bitsandbytes_gate.check_resolved(spec.script.quantization)
     log(f"preset {spec.preset.name}: {spec.preset_why}")
     return run(spec)
 

@@ -1,7 +1,7 @@
 """Upstream lines a user cannot act on, kept off the screen where our code triggers them.
 
     with quiet_upstream():
-        from trl import GRPOConfig      # peft imports bitsandbytes, whose CPU backend asks for a hub kernel
+        from trl import GRPOConfig      # transformers imports DeepSpeed, which names the CPU accelerator it picked
 
 Each entry names who says it, the one message, and why nobody can act on it. Only those messages, only inside the
 `with`: every other warning and log record, and the same ones raised by a user's own code outside it, still show.
@@ -17,9 +17,9 @@ import warnings
 
 # (the logger the library logs on, message pattern): logging records dropped inside quiet_upstream()
 LOG_RECORDS = (
-    # bitsandbytes 0.50's CPU backend, on a CPU with AVX512-BF16, when it is imported (peft imports it whenever it is
-    # installed, at `import trl`, before a run's quantization is known): an optional faster 4-bit GEMM from the hub
-    # (kernels-community), which offline machines cannot fetch and runs without 4-bit weights never use
+    # bitsandbytes 0.50's CPU backend, on a CPU with AVX512-BF16, when it is imported (a run with 4-bit weights, or
+    # a process that imports peft outside launch/train.py, which hides it from the others: app/bitsandbytes_gate.py):
+    # an optional faster 4-bit GEMM from the hub (kernels-community), which offline machines cannot fetch
     ("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward from kernels-community"),
     # DeepSpeed, when accelerate or transformers import it on a machine without CUDA: it picks the CPU accelerator,
     # which is what a CPU run wants

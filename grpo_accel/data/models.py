@@ -203,6 +203,15 @@ def mxfp4_load_kwargs(checkpoint_config: dict, quantization: str) -> dict:
     return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
+def _check_bitsandbytes_checkpoint(checkpoint_config: dict, quantization: str) -> None:
+    """A checkpoint saved in bitsandbytes 4/8-bit loads only through bitsandbytes, which a run with --quantization
+    none does not import (app/bitsandbytes_gate.py): one error naming the flag, not transformers' ImportError."""
+    if (checkpoint_config.get("quantization_config") or {}).get("quant_method") == "bitsandbytes" \
+            and quantization in (None, "none"):
+        raise ModelLoadError("this checkpoint ships bitsandbytes-quantized weights. Fix: --quantization 4bit "
+                             "(QLoRA: LoRA adapters train on the 4-bit base).")
+
+
 def _checkpoint_config(path: str) -> dict:
     import json
 
@@ -228,7 +237,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float
         tiny_kwargs = {k: v for k, v in kwargs.items() if k in ("rope_parameters", "attn_implementation")}
         return build_tiny_model(name, tokenizer, dtype=dtype, **tiny_kwargs), tokenizer
     path = resolve_model_path(name)
-    kwargs.update(mxfp4_load_kwargs(_checkpoint_config(path), quantization))
+    checkpoint_config = _checkpoint_config(path)
+    _check_bitsandbytes_checkpoint(checkpoint_config, quantization)
+    kwargs.update(mxfp4_load_kwargs(checkpoint_config, quantization))
     if quant is not None:
         kwargs["quantization_config"] = quant
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
