@@ -81,8 +81,12 @@ def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
     from grpo_accel.planning.generation import kv_bytes_per_token
     from grpo_accel.planning.memory import weights_bytes
 
-    args, long_args = _args(tmp_path), _args(tmp_path, max_completion_length=4000)
+    # offload off: on CUDA "auto" offloads (planning.memory.run_inputs resolves it as the trainer does), and training
+    # at these lengths then leaves the engine the 0.95 cap either way
+    args = _args(tmp_path, offload_activations="false")
+    long_args = _args(tmp_path, max_completion_length=4000, offload_activations="false")
     chosen = _args(tmp_path, vllm_gpu_memory_utilization=0.5)  # built before the fake GPU
+    auto_offload = _args(tmp_path, max_completion_length=4000)
     gpu = 80 * 2**30
     _fake_gpu(monkeypatch, gpu)
     shape = model_shape(hf_config)
@@ -96,6 +100,9 @@ def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
             assert cfg.sleep is (not shared) and "memory planner" in why
             fractions[name, lora_r] = cfg.memory_fraction
     assert fractions["long", 16] < fractions["short", 16]  # longer completions: training keeps more
+    offloaded, _ = vs.engine_config(auto_offload, hf_config, dtype=torch.bfloat16,
+                                    lora_r=16, route="vllm_shared", model_len=4472)
+    assert offloaded.memory_fraction > fractions["long", 16]  # the run's offload (auto on CUDA) is planned
     cfg, why = vs.engine_config(chosen, hf_config, dtype=torch.bfloat16, lora_r=16, route="vllm_shared",
                                 model_len=512)
     assert cfg.memory_fraction == 0.5 and "as given" in why

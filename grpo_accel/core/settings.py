@@ -202,15 +202,15 @@ SETTINGS: dict[str, Setting] = _settings(
 )
 
 
-def _field(source, name: str, default):
+def field_of(source, name: str, default=None):
     """`name` from a run's fields (a mapping of flag names: a preset's, a resolved run's) or a config object."""
     return source.get(name, default) if isinstance(source, Mapping) else getattr(source, name, default)
 
 
 def setting(source, name: str):
-    """Our setting `name` from a run's fields or a config object (`_field`); its default where the source lacks it
+    """Our setting `name` from a run's fields or a config object (`field_of`); its default where the source lacks it
     (a TRL GRPOConfig, a trainer TRL's tests built without our init)."""
-    return _field(source, name, SETTINGS[name].default)
+    return field_of(source, name, SETTINGS[name].default)
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class RunSettings:
     def resolve(cls, source, *, cuda: bool) -> RunSettings:
         """From `source` (config object or fields mapping, `setting`) on a machine with (`cuda`) or without CUDA."""
         get = lambda name: setting(source, name)  # noqa: E731
-        checkpointing = bool(_field(source, "gradient_checkpointing", False))  # TRL's field: no SETTINGS entry
+        checkpointing = bool(field_of(source, "gradient_checkpointing", False))  # TRL's field: no SETTINGS entry
         sp = int(get("sequence_parallel_size") or 1)
         padding_free = bool(get("padding_free"))
         share = SETTINGS["share_prompt"].parse(get("share_prompt"))
@@ -250,5 +250,5 @@ class RunSettings:
 
 __all__ = ["LOGPROB_IMPLS", "OFFLOAD_MODES", "OFFLOAD_RECOMPUTE_TOKENS", "RunSettings", "SETTINGS",
            "SHARE_PROMPT_MIN_SAVED", "SHARE_PROMPT_MODES", "Setting", "device_budget_bytes", "device_budget_gib",
-           "generations_per_process", "offload_activations_on", "setting", "share_prompt_blocker", "share_prompt_pays",
-           "shared_group_tokens"]
+           "field_of", "generations_per_process", "offload_activations_on", "setting", "share_prompt_blocker",
+           "share_prompt_pays", "shared_group_tokens"]

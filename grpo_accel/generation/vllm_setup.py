@@ -183,7 +183,7 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
     from grpo_accel.core.units import GIB
     from grpo_accel.planning.architectures import model_shape
     from grpo_accel.planning.generation import kv_bytes_per_token, vllm_memory_fraction
-    from grpo_accel.planning.memory import plan_memory
+    from grpo_accel.planning.memory import plan_memory, run_inputs
 
     shape = model_shape(hf_config)
     # --rollout_budget keeps this step's batch and the next in flight, each completion one request across the step's
@@ -204,14 +204,10 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
     if args.vllm_gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
         cfg.memory_fraction = args.vllm_gpu_memory_utilization
         return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
-    plan = plan_memory(shape, model_dtype=dtypes.short_name(dtype),
-                       quantization="4bit" if route in ("vllm_4bit", "vllm_fp8") else "none", lora_r=lora_r,
-                       num_generations=args.num_generations,
-                       max_prompt_length=max(model_len - args.max_completion_length, 1),
-                       max_completion_length=args.max_completion_length,
-                       per_device_train_batch_size=args.per_device_train_batch_size,
-                       gradient_checkpointing=bool(args.gradient_checkpointing), generation=route,
-                       vllm_kv_seqs=1, vllm_sleep=cfg.sleep, device="cuda")
+    quantization = "4bit" if route in ("vllm_4bit", "vllm_fp8") else "none"
+    plan = plan_memory(shape, vllm_kv_seqs=1, vllm_sleep=cfg.sleep, **run_inputs(
+        args, model_dtype=dtypes.short_name(dtype), quantization=quantization, lora_r=lora_r, generation=route,
+        max_prompt_length=max(model_len - args.max_completion_length, 1), cuda=True))
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     try:
         cfg.memory_fraction = vllm_memory_fraction(plan, total)

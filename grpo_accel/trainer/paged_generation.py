@@ -28,19 +28,16 @@ def planned_paged_seqs(trainer, prompt_tokens: int, generation_batch: int) -> in
         return None
     from grpo_accel.planning.architectures import model_shape
     from grpo_accel.planning.fitting import paged_sequences
-    from grpo_accel.planning.memory import plan_memory
+    from grpo_accel.planning.memory import plan_memory, run_inputs
 
     args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     lora = getattr(model, "peft_config", None)
-    plan = plan_memory(model_shape(model.config), model_dtype=short_name(str(dtype).replace("torch.", "")),
-                       quantization="4bit" if getattr(model, "is_loaded_in_4bit", False) else "none",
-                       lora_r=int(next(iter(lora.values())).r) if lora else 0, num_generations=args.num_generations,
-                       max_prompt_length=prompt_tokens, max_completion_length=args.max_completion_length,
-                       per_device_train_batch_size=args.per_device_train_batch_size,
-                       gradient_checkpointing=bool(args.gradient_checkpointing), generation="continuous_batching",
-                       generation_batch=generation_batch, device="cuda",
-                       offload_activations=bool(getattr(trainer, "offload_enabled", False)))
+    plan = plan_memory(model_shape(model.config), **run_inputs(
+        args, model_dtype=short_name(str(dtype).replace("torch.", "")),
+        quantization="4bit" if getattr(model, "is_loaded_in_4bit", False) else "none",
+        lora_r=int(next(iter(lora.values())).r) if lora else 0, generation="continuous_batching",
+        max_prompt_length=prompt_tokens, cuda=True, generation_batch=generation_batch))
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return max(1, paged_sequences(plan, total))
 

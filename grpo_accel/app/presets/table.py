@@ -15,11 +15,11 @@ from pathlib import Path
 
 from grpo_accel.core import dtypes
 from grpo_accel.core.errors import UserError
-from grpo_accel.core.settings import SETTINGS, RunSettings, generations_per_process
+from grpo_accel.core.settings import SETTINGS, generations_per_process
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape
 from grpo_accel.planning.fitting import paged_sequences
-from grpo_accel.planning.memory import PLANNED_SETTINGS, MemoryPlan, plan_memory
+from grpo_accel.planning.memory import MemoryPlan, plan_memory, run_inputs
 from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
 
 # package data: the YAMLs travel with the package (a wheel, `pip install .`); the checkout's accelerate_configs/ is a
@@ -109,27 +109,21 @@ class Preset:
                             continuous_batching=bool(f.get("use_transformers_continuous_batching")))
 
     def plan_inputs(self, f: dict, stack: Stack = PINNED_STACK) -> dict:
-        """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names): the one mapping. Our
-        settings as the trainer will run them on the preset's machine (core.settings.RunSettings: the same rules)."""
+        """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names) on the preset's machine:
+        planning.memory.run_inputs (the mapping the trainer's own plans use) and the preset's processes and engine."""
         cuda = self.is_gpu
-        run = RunSettings.resolve(f, cuda=cuda)
         route, _ = self.route(f, stack)
         processes = int(os.environ.get("WORLD_SIZE", self.num_processes))
         generation_batch = self.generation_batch(f, processes)
         return dict(
-            model_dtype=f["model_dtype"], quantization=f["quantization"], lora_r=f["lora_r"],
-            num_generations=f["num_generations"], max_prompt_length=self.max_prompt_length,
-            max_completion_length=f["max_completion_length"],
-            per_device_train_batch_size=f["per_device_train_batch_size"],
-            gradient_checkpointing=bool(f["gradient_checkpointing"]),
-            **{name: getattr(run, name) for name in PLANNED_SETTINGS},
-            generation=route, generation_batch=generation_batch,
+            run_inputs(f, model_dtype=f["model_dtype"], quantization=f["quantization"], lora_r=f["lora_r"],
+                       generation=route, max_prompt_length=self.max_prompt_length, cuda=cuda,
+                       generation_batch=generation_batch),
             # vLLM needs one full-length sequence of KV cache to start; what is left over goes to more of them
             vllm_kv_seqs=1, vllm_sleep=route == "vllm_copy" and f["lora_r"] == 0 and cuda,
             deepspeed_stage=self.deepspeed_stage, num_processes=processes,
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-            reward_models=reward_model_shapes(f, generation_batch),
-            device="cuda" if cuda else "cpu")
+            reward_models=reward_model_shapes(f, generation_batch))
 
     def generation_batch(self, f: dict, processes: int) -> int:
         """Sequences one process generates at once: TRL's per_device_train_batch_size x steps_per_generation
