@@ -64,7 +64,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args, train_flags: list[str]) -> int:
-    from grpo_accel.app.presets import PresetError, check_preset_fits_gpu, current_gpu_props
+    from grpo_accel.app.presets import current_gpu_props
     from grpo_accel.app.run_spec import resolve_run_spec
     from grpo_accel.app.startup_checks import machine_checks, model_config, plan_checks
 
@@ -75,33 +75,13 @@ def cmd_plan(args, train_flags: list[str]) -> int:
         spec.stack = PINNED_STACK
     elif spec.preset.is_gpu and not spec.stack.cuda:  # this machine's vLLM and plugin, on the preset's GPU
         spec.stack = dataclasses.replace(spec.stack, cuda=True)
-    preset, gpu = spec.preset, current_gpu_props()
+    preset = spec.preset
     plan = spec.plan()
     route, route_why = spec.route()
     # What concerns the run's machine, not the plan (this GPU, client packages) warns: one plans for another machine.
     warnings = machine_checks(spec)
-    if gpu is not None and preset.is_gpu and args.gpu_mem_gib is None:
-        try:
-            check_preset_fits_gpu(preset, gpu)
-        except PresetError as exc:  # this GPU is not the run's: plan for the preset's, whose host is unknown
-            warnings.insert(0, f"this machine's GPU is not the run's ({exc}); planned for {preset.name}'s minimum, "
-                               f"the run's machine needs it (--gpu-mem-gib N plans for another size)")
-            gpu = None
-    if args.gpu_mem_gib is not None:
-        gpu_bytes, where = int(args.gpu_mem_gib * GIB), "--gpu-mem-gib"
-    elif gpu is not None and preset.is_gpu:
-        gpu_bytes, where = gpu.total_memory, gpu.name
-    else:
-        gpu_bytes, where = int(preset.min_gpu_mem_gib * GIB), f"{preset.name}'s minimum"
-    inp, shape = plan.inputs, plan.shape
-    moe = (f", {shape.active_params / 1e9:.2f}B active: {shape.experts} experts, {shape.experts_per_token} per token"
-           if shape.experts else "")
-    print(f"preset {preset.name} ({spec.preset_why}), generation route {route}, "
-          f"model {shape.name} ({shape.n_params / 1e9:.2f}B params{moe}, "
-          f"L={shape.layers} H={shape.hidden} V={shape.vocab}), {inp['model_dtype']}"
-          f"{'+nf4' if inp['quantization'] == '4bit' else ''}, LoRA r={inp['lora_r'] or 'full'}, "
-          f"{inp['per_device_train_batch_size']} x ({inp['max_prompt_length']} + {inp['max_completion_length']}) "
-          f"tokens, G={inp['num_generations']}")
+    gpu, gpu_bytes, where = _planned_gpu(args, preset, current_gpu_props(), warnings)
+    print(_plan_header(spec, plan, route))
     print(f"generation route {route}: {route_why}")
     print(plan.format())
     planned_gpu = preset.is_gpu or args.gpu_mem_gib is not None
@@ -113,26 +93,7 @@ def cmd_plan(args, train_flags: list[str]) -> int:
         verdict = plan.verdict(gpu_bytes)
         print(f"GPU memory: {gpu_bytes / GIB:.1f} GiB ({where})")
         print(verdict)
-        if route == "generate":
-            print(f"generate(): {inp['generation_batch']} sequences x {inp['max_prompt_length']} + "
-                  f"{inp['max_completion_length']} tokens of KV cache at once "
-                  f"({plan.device['generate_kv_cache'] / GIB:.1f} GiB), freed before the training step")
-        if route == "continuous_batching":
-            seqs = min(inp["paged_seqs"] or inp["generation_batch"], inp["generation_batch"])
-            print(f"continuous batching: page pool for {seqs} of {inp['generation_batch']} full-length sequences at "
-                  f"once ({inp['max_prompt_length']} + {inp['max_completion_length']} tokens, "
-                  f"{plan.device['paged_kv_cache'] / GIB:.1f} GiB; the rest wait in its queue), freed before the "
-                  f"training step")
-        if route == "vllm_server":
-            server = server_plan(spec, plan, gpu_bytes)
-            print(server.format())
-            if server.fits and preset.server_gpus and server.tensor_parallel_size > preset.server_gpus:
-                warnings.append(f"the server needs {server.tensor_parallel_size} GPUs; preset {preset.name} expects "
-                                f"{preset.server_gpus}")
-        if verdict.fits and inp["use_vllm"]:
-            frac = vllm_memory_fraction(plan, gpu_bytes)
-            print(f"vLLM gpu_memory_utilization {frac:.3f}: KV cache for {kv_cache_sequences(plan, gpu_bytes)} "
-                  f"full-length sequences at once (of {inp['num_generations']} per prompt)")
+        _print_route_memory(spec, plan, route, gpu_bytes, verdict.fits, warnings)
     for failure in failures:
         if not failure.startswith("memory:"):  # the verdict above already said it
             print(f"error: {failure}")
@@ -146,6 +107,62 @@ def cmd_plan(args, train_flags: list[str]) -> int:
         print_max_completion(spec, plan, gpu_bytes, host_bytes(args, gpu))
         return 0
     return 1 if failures else 0
+
+
+def _planned_gpu(args, preset, gpu, warnings: list[str]):
+    """(this machine's GPU where it is the run's, else None; the bytes planned for; where they come from). A GPU
+    that is not the preset's is a warning: one plans for another machine."""
+    from grpo_accel.app.presets import PresetError, check_preset_fits_gpu
+
+    if gpu is not None and preset.is_gpu and args.gpu_mem_gib is None:
+        try:
+            check_preset_fits_gpu(preset, gpu)
+        except PresetError as exc:  # this GPU is not the run's: plan for the preset's, whose host is unknown
+            warnings.insert(0, f"this machine's GPU is not the run's ({exc}); planned for {preset.name}'s minimum, "
+                               f"the run's machine needs it (--gpu-mem-gib N plans for another size)")
+            gpu = None
+    if args.gpu_mem_gib is not None:
+        return gpu, int(args.gpu_mem_gib * GIB), "--gpu-mem-gib"
+    if gpu is not None and preset.is_gpu:
+        return gpu, gpu.total_memory, gpu.name
+    return gpu, int(preset.min_gpu_mem_gib * GIB), f"{preset.name}'s minimum"
+
+
+def _plan_header(spec, plan, route: str) -> str:
+    inp, shape = plan.inputs, plan.shape
+    moe = (f", {shape.active_params / 1e9:.2f}B active: {shape.experts} experts, {shape.experts_per_token} per token"
+           if shape.experts else "")
+    return (f"preset {spec.preset.name} ({spec.preset_why}), generation route {route}, "
+            f"model {shape.name} ({shape.n_params / 1e9:.2f}B params{moe}, "
+            f"L={shape.layers} H={shape.hidden} V={shape.vocab}), {inp['model_dtype']}"
+            f"{'+nf4' if inp['quantization'] == '4bit' else ''}, LoRA r={inp['lora_r'] or 'full'}, "
+            f"{inp['per_device_train_batch_size']} x ({inp['max_prompt_length']} + {inp['max_completion_length']}) "
+            f"tokens, G={inp['num_generations']}")
+
+
+def _print_route_memory(spec, plan, route: str, gpu_bytes: int, fits: bool, warnings: list[str]) -> None:
+    """What the route's generation holds on the GPU beside the verdict: KV cache, page pool, server, engine."""
+    inp, preset = plan.inputs, spec.preset
+    if route == "generate":
+        print(f"generate(): {inp['generation_batch']} sequences x {inp['max_prompt_length']} + "
+              f"{inp['max_completion_length']} tokens of KV cache at once "
+              f"({plan.device['generate_kv_cache'] / GIB:.1f} GiB), freed before the training step")
+    if route == "continuous_batching":
+        seqs = min(inp["paged_seqs"] or inp["generation_batch"], inp["generation_batch"])
+        print(f"continuous batching: page pool for {seqs} of {inp['generation_batch']} full-length sequences at "
+              f"once ({inp['max_prompt_length']} + {inp['max_completion_length']} tokens, "
+              f"{plan.device['paged_kv_cache'] / GIB:.1f} GiB; the rest wait in its queue), freed before the "
+              f"training step")
+    if route == "vllm_server":
+        server = server_plan(spec, plan, gpu_bytes)
+        print(server.format())
+        if server.fits and preset.server_gpus and server.tensor_parallel_size > preset.server_gpus:
+            warnings.append(f"the server needs {server.tensor_parallel_size} GPUs; preset {preset.name} expects "
+                            f"{preset.server_gpus}")
+    if fits and inp["use_vllm"]:
+        frac = vllm_memory_fraction(plan, gpu_bytes)
+        print(f"vLLM gpu_memory_utilization {frac:.3f}: KV cache for {kv_cache_sequences(plan, gpu_bytes)} "
+              f"full-length sequences at once (of {inp['num_generations']} per prompt)")
 
 
 def server_plan(spec, plan, gpu_bytes: int):
