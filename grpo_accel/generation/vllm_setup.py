@@ -243,17 +243,8 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
     Raises VLLMSetupError (a clear message with the fix) when the engine cannot serve this run.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    problem = va.vllm_stack_problem(va.read_vllm_install(), four_bit=False)  # 4-bit: the route decides below
-    if problem is not None:
-        raise va.VLLMVersionError(problem)
-    if is_deepspeed_zero3_enabled():
-        raise VLLMSetupError("colocated vLLM under DeepSpeed ZeRO-3 is not supported by grpo_accel (each rank "
-                             "would gather the whole model to push it). Fix: a ZeRO-2 preset, or vllm_mode='server'.")
-    if hasattr(model, "peft_config"):
-        raise VLLMSetupError("pass the base model and peft_config=..., not a PeftModel: the engine must see the "
-                             "base weights to share them and the adapter to push it.")
+    _refuse_before_loading(model)
     model_dir = model_directory(model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     if dtype is None:
@@ -291,6 +282,21 @@ def start_colocated_engine(model, args, *, peft_config=None, train_dataset=None,
         log(f"the engine samples from another distribution than the trainer scores: {engine.agreement} (TRL's "
             f"importance sampling corrects for it; sampling/sampling_logp_difference shows it each step)")
     return engine, model
+
+
+def _refuse_before_loading(model) -> None:
+    """What no colocated engine serves, said before anything loads: a vLLM off our lines, ZeRO-3, a PeftModel."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    problem = va.vllm_stack_problem(va.read_vllm_install(), four_bit=False)  # 4-bit: the route decides later
+    if problem is not None:
+        raise va.VLLMVersionError(problem)
+    if is_deepspeed_zero3_enabled():
+        raise VLLMSetupError("colocated vLLM under DeepSpeed ZeRO-3 is not supported by grpo_accel (each rank "
+                             "would gather the whole model to push it). Fix: a ZeRO-2 preset, or vllm_mode='server'.")
+    if hasattr(model, "peft_config"):
+        raise VLLMSetupError("pass the base model and peft_config=..., not a PeftModel: the engine must see the "
+                             "base weights to share them and the adapter to push it.")
 
 
 def shared_training_model(engine, model, hf_config, dtype: torch.dtype, fits_unshared, log=console_log):
