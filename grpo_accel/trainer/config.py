@@ -43,6 +43,8 @@ class GRPOAccelConfig(GRPOConfig):
     rollout_budget: int = SETTINGS["rollout_budget"].field()
     weight_sync_steps: int = SETTINGS["weight_sync_steps"].field()
     adapter_sync_dir: str | None = SETTINGS["adapter_sync_dir"].field()
+    dynamic_sampling: bool = SETTINGS["dynamic_sampling"].field()
+    max_sampling_rounds: int = SETTINGS["max_sampling_rounds"].field()
 
     @classmethod
     def from_trl(cls, args: GRPOConfig) -> GRPOAccelConfig:

@@ -141,6 +141,24 @@ class ColocatedVLLMMode(GenerationMode):
         attach_to_trl(trainer, self.generation, "colocate")
 
 
+def start_engine(model, args, trl_kwargs: dict):
+    """(engine, model) for colocated generation, or (None, model) with one line when it cannot run here (then
+    transformers' continuous batching where it runs, else TRL's generate())."""
+    from grpo_accel.core.console import log
+    from grpo_accel.generation.vllm_setup import colocated_route, start_colocated_engine
+
+    peft_config = trl_kwargs.get("peft_config")
+    action, route = colocated_route(model, args, lora_r=int(peft_config.r) if peft_config is not None else 0)
+    if action == "fallback":
+        log(route)  # the line: transformers' route and the package that would give this run an engine
+        args.use_vllm = False
+        args.use_transformers_continuous_batching = route.startswith("generation route continuous_batching:")
+        return None, model
+    return start_colocated_engine(model, args, peft_config=peft_config, route=route,
+                                  train_dataset=trl_kwargs.get("train_dataset"),
+                                  tokenizer=trl_kwargs.get("processing_class"))
+
+
 def attach_shared_vllm(trainer, engine):
     """Route a TRL 1.16 GRPOTrainer's generation through a shared-weight `engine` (call right after the trainer's
     __init__, built with use_vllm=False from a model `engine.build_training_model()` returned): TRL's
@@ -149,4 +167,4 @@ def attach_shared_vllm(trainer, engine):
 
 
 __all__ = ["ColocatedVLLMMode", "GenerationMode", "ReadAhead", "attach_shared_vllm", "attach_to_trl",
-           "refuse_multi_turn", "sync_once_per_step"]
+           "refuse_multi_turn", "start_engine", "sync_once_per_step"]

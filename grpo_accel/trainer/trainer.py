@@ -14,7 +14,7 @@ TRL's numbers. What it adds:
   (`vllm_setup.py`, `vllm_colocate.py`). Without vLLM, one line says generation takes transformers' continuous
   batching (route continuous_batching) or, where that cannot run, generate();
 - `use_transformers_continuous_batching`: TRL's branch without its in-place bf16 cast of the trained weights, the
-  page pool sized by the planner (`paged_generation.py`).
+  page pool sized by the planner (`paged_generation.py`); `dynamic_sampling`: DAPO's (`dynamic_sampling.py`).
 Every patch a saver makes (the models' forwards, checkpointing function, attention registrations) is undone when
 train() ends, however it ends (`close()`, `patches.py`): a second model in the same process runs stock code.
 """
@@ -22,6 +22,7 @@ train() ends, however it ends (`close()`, `patches.py`): a second model in the s
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 
@@ -29,17 +30,16 @@ import torch
 from trl import GRPOTrainer
 
 from grpo_accel._compat.hook_leak import dedupe_input_require_grads
-from grpo_accel.core.console import log
 from grpo_accel.core.patches import Patches
 from grpo_accel.core.settings import setting
-from grpo_accel.generation.vllm_setup import colocated_route, start_colocated_engine
 from grpo_accel.trainer.callbacks.guards import DeepSpeedSkipGuard, NonFiniteGuard, check_reward_rows
 from grpo_accel.trainer.callbacks.learning_signal import LearningSignalWatch
 from grpo_accel.trainer.callbacks.preemption import Preemption
 from grpo_accel.trainer.callbacks.telemetry import PhaseTelemetry
 from grpo_accel.trainer.carried_rollouts import BudgetMode
 from grpo_accel.trainer.config import GRPOAccelConfig
-from grpo_accel.trainer.generation_modes import ColocatedVLLMMode, GenerationMode
+from grpo_accel.trainer.dynamic_sampling import DynamicSampling, flat_groups
+from grpo_accel.trainer.generation_modes import ColocatedVLLMMode, GenerationMode, start_engine
 from grpo_accel.trainer.logprob_passes import logps_and_entropies
 from grpo_accel.trainer.paged_generation import ContinuousBatchingMode
 from grpo_accel.trainer.reward_guard import guarded
@@ -79,7 +79,7 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
             reward_funcs = [f if isinstance(f, (str, torch.nn.Module))
                             else guarded(f, strict=strict) for f in reward_funcs]
         if vllm_engine is None and args is not None and args.use_vllm and args.vllm_mode == "colocate":
-            vllm_engine, model = self._start_engine(model, args, kwargs)
+            vllm_engine, model = start_engine(model, args, kwargs)
         # server mode with an adapter: ours (adapter-only sync, steps ahead); full fine-tuning: TRL's own (NCCL)
         adapter_server = args.use_vllm and args.vllm_mode == "server" and (
             kwargs.get("peft_config") is not None or hasattr(model, "peft_config"))
@@ -90,12 +90,14 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         if vllm_engine is not None or adapter_server:
             args.use_vllm = True
         self.generation_mode = self._generation_mode(vllm_engine, adapter_server)
+        self.dynamic_sampling = DynamicSampling(self) if self.args.dynamic_sampling else None
+        self.round_rewards = None  # the last generation round's weighted rewards, every process's rows
         self.learning_signal = LearningSignalWatch(self.args.max_completion_length)
         self.add_callback(self.learning_signal)
         self.telemetry = PhaseTelemetry()
         self.telemetry.wrap_backward(self.accelerator)
         self.add_callback(self.telemetry.callback())
-        # SIGTERM: finish the step in flight, save, stop (added before the guard, whose no-save on a stop wins).
+        # SIGTERM: finish the step in flight, save, stop (added before the guard, whose no-save on a stop wins)
         self.preemption = Preemption(self.accelerator)
         self.add_callback(self.preemption)
         # TRL re-enables checkpointing around each generate(); transformers then adds an embedding hook each time.
@@ -152,6 +154,8 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         if setting(self.args, "reward_checks") == "strict":  # a TRL GRPOConfig (TRL's tests): its default
             models = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, torch.nn.Module)]
             check_reward_rows(rewards_per_func, list(self.reward_func_names), models)
+        weighted = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        self.round_rewards = weighted.masked_fill(rewards_per_func.isnan().all(dim=1), float("nan"))
         return rewards_per_func
 
     def score_completions(self, rows: list[dict], completions: list[str]) -> list[float]:
@@ -170,20 +174,6 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         blank = per_func.isnan().all(dim=1)
         return weighted.nansum(dim=1).masked_fill(blank, float("nan")).tolist()
 
-    @staticmethod
-    def _start_engine(model, args, kwargs):
-        """(engine, model) for colocated generation, or (None, model) with one line when it cannot run here."""
-        peft_config = kwargs.get("peft_config")
-        action, route = colocated_route(model, args, lora_r=int(peft_config.r) if peft_config is not None else 0)
-        if action == "fallback":
-            log(route)  # the line: transformers' route and the package that would give this run an engine
-            args.use_vllm = False
-            args.use_transformers_continuous_batching = route.startswith("generation route continuous_batching:")
-            return None, model
-        return start_colocated_engine(model, args, peft_config=peft_config, route=route,
-                                      train_dataset=kwargs.get("train_dataset"),
-                                      tokenizer=kwargs.get("processing_class"))
-
     # An instance may come without our __init__ (TRL's own tests build trainers with __new__ and set what they need):
     # every override then runs TRL's code, nothing of ours assumed to exist.
     def _phase(self, name: str):
@@ -193,7 +183,6 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
     def _generate(self, prompts):
         """TRL's, timed as the `generation` memory phase; under SP once per group, split over its ranks."""
         with self._phase("generation"):
-            # under SP: once per SP group, split over its ranks
             if getattr(self, "sequence_parallel", None) is not None and self.model.training:
                 return self.sequence_parallel.generate_once(super()._generate, prompts)
             return super()._generate(prompts)
@@ -203,11 +192,21 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's, through the generation mode while training (--rollout_budget: on the groups complete this step,
-        which may be carried from an earlier one)."""
+        which may be carried from an earlier one); --dynamic_sampling fills the batch with groups whose rewards
+        differ (dynamic_sampling.py). frac_reward_zero_std is logged by that module's test of equal rewards."""
         mode = self._mode()
-        if mode is not None and self.model.training:
-            return mode.generate_and_score(self, inputs, super()._generate_and_score_completions)
-        return super()._generate_and_score_completions(inputs)
+        if mode is None or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        trls = super()._generate_and_score_completions
+
+        def scored(rows):
+            out = trls(rows)
+            flat = flat_groups(self.round_rewards, self.num_generations)
+            self._metrics["train"]["frac_reward_zero_std"][-1] = flat.float().mean().item()
+            return out
+
+        generate = functools.partial(mode.generate_and_score, self, score=scored)
+        return self.dynamic_sampling.fill(self, inputs, generate) if self.dynamic_sampling else generate(inputs)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's, or the mode's own (continuous batching without TRL's cast of the weights, a budget's carried
@@ -231,19 +230,23 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         return batches, self._get_num_items_in_batch(batches, device)
 
     def _save_checkpoint(self, model, trial):
-        """transformers'; the mode's state goes in first (--rollout_budget: every rank's rollouts in flight;
-        trainer_state.json, written last, completes the checkpoint: carried_rollouts.save_rollouts)."""
+        """transformers'; the mode's and dynamic sampling's state go in first (--rollout_budget: every rank's rollouts
+        in flight; trainer_state.json, written last, completes the checkpoint: carried_rollouts.save_rollouts)."""
         if self._mode() is not None:
             from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-            self._mode().save(self, os.path.join(self._get_output_dir(trial=trial),
-                                                 f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
+            where = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            self._mode().save(self, where)
+            if self.dynamic_sampling is not None:
+                self.dynamic_sampling.save(where, self.accelerator.is_main_process)
         return super()._save_checkpoint(model, trial)
 
     def _load_rng_state(self, checkpoint):
-        """transformers' (called once when train() resumes from `checkpoint`); the mode's state comes back too."""
+        """transformers' (once, when train() resumes from `checkpoint`); the mode's and dynamic sampling's state too."""
         if checkpoint is not None and self._mode() is not None:
             self._mode().load(self, checkpoint)
+            if self.dynamic_sampling is not None:
+                self.dynamic_sampling.load(checkpoint)
         return super()._load_rng_state(checkpoint)
 
     def _get_train_sampler(self, dataset=None):
@@ -264,6 +267,8 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
             if self.nonfinite_guard is not None:
                 logs.update(self.nonfinite_guard.metrics())
             logs.update(self.generation_mode.metrics())
+            if self.dynamic_sampling is not None:
+                logs.update(self.dynamic_sampling.metrics())
             ratio = self.packed_passes.pop_token_ratio()
             if self.share_prompt != "false" and ratio is not None:
                 logs["share_prompt/token_ratio"] = ratio  # 1.0: nothing shared
