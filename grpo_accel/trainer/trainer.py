@@ -22,6 +22,7 @@ train() ends, however it ends (`close()`, `patches.py`): a second model in the s
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 
@@ -45,6 +46,7 @@ from grpo_accel.trainer.paged_generation import ContinuousBatchingMode
 from grpo_accel.trainer.reward_guard import guarded
 from grpo_accel.trainer.savers import SaverInstallers
 from grpo_accel.trainer.server_mode import ServerMode
+from grpo_accel.trainer.truncated_sampling import kept_mass_correction
 
 
 class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
@@ -90,6 +92,7 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         if vllm_engine is not None or adapter_server:
             args.use_vllm = True
         self.generation_mode = self._generation_mode(vllm_engine, adapter_server)
+        self.kept_mass_correction = kept_mass_correction(self)  # None unless a recorded sampler truncates
         self.learning_signal = LearningSignalWatch(self.args.max_completion_length)
         self.add_callback(self.learning_signal)
         self.telemetry = PhaseTelemetry()
@@ -203,11 +206,16 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's, through the generation mode while training (--rollout_budget: on the groups complete this step,
-        which may be carried from an earlier one)."""
+        which may be carried from an earlier one); with a truncating sampler, its behaviour log-probs put on the
+        trainer's distribution (truncated_sampling.py)."""
+        score = super()._generate_and_score_completions
+        correction = getattr(self, "kept_mass_correction", None)
+        if correction is not None:
+            score = functools.partial(correction.score, score)
         mode = self._mode()
         if mode is not None and self.model.training:
-            return mode.generate_and_score(self, inputs, super()._generate_and_score_completions)
-        return super()._generate_and_score_completions(inputs)
+            return mode.generate_and_score(self, inputs, score)
+        return score(inputs)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's, or the mode's own (continuous batching without TRL's cast of the weights, a budget's carried
@@ -277,6 +285,11 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
+        correction = self.kept_mass_correction
         with self._phase("policy_forward" if torch.is_grad_enabled() else "logps_no_grad"):
+            if correction is not None and correction.pending and not torch.is_grad_enabled():  # TRL's old pass
+                return correction.old_pass(lambda truncation: logps_and_entropies(
+                    self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                    compute_aux_loss, truncation=truncation, **multimodal))
             return logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
                                        compute_entropy, compute_aux_loss, **multimodal)
