@@ -109,6 +109,28 @@ PROMPTS, ROWS, G, STEPS, C = 16, 8, 4, 4, 16
 EOS_IDS = list(range(1000, 11000))  # as test_carried_rollouts: lengths vary, so completions are carried
 
 
+def old_logps_recorded(monkeypatch) -> list[bool]:
+    """Per scored batch: whether the old log-probs TRL's loss gets are the old pass's own, bit for bit (the hook
+    called again on the same rows, outside TRL's method: nothing subtracted)."""
+    from grpo_accel.trainer.trainer import GRPOAccelTrainer
+
+    seen, real = [], GRPOAccelTrainer._generate_and_score_completions
+
+    def record(trainer, inputs):
+        out = real(trainer, inputs)
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        with torch.no_grad():
+            again, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, mask, out["completion_ids"].size(1),
+                batch_size=trainer.args.per_device_train_batch_size)
+        seen.append(torch.equal(again, out["old_per_token_logps"]))
+        return out
+
+    monkeypatch.setattr(GRPOAccelTrainer, "_generate_and_score_completions", record)
+    return seen
+
+
 def budget_run(tmp_path, padding_free, **extra):
     from peft import LoraConfig
     from support.rewards import length_reward
@@ -136,11 +158,14 @@ def budget_run(tmp_path, padding_free, **extra):
 
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-def test_top_p_on_policy_ratio_is_one_through_a_budgeted_run(tmp_path, padding_free):
+def test_top_p_on_policy_ratio_is_one_through_a_budgeted_run(tmp_path, monkeypatch, padding_free):
     """learning rate 0: every step's policy is the sampler's, so each carried token (its behaviour log-prob recorded
     by transformers' continuous batching under top_p 0.9, fp32) must get ratio 1; TRL 1.16's ratio there is the
-    kept mass, ~0.9 for this near-uniform tiny model. Tokens this step sampled get NaN (ratio exactly 1)."""
+    kept mass (mean 0.70 over a step's tokens here). Tokens this step sampled get NaN (ratio exactly 1). The loss's
+    old log-probs stay the full distribution's, bit for bit."""
+    same_old = old_logps_recorded(monkeypatch)
     logs = budget_run(tmp_path, padding_free, top_p=0.9)
+    assert len(same_old) == STEPS and all(same_old), same_old
     assert max(h["rollouts/carried_completions"] for h in logs) > 0, "nothing carried: no ratio was tested"
     low = [h["sampling/importance_sampling_ratio/min"] for h in logs]
     high = [h["sampling/importance_sampling_ratio/max"] for h in logs]
@@ -148,3 +173,34 @@ def test_top_p_on_policy_ratio_is_one_through_a_budgeted_run(tmp_path, padding_f
     for h in logs:
         assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 0.01, h
         assert 0.99 < h["sampling/importance_sampling_ratio/min"] <= h["sampling/importance_sampling_ratio/max"] < 1.01
+
+
+def test_each_route_reads_its_samplers_truncation():
+    """The rule and the values come from where each sampler reads them: transformers' continuous batching under a
+    budget from the generation config, in its order (min_p last); vLLM from TRL's sampling options with
+    generation_kwargs over them, min_p first; nothing without a ratio or without truncation."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from grpo_accel.trainer.carried_rollouts import BudgetMode
+    from grpo_accel.trainer.truncated_sampling import sampler_truncation
+
+    def trainer(mode, use_vllm=True, correction=True, generation_kwargs=None, **sampling):
+        options = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) | sampling
+        args = SimpleNamespace(vllm_importance_sampling_correction=correction, max_completion_length=8,
+                               generation_kwargs=generation_kwargs, **options)
+        return SimpleNamespace(args=args, use_vllm=use_vllm, generation_mode=mode,
+                               generation_config=GenerationConfig(do_sample=True, **options))
+
+    budget_cb = BudgetMode.__new__(BudgetMode)
+    budget_cb.engine_rounds = False
+    engine = object()  # a vLLM route's mode: colocated, server, or a budget over colocated vLLM
+    assert sampler_truncation(trainer(budget_cb, top_p=0.9, min_p=0.1, top_k=20)) == Truncation(
+        top_k=20, top_p=0.9, min_p=0.1, min_p_first=False)
+    assert sampler_truncation(trainer(engine, top_p=0.9, min_p=0.1)) == Truncation(top_p=0.9, min_p=0.1)
+    assert sampler_truncation(trainer(engine, generation_kwargs={"top_k": 5})) == Truncation(top_k=5)
+    assert sampler_truncation(trainer(engine, min_p=0.05)) == Truncation(min_p=0.05)
+    assert sampler_truncation(trainer(engine)) is None
+    assert sampler_truncation(trainer(engine, top_p=0.9, correction=False)) is None
+    assert sampler_truncation(trainer(budget_cb, top_p=0.9, use_vllm=False)) is None
