@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_accel.ops.logprobs import _gemm_operand, _logits_block, block_budget_bytes
+from grpo_accel.ops.logprobs import block_budget_bytes, gemm_operand, logits_block
 
 
 @dataclass(frozen=True)
@@ -113,12 +113,12 @@ def log_kept_mass(hidden, weight, truncation: Truncation, *, temperature=1.0, so
         cdt = torch.get_autocast_dtype(dev)
     chunk = chunk_size or max(1, block_budget_bytes(hidden.device) // (v * _BYTES_PER_LOGIT))
     # one operand copy of the whole head where the GEMM needs it (CPU with a bf16 head: V x H in fp32)
-    w = _gemm_operand(weight, acc, cdt)
+    w = gemm_operand(weight, acc, cdt)
     with torch.autocast(dev, enabled=False):
         for r0 in range(0, n, chunk):
-            h = _gemm_operand(hidden[r0:r0 + chunk], acc, cdt)
+            h = gemm_operand(hidden[r0:r0 + chunk], acc, cdt)
             logits = torch.empty(h.shape[0], v, dtype=acc, device=hidden.device)
-            _logits_block(logits, h, w, acc)  # fp32 logits, as the head's blocks (CUDA bf16: fp32 out)
+            logits_block(logits, h, w, acc)  # fp32 logits, as the head's blocks (CUDA bf16: fp32 out)
             out[r0:r0 + chunk] = _log_kept_mass_of(_tempered(logits, temperature, softcap), truncation)
     return out
 
