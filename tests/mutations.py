@@ -57,6 +57,9 @@ GREEDY = "tests/test_carried_rollouts.py::test_carried_completions_are_the_greed
 SIGKILL = "tests/test_budget_sigkill.py::test_sigkill_mid_step_then_resume_continues_the_carried_rollouts"
 SERVER = "tests/test_server_generation.py::"
 SERVER_2 = "tests/test_server_distributed.py::test_two_ranks_train_through_one_server[2]"
+TS, OT, TSM = ("tests/test_truncated_sampling.py::", "grpo_accel/ops/truncation.py",
+               "grpo_accel/trainer/truncated_sampling.py")
+TS_TRAINER = TS + "test_top_p_on_policy_ratio_is_one_through_a_budgeted_run[padded]"
 RULE = "return staleness <= max_staleness"  # rollouts.within_staleness: the one staleness rule
 KEEP = "keep = [g for g in self.groups if within_staleness(g.staleness(version), self.max_staleness)]"
 AHEAD = "if req.prompts == prompts and within_staleness(step - req.version, self.max_staleness):"
@@ -131,6 +134,26 @@ MUTATIONS = [
     Mutation("10c", "server mode: every rank handed rank 0's share", SG,
              "mine = slice(self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * "
              "len(prompts))", "mine = slice(0, len(prompts))", (SERVER_2,)),
+    # issue 65 item 3: truncated sampling, one distribution
+    Mutation("11a", "log Z added to the old log-probs instead of subtracted (the behaviour's sign flipped)", TSM,
+             "return logps - log_z, entropies, aux", "return logps + log_z, entropies, aux", (TS_TRAINER,)),
+    Mutation("11b", "min_p alone does not count as truncation (log Z skipped)", OT,
+             "return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0",
+             "return self.top_k > 0 or self.top_p < 1.0",
+             (TS + "test_the_corrected_ratio_is_one_on_policy_where_the_uncorrected_sits_at_the_kept_mass[min_p]",)),
+    Mutation("11c", "top_k keeps k - 1 tokens (threshold off by one)", OT, "dim=-1).values[..., -1:]",
+             "dim=-1).values[..., -2:-1]", (TS + "test_the_support_is_the_samplers[top_k]",)),
+    Mutation("11d", "top_p cut at p instead of 1 - p", OT, "cumsum(-1) <= 1 - p", "cumsum(-1) <= p",
+             (TS + "test_the_support_is_the_samplers[top_p]",)),
+    Mutation("11e", "vLLM's order and transformers' swapped in the support rule", OT,
+             "[min_p, *steps] if truncation.min_p_first else [*steps, min_p]",
+             "[*steps, min_p] if truncation.min_p_first else [min_p, *steps]",
+             (TS + "test_the_support_is_the_samplers[all_vllm]",)),
+    Mutation("11f", "continuous batching's truncation read with vLLM's order", TSM,
+             "min_p=float(g.min_p or 0.0), min_p_first=False)", "min_p=float(g.min_p or 0.0), min_p_first=True)",
+             (TS + "test_each_route_reads_its_samplers_truncation",)),
+    Mutation("11g", "the loss keeps old - log Z as its old log-probs (not restored)", TSM,
+             'output["old_per_token_logps"] = old  #', "pass  #", (TS_TRAINER,)),
 ]
 
 

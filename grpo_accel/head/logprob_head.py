@@ -2,7 +2,9 @@
 
 `install_logprob_head(model)` patches the causal LM's forward on that instance: a call with
 `accel_labels=labels` runs the backbone, then `token_logprobs` on the hidden states of the labelled
-positions only, and returns `log_probs` / `entropy` [B, T] (0 where the label is -100). Every other call
+positions only, and returns `log_probs` / `entropy` [B, T] (0 where the label is -100); with
+`accel_kept_mass=Truncation(...)` also `log_kept_mass` [B, T], no grad (ops/truncation.py: the mass the full
+tempered distribution puts on a truncating sampler's support). Every other call
 goes to the previous forward untouched (generation, TRL's own `fused_lm_head=True` path).
 
 Why through the model's forward and not by calling the backbone from the trainer: wrappers (DDP's
@@ -26,6 +28,7 @@ from grpo_accel.core.model_access import causal_lm_of, zero3_gather_ctx
 from grpo_accel.core.patches import set_attr
 from grpo_accel.offload import offload_saved_tensors
 from grpo_accel.ops.select import token_logprobs
+from grpo_accel.ops.truncation import log_kept_mass
 
 
 @dataclass
@@ -33,6 +36,7 @@ class HeadOutput(ModelOutput):  # a ModelOutput, so ZeRO-3's hooks can see the t
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     router_logits: tuple | None = None  # a MoE model's, per router call, when the call asked output_router_logits
+    log_kept_mass: torch.Tensor | None = None  # log Z of a truncating sampler's support, when the call asked it
 
 
 def head_unsupported_reason(causal_lm) -> str | None:
@@ -71,13 +75,15 @@ def install_logprob_head(model, *, temperature: float, impl: str = "auto", chunk
         if labels is None:
             return previous(*args, **kwargs)
         entropy = kwargs.pop("accel_entropy", False)
+        truncation = kwargs.pop("accel_kept_mass", None)
         router = kwargs.get("output_router_logits")
         out = backbone_output(causal_lm, args, kwargs)
         hidden = out.last_hidden_state
         if shift:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         scored = score_hidden(causal_lm, hidden, labels, impl=impl, temperature=temperature, softcap=softcap,
-                              compute_entropy=entropy, chunk_size=chunk_size, vocab_tile=vocab_tile, offload=offload)
+                              compute_entropy=entropy, chunk_size=chunk_size, vocab_tile=vocab_tile, offload=offload,
+                              truncation=truncation)
         if router:
             scored.router_logits = out.router_logits
         return scored
@@ -101,9 +107,10 @@ def backbone_hidden(causal_lm, args, kwargs):
 
 
 def score_hidden(causal_lm, hidden, labels, *, impl, temperature, softcap, compute_entropy, chunk_size, vocab_tile,
-                 offload) -> HeadOutput:
+                 offload, truncation=None) -> HeadOutput:
     """Log-probs (and entropies) of `labels` [B, T] (aligned with `hidden`'s positions, -100 = unscored) through
-    the fused head, scattered back to [B, T]; `offload` holds the head's saved hidden states in host memory."""
+    the fused head, scattered back to [B, T]; `offload` holds the head's saved hidden states in host memory;
+    `truncation` (a Truncation that is on): also log Z of its support at each scored position, no grad."""
     labels = labels.to(hidden.device)
     mask = labels != -100
     weight = causal_lm.get_output_embeddings().weight
@@ -113,6 +120,8 @@ def score_hidden(causal_lm, hidden, labels, *, impl, temperature, softcap, compu
         logp, ent = token_logprobs(hidden[mask], weight, labels[mask], impl=impl, temperature=temperature,
                                    softcap=softcap, compute_entropy=compute_entropy, chunk_size=chunk_size,
                                    vocab_tile=vocab_tile, weight_ctx=lambda: zero3_gather_ctx(weight))
+        log_z = (log_kept_mass(hidden[mask], weight, truncation, temperature=temperature, softcap=softcap)
+                 if truncation is not None and truncation.on else None)
     # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero)
     scatter = lambda x: None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)  # noqa: E731
-    return HeadOutput(log_probs=scatter(logp), entropy=scatter(ent))
+    return HeadOutput(log_probs=scatter(logp), entropy=scatter(ent), log_kept_mass=scatter(log_z))

@@ -80,7 +80,7 @@ def _mm_out_dtype_ok(a):
     return a.is_cuda and a.dtype in _HALF and _HAS_OUT_DTYPE
 
 
-def _gemm_operand(x, acc, cdt):
+def gemm_operand(x, acc, cdt):
     # both operands in the compute dtype; CPU has no bf16 x bf16 -> fp32 GEMM: then upcast the operand
     # (a [chunk or tile, H] copy, small next to a [chunk, tile] block)
     x = x.to(cdt)
@@ -94,7 +94,7 @@ def _mm(a, b, acc, out=None):
     return out.addmm_(a, b)
 
 
-def _logits_block(a, h, w, acc):
+def logits_block(a, h, w, acc):
     """a = h @ w.T in fp32 without a second block (CUDA bf16: zero + accumulate, the out_dtype form that exists)."""
     if _mm_out_dtype_ok(h):
         _mm(h, w.T, acc, out=a.zero_())
@@ -190,7 +190,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         for r0 in range(0, n_rows, chunk):
             r1 = min(r0 + chunk, n_rows)
             rows = slice(r0, r1) if idx is None else idx[r0:r1]
-            h = _gemm_operand(hidden[rows], acc, cdt)
+            h = gemm_operand(hidden[rows], acc, cdt)
             t = tgt[r0:r1]
             m = torch.full((r1 - r0,), torch.finfo(acc).min, dtype=acc, device=hidden.device)  # finite: no inf*0
             s = torch.zeros_like(m)
@@ -199,7 +199,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 c1 = min(c0 + tile, v)
                 a = buf[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
                 e = buf[chunk * tile:][: a.numel()].view_as(a) if buf.numel() > chunk * tile else None
-                _logits_block(a, h, _gemm_operand(weight[c0:c1], acc, cdt), acc)
+                logits_block(a, h, gemm_operand(weight[c0:c1], acc, cdt), acc)
                 folds.forward(a, e, m, s, u, inv_t, softcap)
             # target logit as a row-wise dot: [chunk, H] work, no per-tile gather
             y_t = (h.to(acc) * weight[t].to(cdt).to(acc)).sum(1)  # same operand rounding as the GEMM
@@ -260,7 +260,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         for r0 in range(0, n_rows, chunk):
             r1 = min(r0 + chunk, n_rows)
             rows = slice(r0, r1) if idx is None else idx[r0:r1]
-            h = _gemm_operand(hidden[rows], acc, cdt)
+            h = gemm_operand(hidden[rows], acc, cdt)
             t = tgt[r0:r1]
             args = [x[rows] if x is not None else None for x in (lse, ent, g_lp, g_ent)]
             gh = torch.zeros(r1 - r0, hidden.shape[1], dtype=acc, device=hidden.device) if need_h else None
@@ -269,8 +269,8 @@ class ChunkedLogprobs(torch.autograd.Function):
                 k = (r1 - r0) * (c1 - c0)
                 a = bufs[:k].view(r1 - r0, c1 - c0)
                 extra = [bufs[chunk * tile * i:][:k].view_as(a) for i in range(1, n_bufs)]
-                w = _gemm_operand(weight[c0:c1], acc, cdt)
-                _logits_block(a, h, w, acc)
+                w = gemm_operand(weight[c0:c1], acc, cdt)
+                logits_block(a, h, w, acc)
                 d = folds.backward(a, extra, t - c0, *args, inv_t, softcap, cdt if half_copy else acc)
                 if half_copy:
                     d = d.to(cdt)  # bf16 tensor-core GEMMs, fp32 accumulate

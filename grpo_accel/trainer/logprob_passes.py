@@ -46,26 +46,40 @@ class PackedPasses:
 
 
 def logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
-                         compute_entropy, compute_aux_loss, **multimodal):
+                        compute_entropy, compute_aux_loss, truncation=None, **multimodal):
+    """(logps, entropies, aux) of TRL's hook; with `truncation` (a Truncation that is on: the old pass of a run whose
+    sampler truncates) a fourth, log Z of its support at each completion position (None where the pass is not our
+    head's: TRL's head, its router loss, multimodal inputs, SP)."""
     batch_size = setting(trainer.args, "logprob_mini_batch") or batch_size or input_ids.size(0)
     multimodal_inputs = any(v is not None for v in multimodal.values())
     trl_head = trainer.logprob_impl == "trl"
     sequence_parallel = getattr(trainer, "sequence_parallel", None)
     # a MoE's router loss (compute_aux_loss) is ours to return on our head's paths (head/router_loss.py)
     theirs_aux = compute_aux_loss and (trl_head or sequence_parallel is not None)
+    theirs = trl_head or theirs_aux or multimodal_inputs
+    kept = {} if truncation is None or theirs or sequence_parallel is not None else {"accel_kept_mass": truncation}
+    out = None
     if trainer.padding_free and sequence_parallel is None and not (theirs_aux or multimodal_inputs):
-        packed = packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                                  compute_entropy, trl_head, compute_aux_loss)
-        if packed is not None:
-            return packed
-    if trl_head or theirs_aux or multimodal_inputs:
-        return GRPOTrainer._get_per_token_logps_and_entropies(
+        out = packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                         compute_entropy, trl_head, compute_aux_loss, kept)
+    if out is None and theirs:
+        out = (*GRPOTrainer._get_per_token_logps_and_entropies(
             trainer, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-            **multimodal)
-    if sequence_parallel is not None:
-        return (*sequence_parallel.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                       compute_entropy, trainer.accelerator.autocast), None)
-    all_logps, all_entropies, routers = [], [], []
+            **multimodal), None)
+    elif out is None and sequence_parallel is not None:
+        out = (*sequence_parallel.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                      compute_entropy, trainer.accelerator.autocast), None, None)
+    elif out is None:
+        out = padded_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                         compute_entropy, compute_aux_loss, kept)
+    return out if truncation is not None else out[:3]
+
+
+def padded_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                               compute_entropy, compute_aux_loss, kept):
+    """Our head over padded mini-batches of `batch_size` rows: (logps, entropies, aux, log Z or None); `kept`: the
+    head's kept-mass kwarg, or {}."""
+    all_logps, all_entropies, all_kept, routers = [], [], [], []
     router = {"output_router_logits": True} if compute_aux_loss else {}
     for start in range(0, input_ids.size(0), batch_size):
         ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
@@ -74,23 +88,25 @@ def logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_kee
         labels[:, :-logits_to_keep] = -100
         with trainer.accelerator.autocast():
             out = model(input_ids=ids, attention_mask=mask, accel_labels=labels, accel_entropy=compute_entropy,
-                        **router)
+                        **router, **kept)
         all_logps.append(out.log_probs[:, -logits_to_keep:])
         if compute_entropy:
             all_entropies.append(out.entropy[:, -logits_to_keep:])
+        if kept:
+            all_kept.append(out.log_kept_mass[:, -logits_to_keep:])
         if compute_aux_loss:
             routers.append((out.router_logits, mask.reshape(-1).float()))
     entropies = torch.cat(all_entropies) if compute_entropy else None
     aux = load_balancing_loss(causal_lm_of(model), routers) if compute_aux_loss else None
-    return torch.cat(all_logps), entropies, aux
+    return torch.cat(all_logps), entropies, aux, (torch.cat(all_kept) if kept else None)
 
 
 def packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, rows_per_forward,
-                                compute_entropy, trl_head=False, compute_aux_loss=False):
-    """As the padded loop, one packed row of real tokens per forward, <= logprob_token_budget tokens each,
-    through our head or TRL's (`trl_head`: same label shift, same [1, N-1] outputs; not with
+                               compute_entropy, trl_head=False, compute_aux_loss=False, kept=None):
+    """As the padded loop (its four results), one packed row of real tokens per forward, <= logprob_token_budget
+    tokens each, through our head or TRL's (`trl_head`: same label shift, same [1, N-1] outputs; not with
     `compute_aux_loss`, the MoE router loss, taken over all forwards: head/router_loss.py); None (padded) when a
-    row's tokens are not one block."""
+    row's tokens are not one block. `kept`: the head's kept-mass kwarg, or {} (never with TRL's head)."""
     lengths, ok = packable_lengths(attention_mask)
     recompute_tokens = trainer.offload_config.recompute_tokens if trainer.offload_enabled else None
     budget = (setting(trainer.args, "logprob_token_budget")
@@ -127,16 +143,17 @@ def packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
              else pack_rows(input_ids, attention_mask, logits_to_keep, group))
         extra = {SEGMENTS_KWARG: p.segments} if segment_kwarg else {}
         extra.update(dict(labels=p.labels, fused_lm_head=True) if trl_head
-                     else dict(accel_labels=p.labels, accel_entropy=compute_entropy))
+                     else dict(accel_labels=p.labels, accel_entropy=compute_entropy, **(kept or {})))
         if compute_aux_loss:
             extra["output_router_logits"] = True
         with trainer.accelerator.autocast(), packed_forward_context():
             out = model(input_ids=p.input_ids, position_ids=p.position_ids, **extra)
-        outs.append((p, out.log_probs, out.entropy))
+        outs.append((p, out.log_probs, out.entropy, out.log_kept_mass if kept else None))
         if compute_aux_loss:
             routers.append((out.router_logits, token_weights(p.input_ids.size(1), p.segments, p.input_ids.device)))
     rows = input_ids.size(0)
-    logps = unpack([(p, lp) for p, lp, _ in outs], rows, logits_to_keep)
-    entropies = unpack([(p, e) for p, _, e in outs], rows, logits_to_keep) if compute_entropy else None
+    logps = unpack([(p, lp) for p, lp, _, _ in outs], rows, logits_to_keep)
+    entropies = unpack([(p, e) for p, _, e, _ in outs], rows, logits_to_keep) if compute_entropy else None
+    log_kept = unpack([(p, z) for p, _, _, z in outs], rows, logits_to_keep) if kept else None
     aux = load_balancing_loss(causal_lm_of(model), routers) if compute_aux_loss else None
-    return logps, entropies, aux
+    return logps, entropies, aux, log_kept

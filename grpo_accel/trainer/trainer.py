@@ -45,6 +45,7 @@ from grpo_accel.trainer.paged_generation import ContinuousBatchingMode
 from grpo_accel.trainer.reward_guard import guarded
 from grpo_accel.trainer.savers import SaverInstallers
 from grpo_accel.trainer.server_mode import ServerMode
+from grpo_accel.trainer.truncated_sampling import kept_mass_correction
 
 
 class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
@@ -92,6 +93,7 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         self.generation_mode = self._generation_mode(vllm_engine, adapter_server)
         self.dynamic_sampling = DynamicSampling(self) if self.args.dynamic_sampling else None
         self.round_rewards = None  # the last generation round's weighted rewards, every process's rows
+        self.kept_mass_correction = kept_mass_correction(self)  # None unless a recorded sampler truncates
         self.learning_signal = LearningSignalWatch(self.args.max_completion_length)
         self.add_callback(self.learning_signal)
         self.telemetry = PhaseTelemetry()
@@ -192,12 +194,16 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's, through the generation mode while training (--rollout_budget: on the groups complete this step,
-        which may be carried from an earlier one); --dynamic_sampling fills the batch with groups whose rewards
-        differ (dynamic_sampling.py). frac_reward_zero_std is logged by that module's test of equal rewards."""
+        which may be carried from an earlier one); a truncating sampler's behaviour log-probs put on the trainer's
+        distribution (truncated_sampling.py); --dynamic_sampling fills the batch with groups whose rewards differ
+        (dynamic_sampling.py, whose test of equal rewards gives frac_reward_zero_std)."""
+        trls = super()._generate_and_score_completions
+        correction = getattr(self, "kept_mass_correction", None)
+        if correction is not None:
+            trls = functools.partial(correction.score, trls)
         mode = self._mode()
         if mode is None or not self.model.training:
-            return super()._generate_and_score_completions(inputs)
-        trls = super()._generate_and_score_completions
+            return trls(inputs)
 
         def scored(rows):
             out = trls(rows)
@@ -282,6 +288,11 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
+        correction = self.kept_mass_correction
         with self._phase("policy_forward" if torch.is_grad_enabled() else "logps_no_grad"):
+            if correction is not None and correction.pending and not torch.is_grad_enabled():  # TRL's old pass
+                return correction.old_pass(lambda truncation: logps_and_entropies(
+                    self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                    compute_aux_loss, truncation=truncation, **multimodal))
             return logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
                                        compute_entropy, compute_aux_loss, **multimodal)
