@@ -13,7 +13,7 @@ import pytest
 import torch
 from peft import LoraConfig
 from support.compare import assert_equal
-from support.rewards import length_reward
+from support.rewards import half_flat_reward, length_reward
 
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.data.datasets import arithmetic_dataset
@@ -25,13 +25,6 @@ from grpo_accel.trainer.trainer import GRPOAccelTrainer
 PROMPTS, ROWS, G, STEPS, C = 16, 8, 4, 4, 16
 PLAIN = dict(logprob_impl="trl", padding_free=False, share_prompt="false")
 EOS_IDS = list(range(1000, 11000))  # ~20% of a random tiny model's tokens end a completion: lengths differ
-
-
-def half_flat_reward(prompts, completions, answer, **kwargs):
-    """Flat (1.0 for each completion) on prompts with an even answer; elsewhere a spread whatever the completions
-    (the row's place in its group, G rows in a row) plus the completion's length."""
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if int(a) % 2 == 0 else (i % G) / 10 + len(t) / 1000 for i, (a, t) in enumerate(zip(answer, texts))]
 
 
 def constant_reward(prompts, completions, **kwargs):

@@ -126,9 +126,9 @@ class DynamicSampling:
                          "dynamic_sampling/groups_kept": float(self.groups - len(filled)),
                          "dynamic_sampling/filled_with_flat_groups": float(len(filled)),
                          "dynamic_sampling/extra_generation_s": extra_s, **self._dropped}
-        if len(parts) == 1 and not filled and parts[0][1] == list(range(self.groups)):
-            return out  # every group had a spread: TRL's batch as it is
-        return merge(trainer, parts + filled, self.num_generations)
+        if rounds == 1:  # no refill (on any process: rounds run in lockstep): the groups are TRL's batch's
+            return out
+        return merge(trainer, parts + filled, self.num_generations)  # a collective gather: every process merges
 
     def _sort(self, trainer, out: dict, parts: list, flat_pool: list, need: int) -> int:
         """Kept groups of one round's output into `parts` (up to `need`), flat ones into `flat_pool`; the need left."""

@@ -106,3 +106,24 @@ def code_reward(prompts, completions, task, **kwargs):
 def never_applies(prompts, completions, **kwargs):
     """None for every row, batch after batch, beside rewards that score every row: must train (issue 38)."""
     return [None] * len(completions)
+
+
+def half_flat_reward(prompts, completions, answer, **kwargs):
+    """Flat (1.0 for each completion) on prompts with an even answer; elsewhere a spread whatever the completions
+    (the row's place in its group of 4, rows of a group in a row) plus the completion's length."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if int(a) % 2 == 0 else (i % 4) / 10 + len(t) / 1000 for i, (a, t) in enumerate(zip(answer, texts))]
+
+
+def half_flat_reward_logged_by_rank(prompts, completions, answer, **kwargs):
+    """half_flat_reward that appends each call's answers to $REWARD_LOG.rank<R> (one JSON line a generation round):
+    a multi-process test sees every rank's rounds."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(f"{os.environ['REWARD_LOG']}.rank{rank}", "a") as f:
+        f.write(json.dumps({"answers": [int(a) for a in answer]}) + "\n")
+    return half_flat_reward(prompts, completions, answer)
