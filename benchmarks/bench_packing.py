@@ -101,10 +101,7 @@ def worker(a) -> dict:
                                    train_dataset=Dataset.from_dict({"prompt": ["x"] * G}), peft_config=lora)
         checkpointing = enable_checkpointing_like_train(trainer)
     base = mem.records[-1].end_bytes
-    model = trainer.model
-    model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    V = model.config.get_text_config().vocab_size
+    V = trainer.model.config.get_text_config().vocab_size
     inputs, real_tokens, padded_tokens = make_inputs(a.mix, G, a.prompt_length, T, V, a.device)
     measured = measured_steps(trainer, inputs, mem, base, a.reps, cuda)
     if isinstance(measured, dict):  # out of memory: its result
@@ -122,10 +119,12 @@ def worker(a) -> dict:
 def measured_steps(trainer, inputs, mem, base: int, reps: int, cuda: bool) -> list[dict] | dict:
     """A warm-up and `reps` steps of TRL's loss + backward on `inputs`, each a PhaseMemory phase: the measured steps'
     wall / CPU time, peak above `base` (MiB), loss, trainable-gradient norm, CUDA reserved peak; the worker's "oom"
-    result when one runs out of memory."""
+    result when one runs out of memory. The model in training mode, one micro-batch, as the training loop sets it."""
     import torch
 
     model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1  # read by the loss
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(name):

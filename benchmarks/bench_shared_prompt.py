@@ -95,10 +95,7 @@ def worker(a) -> dict:
         trainer = build_trainer(a, model, tmp)
         checkpointing = enable_checkpointing_like_train(trainer)
     base = mem.records[-1].end_bytes
-    model = trainer.model
-    model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    V = model.config.get_text_config().vocab_size
+    V = trainer.model.config.get_text_config().vocab_size
     inputs, unshared, shared = make_inputs(a.generations, a.prompt_length, a.completion_length, V, a.device)
     measured = measured_steps(trainer, inputs, mem, base, a.reps, cuda)
     if isinstance(measured, dict):  # out of memory: its result
