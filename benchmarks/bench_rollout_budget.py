@@ -19,23 +19,17 @@ benchmarks/results/rollout_budget.csv (long format) and rollout_budget.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from campaign.results_io import ROOT, read_train_run, run_meta, write_results  # noqa: E402
+import harness  # benchmarks/ is on sys.path when run as a script
+from harness import ROOT
 
-from grpo_accel.generation.continuous_batching import ROUND_PAGE_SIZE  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results" / "rollout_budget.csv"
-
+from grpo_accel.generation.continuous_batching import ROUND_PAGE_SIZE
 
 # budget_off_page16: today's route with the pages of 16 tokens a budgeted step's pool has (rollout_budget.py
 # ROUND_PAGE_SIZE), so the budget's figure is not credited with what the page size alone gives
@@ -62,52 +56,19 @@ def command(impl: str, seed: int, args, out: Path) -> list[str]:
            "--output_dir", str(out), "--report_to", "none"]
 
 
-def train(impl: str, seed: int, args, out: Path) -> tuple[list[dict], dict, float]:
-    done = out / "bench_wall_s"
-    if done.exists():  # --runs-dir: a run a killed or earlier invocation finished is read, not made again
-        print(f"[train] {impl}, seed {seed}: read from {out}", flush=True)
-        return read_train_run(out) + (float(done.read_text()),)
-    cmd = command(impl, seed, args, out)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", WANDB_MODE="offline",
-               TOKENIZERS_PARALLELISM="false")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"error: the {impl} run (seed {seed}) failed:\n{proc.stderr[-3000:]}")
-    print(f"[train] {impl}, seed {seed}: {args.steps} steps in {wall:.0f} s (whole process)", flush=True)
-    done.write_text(f"{wall:.3f}")
-    return read_train_run(out) + (wall,)
-
-
 def _f(row: dict, key: str, default: float = float("nan")) -> float:
     value = row.get(key)
     return float(value) if value not in (None, "") else default
 
 
 def plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    want = [r for r in rows if r["metric"] in ("step_s_mean", "generation_s_mean")]
-    impls = list(dict.fromkeys(r["impl"] for r in want))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, metric in enumerate(("step_s_mean", "generation_s_mean")):
-        vals = [statistics.mean([float(r["value"]) for r in want if r["impl"] == impl and r["metric"] == metric]
-                                or [0.0]) for impl in impls]
-        ax.bar([x + 0.4 * i for x in range(len(impls))], vals, 0.4, label=metric.replace("_mean", ""))
-    ax.set_xticks([x + 0.2 for x in range(len(impls))], impls, rotation=12, ha="right", fontsize=8)
-    ax.set_ylabel("seconds per step (mean over the run and seeds)")
-    ax.set_title("route continuous_batching, long-tailed completions")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    harness.grouped_bars(rows, png, [(("step_s_mean", "generation_s_mean"), "seconds per step (mean over the run and "
+                                      "seeds)")], group=lambda r: r["impl"], series=lambda r: r["metric"][:-5],
+                         title="route continuous_batching, long-tailed completions", fmt="%.2f")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__, "rollout_budget.csv")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--completion-length", type=int, default=96)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
@@ -115,7 +76,6 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=2, help="prompts per step (4 completions each)")
     p.add_argument("--eval-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--runs-dir", type=Path, default=None,
                    help="where the runs go (default: a new temporary folder); runs finished there are read, not redone")
     return p.parse_args(argv)
@@ -131,7 +91,9 @@ def main(argv=None) -> int:
     rows = []
     for seed in args.seeds:
         for impl in args.impls:  # alternating, so a change of the machine's speed touches every impl alike
-            got, summary, wall = train(impl, seed, args, tmp / f"{impl}-seed{seed}")
+            got, summary, wall = harness.train_run(command(impl, seed, args, tmp / f"{impl}-seed{seed}"),
+                                                   tmp / f"{impl}-seed{seed}", f"{impl}, seed {seed}",
+                                                   dict(OMP_NUM_THREADS=str(args.threads)))
             step = summary["train_seconds"] / len(got)
             # a step that generated nothing (TRL's second step of a generation batch) logs no generation figures
             gen = statistics.mean(_f(r, "time/generation_s", 0.0) for r in got)
@@ -173,9 +135,9 @@ def main(argv=None) -> int:
             print(f"{impl} seed {seed}: {step:.2f} s/step (generation {gen:.2f} s), slot use {slot_use:.2f}, "
                   f"held-out accuracy {after.get('accuracy_lenient', float('nan')):.3f}", flush=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch's import here: the device column names the runs'
-    write_results(rows, args.out, run_meta("cpu", packages=("torch", "transformers", "trl")), plot=plot)
+    harness.write_results(rows, args.out, harness.run_meta("cpu", ("torch", "transformers", "trl")), plot)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.run(main)

@@ -17,33 +17,26 @@ memory: "offload" copies layer inputs within the same RAM, so the figure is ever
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from campaign.results_io import run_meta, write_results  # benchmarks/ is on sys.path when run as a script
+import harness  # benchmarks/ is on sys.path when run as a script
+from harness import MIB
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-MIB = 1 << 20
 VARIANTS = {"sp1": 1, "sp2": 2}
-RESULT_TAG = "RESULT "
 
 
 def build_trainer(a, tmp):
     import torch
+    from bench_step_memory import enable_checkpointing_like_train, synthetic_tokenizer
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_step_memory import enable_checkpointing_like_train, synthetic_tokenizer
 
     from grpo_accel.planning.architectures import get_architecture
     from grpo_accel.trainer.config import GRPOAccelConfig
@@ -83,7 +76,6 @@ def rank_main(rank, world, a, port, out_dir):
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT))
     from grpo_accel.core.phase_memory import PhaseMemory
 
     mem = PhaseMemory("cpu")
@@ -120,33 +112,18 @@ def rank_main(rank, world, a, port, out_dir):
         torch.distributed.barrier()
 
 
-def worker(a):
-    import socket
-
+def worker(a) -> dict:
+    """The variant's processes (sp2: two, spawned here), one step each; their results, rank by rank."""
     import torch.multiprocessing as mp
+    from campaign.serve import free_port
 
     world = VARIANTS[a.worker]
     with tempfile.TemporaryDirectory() as out_dir:
         if world == 1:
             rank_main(0, 1, a, 0, out_dir)
         else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.spawn(rank_main, args=(world, a, port, out_dir), nprocs=world)
-        results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
-    print(RESULT_TAG + json.dumps(results), flush=True)
-
-
-def run_worker(args, impl):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 << 10), GRPO_ACCEL_OFFLOAD_FORCE_COPIES="1")
-    cmd = [sys.executable, __file__, "--worker", impl, *sys.argv[1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if not lines:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"{impl} failed (rc {proc.returncode})")
-    return json.loads(lines[-1][len(RESULT_TAG):])
+            mp.spawn(rank_main, args=(world, a, free_port(), out_dir), nprocs=world)
+        return {"ranks": [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]}
 
 
 def rows_of(results, args, impl):
@@ -157,67 +134,42 @@ def rows_of(results, args, impl):
                ("step_cpu_ms", max(r["cpu_ms"] for r in results), "ms"), ("model_mib", worst["base_mib"], "MiB"),
                ("processes", len(results), "1"), ("loss", results[0]["loss"], "nats"),
                ("lora_grad_norm", results[0]["grad_norm"], "1")]
-    return [dict(op="grpo_step_fwd_bwd", impl=impl, shape=shape, metric=m, value=f"{v:.6g}", unit=u)
-            for m, v, u in metrics]
+    return harness.long_rows("grpo_step_fwd_bwd", impl, shape, metrics)
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = sorted({r["shape"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-    for ax, (metric, label) in zip(axes, [("peak_step_mem_mib", "peak step memory per process above the model (MiB)"),
-                                          ("step_time_ms", "step time (ms, slowest process)")]):
-        for k, impl in enumerate(VARIANTS):
-            vals = [float(r["value"]) for s in shapes for r in rows
-                    if r["shape"] == s and r["impl"] == impl and r["metric"] == metric]
-            bars = ax.bar([i + 0.4 * k for i in range(len(vals))], vals, 0.4, label=impl, color=f"C{k}")
-            ax.bar_label(bars, fmt="%.0f", fontsize=7)
-        ax.set_xticks([i + 0.2 for i in range(len(shapes))])
-        ax.set_xticklabels([s.split(",")[4] for s in shapes], fontsize=8)
-        ax.set_title(label, fontsize=9)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("one long row: whole on one process vs Ulysses SP = 2 (gloo); " + shapes[0].split(",T=")[0],
-                 fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.grouped_bars(rows, path, [("peak_step_mem_mib", "peak step memory per process above the model (MiB)"),
+                                      ("step_time_ms", "step time (ms, slowest process)")],
+                         group=lambda r: r["shape"], series=lambda r: r["impl"], order=list(VARIANTS), sort=True,
+                         tick=lambda shape: shape.split(",")[4], fmt="%.0f",
+                         title="one long row: whole on one process vs Ulysses SP = 2 (gloo)")
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
+def parse_args(argv=None):
+    p = harness.parser(__doc__, "sequence_parallel.csv", worker=VARIANTS)
     p.add_argument("--arch", default="smollm2-135m", help="a name from grpo_accel.planning.architectures")
     p.add_argument("--heads", type=int, default=8, help="attention heads (divisible by 2)")
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--prompt-length", type=int, default=64)
     p.add_argument("--completion-length", type=int, default=4096)
     p.add_argument("--recompute-tokens", type=int, default=1024, help="offload_recompute_tokens (re-run pieces)")
-    p.add_argument("--out", type=Path, default=RESULTS / "sequence_parallel.csv")
-    p.add_argument("--plot-only", action="store_true")
-    return p.parse_args()
+    return harness.parse(p, argv, worker)
 
 
-def main():
-    args = parse_args()
-    if args.worker:
-        return worker(args)
-    if args.plot_only:
-        import csv
-
-        return plot(list(csv.DictReader(open(args.out))), args.out.with_suffix(".png"))
-    versions, sha, dev = run_meta("cpu", ("torch", "trl", "transformers", "deepspeed"))
-    results = {impl: run_worker(args, impl) for impl in VARIANTS}
+def main(argv=None):
+    args = parse_args(argv)
+    flags = sys.argv[1:] if argv is None else argv  # a worker runs with the parent's flags and its --worker
+    meta = harness.run_meta("cpu", ("torch", "trl", "transformers", "deepspeed"))
+    env = harness.step_env("cpu", offload=True)
+    results = {impl: harness.run_worker(__file__, flags, impl, env=env)["ranks"] for impl in VARIANTS}
     rows = [row for impl, res in results.items() for row in rows_of(res, args, impl)]
     one, two = results["sp1"][0], max(results["sp2"], key=lambda r: r["peak_mib"])
     print(f"peak per process: sp1 {one['peak_mib']:.0f} MiB, sp2 {two['peak_mib']:.0f} MiB "
           f"({two['peak_mib'] / one['peak_mib']:.2f}x); step {one['ms']:.0f} vs "
           f"{max(r['ms'] for r in results['sp2']):.0f} ms; loss {one['loss']:.6g} vs {results['sp2'][0]['loss']:.6g}, "
           f"grad norm {one['grad_norm']:.6g} vs {results['sp2'][0]['grad_norm']:.6g}", flush=True)
-    write_results(rows, args.out, (versions, sha, dev), plot)
+    harness.write_results(rows, args.out, meta, plot)
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

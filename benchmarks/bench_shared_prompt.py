@@ -24,28 +24,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import statistics
-import sys
 import tempfile
-from pathlib import Path
 
-from campaign.results_io import (  # benchmarks/ is on sys.path when run as a script
-    already_measured,
-    killed_result,
-    killed_rows,
-    run_meta,
-    run_worker_process,
-    write_results,
-)
+import harness  # benchmarks/ is on sys.path when run as a script
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-MIB = 1 << 20
 VARIANTS = ("shared", "packed", "trl_padded")
-RESULT_TAG = "RESULT "
 GROUPS = 2
 
 
@@ -88,17 +74,15 @@ def build_trainer(a, model, tmp):
                   processing_class=synthetic_tokenizer(), train_dataset=Dataset.from_dict({"prompt": ["x"] * B}),
                   peft_config=lora)
     torch.manual_seed(0)  # same LoRA init in every variant
-    if a.impl == "trl_padded":
+    if a.worker == "trl_padded":
         return GRPOTrainer(args=GRPOConfig(**common), **kwargs)
-    args = GRPOAccelConfig(**common, padding_free=True, share_prompt="true" if a.impl == "shared" else "false",
+    args = GRPOAccelConfig(**common, padding_free=True, share_prompt="true" if a.worker == "shared" else "false",
                            offload_activations=a.offload)
     return GRPOAccelTrainer(args=args, **kwargs)
 
 
-def worker(a):
+def worker(a) -> dict:
     import torch
-
-    sys.path.insert(0, str(ROOT))
     from bench_packing import measured_steps
     from bench_step_memory import build_model, enable_checkpointing_like_train
 
@@ -111,44 +95,27 @@ def worker(a):
         trainer = build_trainer(a, model, tmp)
         checkpointing = enable_checkpointing_like_train(trainer)
     base = mem.records[-1].end_bytes
-    model = trainer.model
-    model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    V = model.config.get_text_config().vocab_size
+    V = trainer.model.config.get_text_config().vocab_size
     inputs, unshared, shared = make_inputs(a.generations, a.prompt_length, a.completion_length, V, a.device)
     measured = measured_steps(trainer, inputs, mem, base, a.reps, cuda)
-    if measured is None:
-        return
+    if isinstance(measured, dict):  # out of memory: its result
+        return measured
     layer_tokens = {"shared": shared, "packed": unshared,
-                    "trl_padded": GROUPS * a.generations * (a.prompt_length + a.completion_length)}[a.impl]
+                    "trl_padded": GROUPS * a.generations * (a.prompt_length + a.completion_length)}[a.worker]
     out = dict(oom=False, checkpointing=checkpointing, time_ms=[s["ms"] for s in measured],
                cpu_ms=[s["cpu_ms"] for s in measured], peak_mib=max(s["peak"] for s in measured),
                loss=measured[0]["loss"], grad_norm=measured[0]["grad_norm"], layer_tokens=layer_tokens,
                share_prompt=getattr(trainer, "share_prompt", None), load_1min=os.getloadavg()[0])
     if cuda:
         out["peak_reserved_mib"] = max(s["reserved"] for s in measured)
-    print(RESULT_TAG + json.dumps(out), flush=True)
+    return out
 
 
 def run_worker(args, impl, P, C, G):
-    env = dict(os.environ)
-    if args.device == "cpu":
-        env["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)  # peak RSS follows live tensors (bench_step_memory.py)
-        if args.offload == "true":
-            env["GRPO_ACCEL_OFFLOAD_FORCE_COPIES"] = "1"
-    cmd = [sys.executable, __file__, "--worker", impl, "--arch", args.arch, "--device", args.device,
-           "--generations", str(G), "--prompt-length", str(P), "--completion-length", str(C),
-           "--reps", str(args.reps), "--offload", args.offload, "--layers", str(args.layers or 0)]
-    run = run_worker_process(cmd, env, ROOT, timeout_s=args.timeout)
-    if run["timed_out"]:
-        return {"oom": False, "timeout": True}
-    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
-    if not lines and run["signal"]:  # no message of its own (the OOM killer's 9): the signal and free memory say why
-        return killed_result(impl, run)
-    if not lines:
-        print(run["stderr"][-3000:], file=sys.stderr)
-        raise SystemExit(f"{impl} P={P} C={C} G={G} failed (rc {run['returncode']})")
-    return json.loads(lines[-1][len(RESULT_TAG):])
+    flags = harness.cli_flags(dict(arch=args.arch, device=args.device, generations=G, prompt_length=P,
+                                   completion_length=C, reps=args.reps, offload=args.offload, layers=args.layers))
+    return harness.run_worker(__file__, flags, impl, env=harness.step_env(args.device, args.offload == "true"),
+                              timeout_s=args.timeout, label=f"P={P} C={C} G={G}")
 
 
 def shape_of(args, P, C, G):
@@ -159,12 +126,10 @@ def shape_of(args, P, C, G):
 
 
 def rows_of(res, shape, impl):
-    if res.get("timeout"):
+    if res.get("timed_out"):  # this CSV's name for it (campaign/summary.py reads it)
         return [dict(op="grpo_policy_step", impl=impl, shape=shape, metric="timeout", value="1", unit="bool")]
-    metrics = killed_rows(res) if "killed_by_signal" in res else [("oom", float(res["oom"]), "bool")]
-    if res.get("host_refused"):
-        metrics.append(("host_budget_refused", 1.0, "bool"))
-    if not (res["oom"] or "killed_by_signal" in res):
+    metrics = harness.failure_metrics(res)
+    if not harness.failed(res):
         metrics += [("step_time_ms", statistics.median(res["time_ms"]), "ms"),
                     ("peak_step_mem_mib", res["peak_mib"], "MiB"), ("layer_tokens", res["layer_tokens"], "tokens"),
                     ("loss", res["loss"], "nats"), ("lora_grad_norm", res["grad_norm"], "1"),
@@ -173,48 +138,22 @@ def rows_of(res, shape, impl):
             metrics.append(("peak_reserved_mib", res["peak_reserved_mib"], "MiB"))
         else:
             metrics.append(("step_cpu_ms", statistics.median(res["cpu_ms"]), "ms"))
-    return [dict(op="grpo_policy_step", impl=impl, shape=shape, metric=m, value=f"{v:.6g}", unit=u)
-            for m, v, u in metrics]
+    return harness.long_rows("grpo_policy_step", impl, shape, metrics)
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(r["device"], r["shape"]) for r in rows})
-    panels = [("step_time_ms", "policy step time (ms)"), ("peak_step_mem_mib", "peak above the model (MiB)"),
-              ("peak_reserved_mib", "peak reserved (MiB, CUDA)")]
-    panels = [p for p in panels if any(r["metric"] == p[0] for r in rows)]
-    if not panels:  # every variant out of memory, killed or timed out: nothing to draw (the CSV says so)
-        return
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 1.6 * len(groups) * len(panels) + 4), 4.8),
-                             squeeze=False)
-    for ax, (metric, label) in zip(axes[0], panels, strict=True):
-        for k, impl in enumerate(VARIANTS):
-            xs, vals = [], []
-            for i, g in enumerate(groups):
-                v = [float(r["value"]) for r in rows if (r["device"], r["shape"]) == g and r["impl"] == impl
-                     and r["metric"] == metric]
-                if v:
-                    xs.append(i + 0.27 * k)
-                    vals.append(v[0])
-            bars = ax.bar(xs, vals, 0.27, label=impl, color=f"C{k}")
-            ax.bar_label(bars, fmt="%.0f", fontsize=6)
-        ax.set_xticks([i + 0.27 for i in range(len(groups))])
-        ax.set_xticklabels(["\n".join([*s.split(",")[2:5], d.split(" (")[0][:20]]) for d, s in groups], fontsize=6)
-        ax.set_title(label, fontsize=9)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("GRPO policy step: prompt once per group (shared) vs each row whole (packed) vs TRL's padded rows",
-                 fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.grouped_bars(rows, path, [("step_time_ms", "policy step time (ms)"),
+                                      ("peak_step_mem_mib", "peak above the model (MiB)"),
+                                      ("peak_reserved_mib", "peak reserved (MiB, CUDA)")],
+                         group=lambda r: (r["device"], r["shape"]), series=lambda r: r["impl"], order=VARIANTS,
+                         sort=True, fmt="%.0f",
+                         tick=lambda g: "\n".join([*g[1].split(",")[2:5], g[0].split(" (")[0][:20]]),
+                         title="GRPO policy step: prompt once per group (shared) vs each row whole (packed) vs TRL's "
+                               "padded rows")
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", metavar="IMPL", choices=VARIANTS, help=argparse.SUPPRESS)
+def parse_args(argv=None):
+    p = harness.parser(__doc__, "shared_prompt.csv", worker=VARIANTS, device=True, resume=True)
     p.add_argument("--prompt-length", type=int, help=argparse.SUPPRESS)
     p.add_argument("--completion-length", type=int, help=argparse.SUPPRESS)
     p.add_argument("--generations", type=int, help=argparse.SUPPRESS)
@@ -228,35 +167,20 @@ def parse_args():
     p.add_argument("--reps", type=int, default=2, help="measured steps after the warm-up; time is their median")
     p.add_argument("--offload", default="false", choices=["true", "false"], help="offload_activations (ours)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per variant and point")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--out", type=Path, default=RESULTS / "shared_prompt.csv")
-    p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and device "
-                   "(campaign/run.py's retry of a failed row runs only what failed)")
-    return p.parse_args()
+    return harness.parse(p, argv, worker)
 
 
-def main():
-    args = parse_args()
-    if args.worker:
-        args.impl = args.worker
-        return worker(args)
-    import torch
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    meta = run_meta(args.device, ("torch", "trl", "transformers"))
-    rows = []
+def main(argv=None):
+    args = parse_args(argv)
+    run = harness.Results.of(args, ("torch", "trl", "transformers"), plot)
     for P, C, G in itertools.product(args.prompt_lengths, args.completion_lengths, args.generations_grid):
         shape = shape_of(args, P, C, G)
         results = {}
-        for impl in args.impls:  # each variant's rows into the CSV as soon as it ends: a later kill loses none
-            if args.resume and already_measured(args.out, meta, "grpo_policy_step", impl, shape):
-                print(f"{impl} {shape}: measured before at this sha and device (--resume): skipped", flush=True)
-                continue
-            results[impl] = run_worker(args, impl, P, C, G)
-            done = rows_of(results[impl], shape, impl)
-            write_results(done, args.out, meta)
-            rows += done
-        ok = {k: v for k, v in results.items() if not (v.get("oom") or v.get("timeout") or "killed_by_signal" in v)}
+        for impl in args.impls:
+            if not run.skip("grpo_policy_step", impl, shape, what=shape):
+                results[impl] = run_worker(args, impl, P, C, G)
+                run.save(rows_of(results[impl], shape, impl))
+        ok = {k: v for k, v in results.items() if not harness.failed(v)}
         if "shared" in ok and "packed" in ok:
             sh, pk = ok["shared"], ok["packed"]
             line = (f"{shape}: shared step {statistics.median(pk['time_ms']) / statistics.median(sh['time_ms']):.2f}x "
@@ -268,13 +192,8 @@ def main():
                 line += (f"; vs TRL padded {statistics.median(tp['time_ms']) / statistics.median(sh['time_ms']):.2f}x "
                          f"faster, peak {sh['peak_mib'] / max(tp['peak_mib'], 1e-9):.2f}x")
             print(line, flush=True)
-    write_results(rows, args.out, meta, plot)
-    if any(r["metric"] == "killed_by_signal" for r in rows):
-        raise SystemExit("a variant's worker was killed (killed_by_signal above): its row failed, the others are in "
-                         "the CSV")
+    run.finish()
 
 
 if __name__ == "__main__":
-    from grpo_accel.core.process_exit import exit_without_teardown
-
-    exit_without_teardown(main())  # the stack's teardown is seconds of a core per process
+    harness.run(main)

@@ -66,24 +66,13 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from campaign.results_io import (  # benchmarks/ is on sys.path when run as a script
-    RESULT_TAG,
-    already_measured,
-    killed_rows,
-    run_meta,
-    run_worker_process,
-    worker_result,
-    write_results,
-)
+import harness  # benchmarks/ is on sys.path when run as a script
+from harness import MIB
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-MIB = 1 << 20
 # name -> (trainer, logprob_impl, offload_activations, micro-batch 1 + gradient accumulation); None = TRL's
 # GRPOTrainer / GRPOConfig untouched
 VARIANTS = {
@@ -265,11 +254,10 @@ def make_inputs(G, P, T, V, device, equal=False):
     )
 
 
-def worker(a):
-    """Build, warm up, measure; print one RESULT json line."""
+def worker(a) -> dict:
+    """Build, warm up, measure: the variant's figures."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from grpo_accel.core.phase_memory import PhaseMemory
     from grpo_accel.offload import SavedActivationTracker
     from grpo_accel.offload.residency import HostMemoryError
@@ -277,18 +265,18 @@ def worker(a):
     cuda = a.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     mem = PhaseMemory(a.device)
-    out = {"impl": a.impl}
+    out = {"impl": a.worker}
     with tempfile.TemporaryDirectory() as tmp, mem.phase("load"):
         config_fields, trainer_fields = preset_settings(a.preset)
         model = build_model(a.arch, a.device, dtype, a.quant, a.ckpt_cache, config_fields=config_fields)
-        trainer = make_trainer(a.impl, model, a.num_generations, a.completion_length, a.device, tmp, trainer_fields)
+        trainer = make_trainer(a.worker, model, a.num_generations, a.completion_length, a.device, tmp, trainer_fields)
         out["checkpointing"] = enable_checkpointing_like_train(trainer)
     base = mem.records[-1].end_bytes  # model + adapters (+ the trainer's bookkeeping) in memory
     out.update(base_mib=base / MIB, logprob_impl=getattr(trainer, "logprob_impl", "trl"),
                offload=bool(getattr(trainer, "offload_enabled", False)))
     model = trainer.model
     model.train()
-    G, mb1 = a.num_generations, VARIANTS[a.impl][3]
+    G, mb1 = a.num_generations, VARIANTS[a.worker][3]
     trainer.current_gradient_accumulation_steps = G if mb1 else 1  # set by the training loop, read by the loss
     inputs = make_inputs(G, a.prompt_length, a.completion_length, model.config.get_text_config().vocab_size,
                          a.device, a.equal_lengths)
@@ -322,9 +310,7 @@ def worker(a):
     try:
         steps = [step("warmup")] + [step(f"step{i}") for i in range(a.reps)]
     except (torch.OutOfMemoryError, HostMemoryError) as exc:  # the GPU's limit, or the trainer's host budget
-        out.update(oom=True, host_refused=isinstance(exc, HostMemoryError), error=str(exc).splitlines()[0][:200])
-        print(RESULT_TAG + json.dumps(out), flush=True)
-        return
+        return out | dict(oom=True, host_refused=isinstance(exc, HostMemoryError), error=str(exc).splitlines()[0][:200])
     measured = steps[1:] or steps
     first = measured[0]
     out.update(oom=False, time_ms=[s["ms"] for s in measured], peak_mib=max(s["peak"] for s in measured),
@@ -335,27 +321,17 @@ def worker(a):
                losses_equal_across_steps=len({s["loss"] for s in steps}) == 1)
     if cuda:
         out["peak_reserved_mib"] = max(s["reserved"] for s in measured)
-    print(RESULT_TAG + json.dumps(out), flush=True)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ parent side
 def run_worker(args, impl, T, reps):
-    env = dict(os.environ)
-    if args.device == "cpu" and VARIANTS[impl][2] == "true":
-        env["GRPO_ACCEL_OFFLOAD_FORCE_COPIES"] = "1"  # CPU: run the real copy path instead of the no-op twin
-    if args.device == "cpu" and args.cpu_mmap_threshold:
-        # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed and then serves those
-        # sizes from a heap it rarely returns: with the default, the peak RSS of a smollm2-135m step was ~900 MiB
-        # of retained, freed memory over a ~130 MiB live working set. A fixed threshold returns every block
-        # >= it at free(), so the peak RSS follows the live tensors (page faults then cost time, in every variant).
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.cpu_mmap_threshold)
-    cmd = [sys.executable, __file__, "--worker", impl, "--arch", args.arch, "--quant", args.quant,
-           "--num-generations", str(args.num_generations), "--prompt-length", str(args.prompt_length),
-           "--completion-length", str(T), "--reps", str(reps), "--device", args.device,
-           "--ckpt-cache", str(args.ckpt_cache)] + (["--equal-lengths"] if args.equal_lengths else []) + (
-               ["--preset", args.preset] if args.preset else [])
+    flags = harness.cli_flags(dict(arch=args.arch, quant=args.quant, num_generations=args.num_generations,
+                                   prompt_length=args.prompt_length, completion_length=T, reps=reps, device=args.device,
+                                   ckpt_cache=args.ckpt_cache, equal_lengths=args.equal_lengths, preset=args.preset))
+    env = harness.step_env(args.device, VARIANTS[impl][2] == "true", args.cpu_mmap_threshold)
     t0 = time.perf_counter()
-    res = worker_result(run_worker_process(cmd, env, ROOT), impl, T)
+    res = harness.run_worker(__file__, flags, impl, env=env, label=f"T={T}")
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -369,18 +345,9 @@ def _shape(args, T=None):
     return f"{args.arch},{adapter},G={args.num_generations},P={args.prompt_length},{t},{dtype}{padded}{preset}"
 
 
-def _meta(device):
-    return run_meta(device, ("torch", "trl", "transformers"))
-
-
 def step_rows(res, args, T):
-    if "killed_by_signal" in res:
-        metrics = killed_rows(res)
-    else:
-        metrics = [("oom", float(res["oom"]), "bool")]
-    if res.get("host_refused"):
-        metrics.append(("host_budget_refused", 1.0, "bool"))
-    if not (res["oom"] or "killed_by_signal" in res):
+    metrics = harness.failure_metrics(res)
+    if not harness.failed(res):
         metrics += [
             ("peak_step_mem_mib", res["peak_mib"], "MiB"),
             ("step_time_ms", statistics.median(res["time_ms"]), "ms"),
@@ -402,24 +369,19 @@ def step_rows(res, args, T):
         if "peak_reserved_mib" in res:  # reserved by the caching allocator: above the model, and in all
             metrics.append(("peak_reserved_mib", res["peak_reserved_mib"] - res["base_mib"], "MiB"))
             metrics.append(("peak_reserved_with_weights_mib", res["peak_reserved_mib"], "MiB"))
-    return [dict(op="grpo_step_fwd_bwd", impl=res["impl"], shape=_shape(args, T), metric=m, value=f"{v:.6g}", unit=u)
-            for m, v, u in metrics]
+    return harness.long_rows("grpo_step_fwd_bwd", res["impl"], _shape(args, T), metrics)
 
 
-def run_steps(args, save, done=lambda op, impl, shape, metric="oom": False):
-    """Each variant in turn; `save(rows)` appends its rows to the CSV as soon as it ends (a later variant killed,
-    or the whole bench killed at the campaign's limit, loses none of them); `done` ones (--resume) are skipped."""
-    rows = []
+def run_steps(args, run: harness.Results):
+    """Each variant in turn, its rows saved as it ends; those --resume finds are skipped."""
     for impl in args.impls:
-        if done("grpo_step_fwd_bwd", impl, _shape(args, args.completion_length)):
-            print(f"{impl}: measured before at this sha and device (--resume): skipped", flush=True)
+        if run.skip("grpo_step_fwd_bwd", impl, _shape(args, args.completion_length)):
             continue
         res = run_worker(args, impl, args.completion_length, args.reps)
         brief = {k: res.get(k) for k in ("oom", "peak_mib", "time_ms", "loss", "entropy", "grad_norm",
                                           "offloaded_peak_mib", "logprob_impl", "offload", "checkpointing", "wall_s")}
         print(f"{impl}: {json.dumps(brief)}", flush=True)
-        rows += save(step_rows(res, args, args.completion_length))
-    return rows
+        run.save(step_rows(res, args, args.completion_length))
 
 
 def plan_for(arch: str, quant: str, G: int, P: int, impl: str, T: int = 1024):
@@ -452,17 +414,14 @@ def planned_max_t(args, impl) -> int:
     return t
 
 
-def find_max_t(args, save, done=lambda op, impl, shape, metric="oom": False):
+def find_max_t(args, run: harness.Results):
     """Per impl: from the planner's longest T (CUDA; --completion-length on CPU or with --no-plan-probes) grow by
-    1.25x (2x without a plan) until a step does not fit, then bisect to --t-step. `save` each impl's rows; skip the
-    `done` ones (--resume)."""
-    rows = []
+    1.25x (2x without a plan) until a step does not fit, then bisect to --t-step. Each impl's rows saved as it ends;
+    those --resume finds are skipped."""
     for impl in args.impls:
-        if done("grpo_max_completion_length", impl, _shape(args), "max_completion_length"):
-            print(f"{impl}: bisected before at this sha and device (--resume): skipped", flush=True)
+        if run.skip("grpo_max_completion_length", impl, _shape(args), "max_completion_length", "bisected"):
             continue
-        rows_before = len(rows)
-        probes = {}
+        rows, probes = [], {}
         planned = planned_max_t(args, impl) if args.plan_probes else 0
         growth = 1.25 if planned else 2.0
         if planned:
@@ -493,51 +452,23 @@ def find_max_t(args, save, done=lambda op, impl, shape, metric="oom": False):
                          value=str(len(probes)), unit="count"))
         if lo:
             rows += step_rows(probes[lo], args, lo)
-        save(rows[rows_before:])
-    return rows
+        run.save(rows)
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r["op"] == "grpo_step_fwd_bwd"]
-    groups = sorted({(r["device"], r["shape"]) for r in rows})
-    impls = [i for i in VARIANTS if any(r["impl"] == i for r in rows)]
-    fig, axes = plt.subplots(1, 2, figsize=(max(9, 2.6 * len(groups) + 5), 4.8))
-    for ax, metric, label in zip(axes, ("peak_step_mem_mib", "step_time_ms"),
-                                 ("peak memory of one step above the model (MiB)", "step time, fwd + bwd (ms)")):
-        for k, impl in enumerate(impls):
-            xs, vals, ooms = [], [], []
-            for i, g in enumerate(groups):
-                pick = {r["metric"]: float(r["value"]) for r in rows if (r["device"], r["shape"]) == g
-                        and r["impl"] == impl}
-                x = i + 0.8 * k / len(impls)
-                if pick.get("oom"):
-                    ooms.append(x)
-                elif metric in pick:
-                    xs.append(x)
-                    vals.append(pick[metric])
-            bars = ax.bar(xs, vals, 0.8 / len(impls), label=impl, color=f"C{k}")
-            ax.bar_label(bars, fmt="%.0f", fontsize=6)
-            for x in ooms:
-                ax.text(x, 0, "OOM", rotation=90, ha="center", va="bottom", fontsize=7, color=f"C{k}")
-        ax.set_xticks([i + 0.4 - 0.4 / len(impls) for i in range(len(groups))])
-        ax.set_xticklabels([f"{s.replace(',', ' ', 3)}\n{d[:40]}" for d, s in groups], fontsize=6)
-        ax.set_title(label, fontsize=9)
-    axes[0].legend(fontsize=7)
-    if any(r["device"].startswith("cpu") for r in rows):
-        fig.text(0.01, 0.01, "CPU: host memory is device memory, offload cannot lower the peak there "
-                 "(forced copies; measures overhead)", fontsize=7)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=120)
+    cpu = any(r["device"].startswith("cpu") for r in rows)
+    harness.grouped_bars([r for r in rows if r["op"] == "grpo_step_fwd_bwd"], path,
+                         [("peak_step_mem_mib", "peak memory of one step above the model (MiB)"),
+                          ("step_time_ms", "step time, fwd + bwd (ms)")],
+                         group=lambda r: (r["device"], r["shape"]), series=lambda r: r["impl"], sort=True, fmt="%.0f",
+                         order=[i for i in VARIANTS if any(r["impl"] == i for r in rows)],
+                         tick=lambda g: f"{g[1].replace(',', ' ', 3)}\n{g[0][:40]}",
+                         title="CPU: host memory is device memory, offload cannot lower the peak there (forced copies; "
+                               "measures overhead)" if cpu else "")
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", metavar="IMPL", choices=list(VARIANTS), help=argparse.SUPPRESS)
+def parse_args(argv=None):
+    p = harness.parser(__doc__, "step_memory.csv", worker=VARIANTS, device=True, resume=True)
     p.add_argument("--arch", default="smollm2-135m",
                    help="a name from grpo_accel.planning.architectures (tiny-llama for tests)")
     p.add_argument("--quant", default="none", choices=["none", "4bit"], help="4bit = QLoRA (CUDA + bitsandbytes)")
@@ -549,7 +480,6 @@ def parse_args():
                    "(--find-max-t: the first probe)")
     p.add_argument("--reps", type=int, default=3, help="measured steps after the warm-up; time is their median")
     p.add_argument("--impls", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--find-max-t", action="store_true", help="bisect the longest T whose step fits, per impl")
     p.add_argument("--equal-lengths", action="store_true", help="every completion T tokens, no padding (default: "
                    "lengths spread from T/2 to T, right-padded as TRL batches them)")
@@ -563,20 +493,14 @@ def parse_args():
     p.add_argument("--cpu-mmap-threshold", type=int, default=128 << 10,
                    help="CPU: glibc MALLOC_MMAP_THRESHOLD_ for the workers, so peak RSS follows live tensors "
                         "(0 = glibc's dynamic default, whose retained free memory dominates the RSS peak)")
-    p.add_argument("--out", type=Path, default=RESULTS / "step_memory.csv")
-    p.add_argument("--resume", action="store_true", help="skip variants --out already has from this sha and "
-                   "device (campaign/run.py's retry of a failed row runs only what failed)")
-    return p.parse_args()
+    return harness.parse(p, argv, worker)
 
 
-def main():
-    args = parse_args()
-    if args.worker:
-        args.impl = args.worker
-        return worker(args)
+def main(argv=None):
+    args = parse_args(argv)
     import torch
 
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    run = harness.Results.of(args, ("torch", "trl", "transformers"), plot)
     if args.quant == "4bit":
         try:
             import bitsandbytes  # noqa: F401
@@ -587,23 +511,9 @@ def main():
             print("skipped: --quant 4bit (QLoRA) needs a CUDA GPU and bitsandbytes (pip install 'grpo_accel[qlora]'); "
                   "nothing measured, nothing written. Run without --quant for LoRA.", flush=True)
             return
-    meta = _meta(args.device)
-
-    def save(rows):  # append a variant's rows now; the plot once, at the end
-        write_results(rows, args.out, meta)
-        return rows
-
-    def done(op, impl, shape, metric="oom"):
-        return args.resume and already_measured(args.out, meta, op, impl, shape, metric)
-
-    rows = find_max_t(args, save, done) if args.find_max_t else run_steps(args, save, done)
-    write_results(rows, args.out, meta, plot)
-    if any(r["metric"] == "killed_by_signal" for r in rows):
-        raise SystemExit("a variant's worker was killed (see killed_by_signal above): its row failed, the others "
-                         "are in the CSV")
+    (find_max_t if args.find_max_t else run_steps)(args, run)
+    run.finish()
 
 
 if __name__ == "__main__":
-    from grpo_accel.core.process_exit import exit_without_teardown
-
-    exit_without_teardown(main())  # the stack's teardown is seconds of a core per process
+    harness.run(main)

@@ -26,18 +26,13 @@ adapter row) and sync_bytes.png.
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
+import harness  # benchmarks/ is on sys.path when run as a script
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from campaign.results_io import ROOT, run_meta, write_results  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results" / "sync_bytes.csv"
 MODELS = ("smollm2-135m", "llama-3.1-8b", "qwen3-8b")
 RANKS = (8, 16, 64)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -117,42 +112,25 @@ def measure(name: str, label: str, rank: int, tmp: Path) -> list[dict]:
     return rows
 
 
+FILES = {("fp32", "adapter_sync"): "fp32 base: fp32 files", ("bf16", "adapter_sync_fp32_files"):
+         "bf16 base: fp32 files (before c37f6ff)", ("bf16", "adapter_sync"): "bf16 base: bf16 files (base dtype)"}
+
+
 def plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    frac = [r for r in rows if r["metric"] == "fraction_of_trl_server"]
-    shapes = list(dict.fromkeys(r["shape"].rsplit(",", 1)[0] for r in frac))  # model, base dtype, rank
-    groups = list(dict.fromkeys(s.split(",")[0] + " " + s.split(",")[2] for s in shapes))
-    bars = [("fp32", "adapter_sync", "fp32 base: fp32 files"),
-            ("bf16", "adapter_sync_fp32_files", "bf16 base: fp32 files (before c37f6ff)"),
-            ("bf16", "adapter_sync", "bf16 base: bf16 files (base dtype)")]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.8 / len(bars)
-    for i, (dtype, impl, label) in enumerate(bars):
-        vals = []
-        for g in groups:
-            model, rank = g.split(" ")
-            vals.append(next((float(r["value"]) for r in frac if r["impl"] == impl
-                              and r["shape"].startswith(f"{model},{dtype},{rank},")), 0.0))
-        ax.bar([x + i * width for x in range(len(groups))], vals, width, label=label)
-    ax.axhline(GOAL, color="k", linestyle="dashed", label="issue 52's goal: 1/100")
-    ax.set_yscale("log")
-    ax.set_xticks([x + width for x in range(len(groups))], [g.replace(" ", "\n") for g in groups], fontsize=8)
-    ax.set_ylabel("bytes per sync / TRL server mode's")
-    ax.set_title("adapter-only sync vs TRL 1.16 server mode (merged model over NCCL), LoRA on every linear projection")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    """Per model and rank (shape: model, base dtype, rank, ...), each kind of files' fraction of TRL's bytes."""
+    metric = "fraction_of_trl_server"
+    harness.grouped_bars(rows, png, [(metric, "bytes per sync / TRL server mode's (dashed: issue 52's goal, 1/100)")],
+                         order=list(FILES.values()), log=(metric,), goal=GOAL, fmt=None,
+                         group=lambda r: "\n".join(r["shape"].split(",")[0:3:2]),
+                         series=lambda r: FILES[r["shape"].split(",")[1], r["impl"]],
+                         title="adapter-only sync vs TRL 1.16 server mode (merged model over NCCL), LoRA on every "
+                               "linear projection")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__, "sync_bytes.csv")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--ranks", nargs="+", type=int, default=list(RANKS))
-    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_sync_bytes_") as tmp:
@@ -160,9 +138,9 @@ def main(argv=None) -> int:
             for rank in args.ranks:
                 for label in DTYPES:
                     rows += measure(name, label, rank, Path(tmp))
-    write_results(rows, args.out, run_meta("cpu", packages=("torch", "transformers", "peft", "trl")), plot=plot)
+    harness.write_results(rows, args.out, harness.run_meta("cpu", ("torch", "transformers", "peft", "trl")), plot)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.run(main)

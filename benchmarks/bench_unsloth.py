@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.metadata as md
-import json
 import os
 import statistics
 import subprocess
@@ -53,19 +52,9 @@ import time
 from pathlib import Path
 
 import bench_step_memory as bsm  # benchmarks/ is on sys.path when run as a script: the shapes the judge pairs
-from campaign.results_io import (
-    RESULT_TAG,
-    already_measured,
-    killed_rows,
-    run_meta,
-    run_worker_process,
-    worker_result,
-    write_results,
-)
+import harness
+from harness import MIB, RESULTS, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-MIB = 1 << 20
 PREFLIGHT_TAG = "preflight:"
 EXIT_NO_GPU, EXIT_PREFLIGHT_FAILS = 2, 3
 IMPL = "unsloth"
@@ -249,12 +238,10 @@ def worker_step(a):
     except Exception as exc:
         if not _is_oom(exc):
             raise
-        out.update(oom=True, error=_first_line(exc))
-        print(RESULT_TAG + json.dumps(out), flush=True)
-        return
+        return harness.report(out | dict(oom=True, error=_first_line(exc)))
     out.update(oom=False, base_mib=mem.records[0].end_bytes / MIB, trainer=type(trainer).__name__,
                mini_batch=getattr(trainer.args, "unsloth_grpo_mini_batch", None))
-    print(RESULT_TAG + json.dumps(out), flush=True)
+    harness.report(out)
 
 
 def measure(a, trainer, mem, base) -> dict:
@@ -326,13 +313,13 @@ def run_worker(args, T, reps) -> dict:
            "--checkpoint", str(args.checkpoint)] + (["--equal-lengths"] if args.equal_lengths else [])
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as cwd:
-        run = run_worker_process(cmd, worker_env(args), cwd, timeout_s=args.timeout_s)
+        run = harness.run_worker_process(cmd, worker_env(args), cwd, timeout_s=args.timeout_s)
     return parse_worker(run, T, time.perf_counter() - t0)
 
 
 def parse_worker(run: dict, T: int, wall_s: float) -> dict:
     # bitsandbytes' and Unsloth's own kernels say "out of memory" without torch's "CUDA" prefix
-    res = worker_result(run, IMPL, T, oom_texts=("OutOfMemoryError", "out of memory"))
+    res = harness.worker_result(run, IMPL, f"T={T}", oom_texts=("OutOfMemoryError", "out of memory"))
     res["wall_s"] = wall_s
     return res
 
@@ -345,9 +332,7 @@ def failed(res) -> str | None:
 
 def step_rows(res, args, T) -> list[dict]:
     """bench_step_memory's metric names for the same quantities, so the summary reads both alike."""
-    metrics = killed_rows(res) if "killed_by_signal" in res else [("oom", float(bool(res.get("oom"))), "bool")]
-    if res.get("timed_out"):
-        metrics.append(("timed_out", 1.0, "bool"))
+    metrics = harness.failure_metrics(res)
     if not failed(res):
         s = res["steps"]
         ms = statistics.median(s["time_ms"])
@@ -362,8 +347,7 @@ def step_rows(res, args, T) -> list[dict]:
             ("checkpointing", float(res["checkpointing"]), "bool"), ("reps", float(len(s["time_ms"])), "count"),
             ("warmup_steps", float(s["warmup_steps"]), "count"),
         ]
-    return [dict(op="grpo_step_fwd_bwd", impl=IMPL, shape=shape(args, T), metric=m, value=f"{v:.6g}", unit=u)
-            for m, v, u in metrics]
+    return harness.long_rows("grpo_step_fwd_bwd", IMPL, shape(args, T), metrics)
 
 
 def run_step(args, save) -> list[dict]:
@@ -415,8 +399,8 @@ def preflight(args) -> int:
               f"docs/unsloth.md){tail}", flush=True)
         return EXIT_PREFLIGHT_FAILS
     with tempfile.TemporaryDirectory() as cwd:
-        run = run_worker_process([sys.executable, __file__, "--worker", "preflight", "--site", str(args.site)],
-                                 worker_env(args), cwd, timeout_s=args.timeout_s)
+        run = harness.run_worker_process([sys.executable, __file__, "--worker", "preflight", "--site",
+                                          str(args.site)], worker_env(args), cwd, timeout_s=args.timeout_s)
     lines = [ln for ln in run["stdout"].splitlines() if ln.startswith(PREFLIGHT_TAG)]
     line = lines[-1] if lines else (f"{PREFLIGHT_TAG} the worker ended without a word (rc {run['returncode']}): "
                                     + (run["stderr"].strip().splitlines() or [""])[-1][:200])
@@ -489,12 +473,11 @@ def main(argv=None) -> int:
     if problem:
         print(problem, file=sys.stderr, flush=True)
         return EXIT_NO_GPU
-    meta = (versions_field(site_versions(args.site)), run_meta("cpu", ())[1], gpu_name())
+    meta = (versions_field(site_versions(args.site)), harness.run_meta("cpu", ())[1], gpu_name())
+    run = harness.Results(args.out, meta, resume=args.resume)
     op, metric = ("grpo_max_completion_length", "max_completion_length") if args.find_max_t else (
         "grpo_step_fwd_bwd", "oom")
-    if args.resume and already_measured(args.out, meta, op, IMPL, shape(args, None if args.find_max_t else
-                                                                        args.completion_length), metric):
-        print(f"{IMPL}: measured before at this sha and device (--resume): skipped", flush=True)
+    if run.skip(op, IMPL, shape(args, None if args.find_max_t else args.completion_length), metric):
         return 0
     ours_failed = False
     if args.with_ours is not None and not args.find_max_t:
@@ -502,12 +485,7 @@ def main(argv=None) -> int:
         print(f"[unsloth] ours first: {' '.join(ours_command(args)[1:])}", flush=True)
         ours_failed = subprocess.run(ours_command(args), cwd=ROOT).returncode != 0
     args.checkpoint = ensure_checkpoint(args)
-
-    def save(rows):  # each probe's rows as soon as it ends: a later one killed loses none of them
-        write_results(rows, args.out, meta)
-        return rows
-
-    rows = find_max_t(args, save) if args.find_max_t else run_step(args, save)
+    rows = (find_max_t if args.find_max_t else run_step)(args, run.save)  # each probe's rows saved as it ends
     return 1 if ours_failed or any(r["metric"] == "killed_by_signal" for r in rows) else 0
 
 

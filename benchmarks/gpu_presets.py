@@ -25,23 +25,18 @@ On a host without a GPU only `--cpu-check` runs (the campaign's row preset_cpu: 
 
 from __future__ import annotations
 
-import argparse
 import csv
-import datetime
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo_accel from a checkout
+import harness  # benchmarks/ is on sys.path when run as a script
+from campaign.random_models import save_random_model
+from harness import ROOT, host_available_gib
 
-from campaign.random_models import save_random_model  # noqa: E402  (benchmarks/ is on sys.path as a script)
-from campaign.results_io import ROOT, host_available_gib, merge_csv, run_meta  # noqa: E402
-
-from grpo_accel.planning.routes import Stack  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results"
+from grpo_accel.planning.routes import Stack
 
 
 def measured_peaks(metrics_csv: Path) -> dict[str, float]:
@@ -150,37 +145,23 @@ def single_gpu_presets(cpu_check: bool) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = sorted({r["impl"] for r in rows})
-    get = lambda n, m: next((float(r["value"]) for r in rows if r["impl"] == n and r["metric"] == m), 0.0)  # noqa: E731
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
-    xs = range(len(names))
-    for offset, metric, label in ((-0.27, "peak_allocated_gib", "measured allocated"),
-                                  (0.0, "peak_reserved_gib", "measured reserved"),
-                                  (0.27, "predicted_reserved_gib", "planner")):
-        ax.bar([x + offset for x in xs], [get(n, metric) for n in names], width=0.27, label=label)
-    ax.set_xticks(list(xs), names, rotation=20)
-    ax.set_ylabel("GiB (2-step peak)")
-    ax.set_title("presets through accelerate launch: measured vs planned")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    names = {"peak_allocated_gib": "measured allocated", "peak_reserved_gib": "measured reserved",
+             "predicted_reserved_gib": "planner"}
+    harness.grouped_bars([r for r in rows if r["op"] == "preset_2_steps"], path, [(tuple(names), "GiB (2-step peak)")],
+                         group=lambda r: r["impl"], series=lambda r: names.get(r["metric"], ""), sort=True,
+                         order=list(names.values()), fmt="%.2f",
+                         title="presets through accelerate launch: measured vs planned")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--presets", nargs="*", help="default: every single-GPU preset")
     ap.add_argument("--completion-length", type=int, default=1024, help="shortened completions (generate() speed)")
     ap.add_argument("--models-dir", default="/tmp/grpo_accel_gpu_models")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/grpo_accel_gpu_presets"))
     ap.add_argument("--timeout-s", type=int, default=900)
     ap.add_argument("--cpu-check", action="store_true", help="no GPU: the cpu preset with a saved tiny-llama")
-    ap.add_argument("--csv", default=str(RESULTS / "presets_gpu.csv"))
+    ap.add_argument("--csv", type=Path, default=harness.RESULTS / "presets_gpu.csv")
     ap.add_argument("--generation", choices=tuple(SUFFIX), default="generate",
                     help="generate: --use_vllm false, planned without vLLM; engine: the preset's own route, planned "
                          "on this machine's stack (its vLLM), the CSV's impl gets a '+engine' suffix; "
@@ -199,10 +180,11 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    versions, sha, dev = run_meta(device, ("torch", "transformers", "trl", "deepspeed", "bitsandbytes"))
-    date = datetime.date.today().isoformat()
+    meta = harness.run_meta(device, ("torch", "transformers", "trl", "deepspeed", "bitsandbytes"))
+    # the plot: every preset measured on this device, not only this call's (campaign/run.py runs one per call)
+    run = harness.Results(args.csv, meta, lambda rows, png: plot([r for r in rows if r["device"] == meta[2]], png),
+                          key=("op", "impl", "device", "metric"))
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "-q"]
-    rows, all_rows = [], merge_csv([], Path(args.csv), key=("op", "impl", "device", "metric"))
     for name in args.presets or single_gpu_presets(args.cpu_check):
         preset = PRESETS[name]
         if device == "cuda":
@@ -243,20 +225,12 @@ def main(argv=None) -> int:
         units = {"completed": "bool", "wall_s": "s", "step_time_s": "s", "generation_time_s": "s",
                  "predicted_over_reserved": "ratio",
                  "killed_by_signal": "signal"}
-        impl = run_name(name, args.generation)
-        done = [dict(op="preset_2_steps", impl=impl, shape=shape, metric=metric, value=value,
-                     unit=units.get(metric, "GiB" if metric.endswith("_gib") else "tokens"), device=dev,
-                     versions=versions, git_sha=sha, date=date) for metric, value in values.items()]
-        all_rows = merge_csv(done, Path(args.csv), key=("op", "impl", "device", "metric"))  # now: a kill loses none
-        rows += done
-    csv_path = Path(args.csv)
-    # every preset measured on this device, not only this call's: campaign/run.py runs one preset per call
-    plot([r for r in all_rows if r["device"] == dev and r["op"] == "preset_2_steps"], csv_path.with_suffix(".png"))
-    print(f"[gpu_presets] wrote {csv_path} and {csv_path.with_suffix('.png')}")
-    return 0 if all(r["value"] for r in rows if r["metric"] == "completed") else 1
+        run.save(harness.long_rows("preset_2_steps", run_name(name, args.generation), shape, [
+            (metric, value, units.get(metric, "GiB" if metric.endswith("_gib") else "tokens"))
+            for metric, value in values.items()], fmt="{}"))  # now: a kill loses none
+    run.finish()
+    return 0 if all(float(r["value"]) for r in run.rows if r["metric"] == "completed") else 1
 
 
 if __name__ == "__main__":
-    from grpo_accel.core.process_exit import exit_without_teardown
-
-    exit_without_teardown(main())  # the stack's teardown is seconds of a core per process
+    harness.run(main)

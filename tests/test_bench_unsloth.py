@@ -203,7 +203,7 @@ def test_find_max_t_stops_at_the_first_failure_and_records_it(bu, tmp_path, fail
         return fake_result(oom=True) if failure == "oom" else dict(impl="unsloth", oom=False, killed_by_signal=9)
 
     out = tmp_path / "step_memory.csv"
-    save = lambda rows: bu.write_results(rows, out, ("unsloth=2026.10.9 trl=1.15.0", "abc", "NVIDIA H100"))  # noqa: E731
+    save = lambda rows: bu.harness.write_results(rows, out, ("unsloth=2026.10.9 trl=1.15.0", "abc", "NVIDIA H100"))  # noqa: E731
     bu.find_max_t(args, save, probe)
     assert probed == [65536, 98304, 131072]
     with out.open() as f:

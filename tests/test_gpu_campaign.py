@@ -21,10 +21,10 @@ import campaign.run as gc  # noqa: E402
 
 # Stand-ins for benchmark scripts: one writes a long-format row; one starts a worker and hangs, as a stuck step does.
 WRITES = """import sys
-from campaign import results_io
+import harness
 out = sys.argv[sys.argv.index("--out") + 1]
-results_io.write_results([dict(op="x", impl="a", shape="s,", metric="value", value="1.5", unit="u")],
-                         __import__("pathlib").Path(out), ("v", "abc", "dev"))
+harness.write_results([dict(op="x", impl="a", shape="s,", metric="value", value="1.5", unit="u")],
+                      __import__("pathlib").Path(out), ("v", "abc", "dev"))
 """
 HANGS = """import subprocess, sys, time
 print("stuck: a step that never ends", flush=True)
@@ -77,7 +77,7 @@ def ledger(results, sha=None):
 
 
 def test_rows_run_in_order_a_hang_is_killed_and_a_rerun_resumes(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "benchmarks"))  # the stand-ins import campaign.results_io
+    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "benchmarks"))  # the stand-ins import harness
     rows, results = stand_in_rows(tmp_path), tmp_path / "results"
     t0 = time.monotonic()
     entries = gc.run_campaign(rows, [("preset_big", "needs more memory")], META, results, tmp_path / "logs",
@@ -265,7 +265,7 @@ def test_list_marks_the_headline_rows_with_limits_that_cover_their_estimates_and
 
 
 def test_a_killed_worker_is_reported_with_its_signal_and_the_hosts_free_memory():
-    from campaign.results_io import host_available_gib, killed_result, killed_rows, run_worker_process
+    from harness import host_available_gib, killed_result, killed_rows, run_worker_process
 
     run = run_worker_process([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
                              dict(os.environ), ROOT, poll_s=0.05)
@@ -284,7 +284,7 @@ def test_each_variant_reaches_the_csv_as_it_ends_so_a_killed_bench_keeps_it(tmp_
     """bench_shared_prompt's first variant ends, the second's worker is killed by a signal, then the bench itself is
     killed (as the campaign kills a row at its limit): the CSV holds the first's figures and the second's signal."""
     import bench_shared_prompt as bench
-    from campaign.results_io import killed_result
+    from harness import killed_result
 
     out = tmp_path / "shared_prompt.csv"
     killed = dict(returncode=-9, signal=9, host_available_gib=3.5, host_available_min_gib=0.25)
@@ -402,13 +402,14 @@ def test_an_engine_row_judges_only_its_own_variants_and_prompt_length(tmp_path):
     """The engine rows share engine.csv and the shape prefix "{arch},": the H200 loan of 2026-11-28 measured only
     engine_shared's `shared` variant, and the summary showed its figures and verdict ("missed") under the pending
     engine_4bit and engine_decode_8k too."""
-    from campaign import results_io, summary
+    import harness
+    from campaign import summary
     from campaign.rows import engine_rows
 
     rows = {r.name: r for r in engine_rows(cpu=False)}
     shape = "qwen3-8b,bfloat16,lora-r16,G=8,P=128,kv=8.0GiB"
     with open(tmp_path / "engine.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=results_io.FIELDS)
+        w = csv.DictWriter(f, fieldnames=harness.FIELDS)
         w.writeheader()
         for metric, value in (("weights_shared", 1.0), ("engine_cost_gib", 8.4), ("kv_cache_gib", 8.0),
                               ("logprob_gap_max", 0.2), ("decode_tok_s_1024", 1095.0)):

@@ -73,8 +73,9 @@ def unsloth_line() -> None:
 
 def offline_checks(models: Path, need_disk_gib: float) -> list[str]:
     """The tokenizer built in code, the fair baseline's transformers, host memory and disk; what must be brought."""
+    from harness import host_available_gib
+
     from campaign.random_models import offline_tokenizer
-    from campaign.results_io import host_available_gib
 
     missing = []
     try:

@@ -39,8 +39,9 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _HERE:
     del sys.path[0]
 sys.path[:0] = [str(_HERE.parent), str(_HERE.parent.parent)]
 
+from harness import ROOT, host_available_gib, merge_csv, run_meta  # noqa: E402
+
 import campaign.summary as summary  # noqa: E402
-from campaign.results_io import ROOT, host_available_gib, merge_csv, run_meta  # noqa: E402
 from campaign.rows import HEADLINE_BUDGET_S, Row, campaign_rows  # noqa: E402, F401  (Row: for callers and tests)
 
 BENCH = ROOT / "benchmarks"
