@@ -1,0 +1,162 @@
+"""Routing replay on the two MoE twins (grpo_accel/head/routing_replay.py): exact where it must be.
+
+- Replaying the routing the model's own forward picks is bit-identical to no replay (fp32; logits, router loss and
+  every gradient, with gradient checkpointing's re-run).
+- A recorded routing that differs changes exactly the tokens it names: at the last MoE layer only that token's
+  logits move; at the first, that token's and the later ones of its row, never an earlier token or another row.
+- The gate weights are the current router's by the model's own rule, and the router keeps its gradient: equal to
+  transformers' own forward with its top-k forced to the record.
+- The load-balancing loss is TRL's: transformers' own formula over the current router's logits, which replay leaves
+  as the stock router computes them from the same hidden states.
+- Undone with its patches: a model after `undo()` holds no instance attribute of ours.
+
+    OMP_NUM_THREADS=1 pytest tests/test_routing_replay.py -q -p no:xdist
+"""
+
+import pytest
+import torch
+from support.compare import assert_equal
+
+from grpo_accel.data.models import build_tiny_model, load_tokenizer
+from grpo_accel.head.routing_replay import ROUTING_KWARG, ForwardRouting, RoutingReplay, moe_shape
+
+TWINS = ["tiny-gpt-oss", "tiny-qwen3-moe"]
+
+
+def twin(name, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = build_tiny_model(name, load_tokenizer(name)).to(dtype)
+    ids = torch.randint(5, model.config.vocab_size, (2, 12))
+    return model, dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+def forward_and_grads(model, inputs, routing=None):
+    model.zero_grad(set_to_none=True)
+    extra = {ROUTING_KWARG: routing} if routing is not None else {}
+    out = model(**inputs, output_router_logits=True, **extra)
+    loss = out.logits.float().logsumexp(-1).mean() + out.aux_loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.aux_loss.detach(), grads
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_replaying_the_forwards_own_routing_is_bit_identical(name):
+    model, inputs = twin(name)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    stock = forward_and_grads(model, inputs)
+    replay = RoutingReplay(model)
+    patches = replay.install()
+    own = replay.own_routing(model, **inputs)
+    assert own.shape == (2, 12, *moe_shape(model))
+    replayed = forward_and_grads(model, inputs, ForwardRouting(own))
+    patches.undo()
+    assert_equal(stock[0], replayed[0])
+    assert_equal(stock[1], replayed[1])
+    assert stock[2].keys() == replayed[2].keys() and any("router" in n or "gate" in n for n in stock[2])
+    assert_equal(stock[2], replayed[2])
+    assert replay.pop_counts() == (2 * 12 * moe_shape(model)[0] * 2, 0, 0)  # two forwards compared: the re-run too
+
+
+def other_experts(model, own_row):
+    """top-k experts none of which is in `own_row`."""
+    n_experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
+    free = [e for e in range(n_experts) if e not in own_row.tolist()]
+    return torch.tensor(free[:own_row.numel()])
+
+
+@pytest.mark.parametrize("layer", ["last", "first"])
+@pytest.mark.parametrize("name", TWINS)
+def test_a_differing_routing_changes_exactly_the_tokens_it_names(name, layer):
+    model, inputs = twin(name)
+    replay = RoutingReplay(model)
+    patches = replay.install()
+    own = replay.own_routing(model, **inputs)
+    row, tok, moe = 1, 6, (own.shape[2] - 1 if layer == "last" else 0)
+    moved = own.clone()
+    moved[row, tok, moe] = other_experts(model, own[row, tok, moe])
+    with torch.no_grad():
+        ref = model(**inputs, **{ROUTING_KWARG: ForwardRouting(own)}).logits
+        got = model(**inputs, **{ROUTING_KWARG: ForwardRouting(moved)}).logits
+        measured = model(**inputs, **{ROUTING_KWARG: ForwardRouting(moved, replay=False)}).logits
+    patches.undo()
+    changed = (ref != got).any(-1)
+    assert changed[row, tok]
+    expected = torch.zeros_like(changed)
+    expected[row, tok] = True
+    if layer == "first":  # later tokens of the row read it through attention; earlier ones and row 0 cannot
+        assert not changed[0].any() and not changed[row, :tok].any()
+    else:
+        assert_equal(expected, changed)
+    assert_equal(ref, measured)  # replay off: only measured
+    assert replay.pop_counts()[1:] == (2, 1)  # the moved record differs once in the two forwards given it
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_replay_is_transformers_router_with_its_topk_forced(name, monkeypatch):
+    """The gate weights are the current router's, by the model's own rule: the reference is transformers' stock
+    forward whose `torch.topk` returns the recorded experts (and the router's values at them), so everything after
+    the top-k is transformers' code. Logits and every gradient bit-equal, the routers' gradients nonzero.
+    (A float64 finite-difference check cannot judge this: Qwen3-MoE's router softmax runs in float32.)"""
+    model, inputs = twin(name)
+    replay = RoutingReplay(model)
+    patches = replay.install()
+    own = replay.own_routing(model, **inputs)
+    moved = own.clone()
+    moved[0, 3, 0] = other_experts(model, own[0, 3, 0])
+    moved[1, :, -1] = own[1, :, -1].roll(1, 0)
+    got = forward_and_grads(model, inputs, ForwardRouting(moved))
+    patches.undo()
+    calls, topk = [], torch.topk
+
+    def forced_topk(values, k, dim=-1, **kw):
+        if len(calls) == moved.shape[2]:  # the routers are done: the router loss's own top-k (unforced, as ours)
+            return topk(values, k, dim=dim, **kw)
+        idx = moved[:, :, len(calls)].reshape(-1, k)
+        calls.append(1)
+        return values.gather(-1, idx), idx
+
+    monkeypatch.setattr(torch, "topk", forced_topk)
+    ref = forward_and_grads(model, inputs)
+    monkeypatch.setattr(torch, "topk", topk)
+    assert_equal(ref[0], got[0])
+    assert_equal(ref[2], got[2])
+    routers = [n for n in got[2] if n.endswith(("router.weight", "gate.weight"))]
+    assert len(routers) == moe_shape(model)[0] and all(got[2][n].abs().sum() > 0 for n in routers)
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_the_load_balancing_loss_is_transformers_own_over_the_current_router(name):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    model, inputs = twin(name)
+    replay = RoutingReplay(model)
+    patches = replay.install()
+    own = replay.own_routing(model, **inputs)
+    moved = own.clone()
+    moved[:, :, 0] = own[:, :, 0].flip(1)  # every token of layer 0 takes another token's experts
+    router_inputs = []
+    hooks = [r.register_forward_pre_hook(lambda m, a: router_inputs.append(a[0])) for _, r in replay.layers]
+    with torch.no_grad():
+        out = model(**inputs, output_router_logits=True, **{ROUTING_KWARG: ForwardRouting(moved)})
+    for h in hooks:
+        h.remove()
+    # the stock router's forward (the class's, not our instance wrapper) on the hidden states it saw
+    stock_logits = tuple(type(r).forward(r, x)[0] for (_, r), x in zip(replay.layers, router_inputs))
+    cfg = model.config
+    n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    ref = load_balancing_loss_func(stock_logits, n_experts, cfg.num_experts_per_tok, inputs["attention_mask"])
+    patches.undo()
+    assert replay.pop_counts()[1] > 0
+    assert_equal(ref, out.aux_loss)
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_undo_leaves_stock_modules(name):
+    model, _ = twin(name)
+    replay = RoutingReplay(model)
+    patches = replay.install()
+    assert all("forward" in r.__dict__ and "forward" in layer.self_attn.__dict__ for layer, r in replay.layers)
+    patches.undo()
+    assert not any("forward" in m.__dict__ for m in model.modules())
