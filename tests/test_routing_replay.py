@@ -160,3 +160,64 @@ def test_undo_leaves_stock_modules(name):
     assert all("forward" in r.__dict__ and "forward" in layer.self_attn.__dict__ for layer, r in replay.layers)
     patches.undo()
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def batch(vocab, rows=4, prompt=5, completion=6):
+    """TRL's layout: prompts left-padded, completions right-padded (row r: r pads on each side)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, vocab, (rows, prompt + completion), generator=g)
+    mask = torch.ones_like(ids)
+    for r in range(rows):
+        mask[r, :r % 2] = 0
+        mask[r, prompt + completion - r:] = 0
+    return ids, mask
+
+
+def packed_own_routing(trainer, ids, mask, logits_to_keep):
+    """The routing the trainer's own (packed, one-forward) pass picks, back in the padded layout."""
+    with trainer.routing_replay.recording() as calls:
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, logits_to_keep)
+    L = len(calls)
+    own = torch.full((*ids.shape, L, calls[0][0].shape[-1]), -1, dtype=torch.int16)
+    for n in range(L):
+        (rows,) = calls[n]  # one packed forward: the batch's real tokens, row-major
+        own[:, :, n][mask.bool()] = rows.to(torch.int16)
+    return own
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("name", TWINS)
+def test_the_log_prob_passes_replay_each_rows_record(name, padding_free, tmp_path):
+    """Through the trainer's one TRL hook: a record of the pass's own routing (found by each row's tokens, wherever
+    TRL's shuffle put the row) gives bit-identical log-probs; moving one token's experts in row 2's record changes
+    row 2's log-probs and no other row's; a row without a record routes by its own top-k."""
+    from support.trainers import make_trainer
+
+    trainer = make_trainer(tmp_path, name, peft=False, padding_free=padding_free, logprob_token_budget=4096,
+                           share_prompt="false", offload_activations="false")
+    assert trainer.routing_replay is not None and trainer.routing_replay.replaying
+    lm = trainer.model
+    ids, mask = batch(lm.config.vocab_size)
+    keep = 6
+    hook = lambda: trainer._get_per_token_logps_and_entropies(lm, ids, mask, keep)[0]  # noqa: E731
+    with torch.no_grad():
+        stock = hook()
+        own = (packed_own_routing(trainer, ids, mask, keep) if padding_free
+               else trainer.routing_replay.own_routing(lm, input_ids=ids, attention_mask=mask).to(torch.int16))
+        records = {tuple(ids[r][mask[r].bool()].tolist()): own[r][mask[r].bool()] for r in range(len(ids))}
+        trainer.routing_records.replace(records)
+        trainer.routing_replay.pop_counts()
+        replayed = hook()
+        assert trainer.routing_replay.pop_counts()[1:] == (0, 0)
+        moved = dict(records)
+        key = tuple(ids[2][mask[2].bool()].tolist())
+        moved[key] = records[key].clone()
+        moved[key][3, 0] = other_experts(lm, records[key][3, 0].long())
+        del moved[tuple(ids[0][mask[0].bool()].tolist())]  # row 0: no record
+        trainer.routing_records.replace(moved)
+        got = hook()
+    assert_equal(stock, replayed)
+    changed = (got != replayed).any(-1)
+    assert changed.tolist() == [False, False, True, False]
+    assert trainer.routing_records.pop_rows() == (4 + 3, 1)

@@ -68,7 +68,8 @@ class RoutingReplay:
     (token, layer) routings compared with a record (`compared`), how many the router's own top-k would route
     elsewhere (`flipped`), how many were routed elsewhere than recorded (`applied_flips`: 0 with replay)."""
 
-    def __init__(self, causal_lm):
+    def __init__(self, causal_lm, replaying: bool = True):
+        self.replaying = replaying  # False: the routers keep their own top-k, the records only measure the mismatch
         self.layers = _moe_layers(causal_lm)
         self._active: dict[int, tuple[torch.Tensor, bool]] = {}
         self._recording: dict[int, list[torch.Tensor]] | None = None
@@ -178,3 +179,42 @@ def moe_shape(causal_lm) -> tuple[int, int]:
     """(MoE layers, experts per token) of a model: the record's per-token shape."""
     layers = _moe_layers(causal_lm, strict=False)
     return len(layers), (layers[0][1].top_k if layers else 0)
+
+
+class RoutingRecords:
+    """The recorded routing of the sequences one generation batch produced, keyed by their real token ids (prompt +
+    completion): TRL shuffles and splits a generation batch into micro-batches, and a row's tokens are what it
+    carries through, so a row finds its routing wherever it lands (two rows with the same tokens are one sequence:
+    either record serves). `found` / `missing`: rows of the passes since the last `pop_rows` with / without one."""
+
+    def __init__(self):
+        self._by_tokens: dict[tuple[int, ...], torch.Tensor] = {}
+        self.found = self.missing = 0
+
+    def replace(self, records: dict[tuple[int, ...], torch.Tensor]) -> None:
+        """This generation batch's records ([n tokens, L, k] int, -1 where a token has none) in place of the last."""
+        self._by_tokens = dict(records)
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._by_tokens.values())
+
+    def for_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """[B, T, L, k] the rows' recorded routing at their real tokens, -1 elsewhere; None when no row has one."""
+        if not self._by_tokens:
+            return None
+        shape = next(iter(self._by_tokens.values())).shape[1:]
+        out = torch.full((*input_ids.shape, *shape), -1, dtype=torch.int16)
+        real, found = attention_mask.bool().cpu(), 0
+        for b, (ids, keep) in enumerate(zip(input_ids.cpu(), real)):
+            record = self._by_tokens.get(tuple(ids[keep].tolist()))
+            if record is not None:
+                out[b, keep] = record.to(torch.int16)
+                found += 1
+        self.found += found
+        self.missing += input_ids.size(0) - found
+        return out if found else None
+
+    def pop_rows(self) -> tuple[int, int]:
+        rows = (self.found, self.missing)
+        self.found = self.missing = 0
+        return rows
