@@ -221,3 +221,26 @@ def test_the_log_prob_passes_replay_each_rows_record(name, padding_free, tmp_pat
     changed = (got != replayed).any(-1)
     assert changed.tolist() == [False, False, True, False]
     assert trainer.routing_records.pop_rows() == (4 + 3, 1)
+
+
+def test_the_k3_estimate_is_the_kl_of_the_behaviour_from_the_trainer():
+    """Tokens drawn in exact proportion to the behaviour distribution p (p = 1/2, 1/4, 1/8, 1/8: counts 4, 2, 1, 1):
+    the mean of exp(d) - 1 - d with d = log q - log p is KL(p || q) exactly (sum of q is 1), against torch's own
+    kl_divergence; NaN behaviour log-probs (on-policy tokens) and masked tokens are left out."""
+    from grpo_accel.trainer.mismatch import MismatchMeter
+
+    p = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    q = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    tokens = torch.tensor([0, 0, 0, 0, 1, 1, 2, 3])
+    behaviour = torch.cat([p[tokens].log(), torch.tensor([float("nan"), 0.0])])[None]
+    old = torch.cat([q[tokens].log(), torch.tensor([-1.0, -5.0])])[None]
+    mask = torch.tensor([[1] * 9 + [0]])
+    meter = MismatchMeter()
+    meter.observe({"old_per_token_logps": old.float(), "sampling_per_token_logps": behaviour.float(),
+                   "completion_mask": mask})
+    got = meter.pop_metrics()
+    kl = torch.distributions.kl_divergence(torch.distributions.Categorical(probs=p),
+                                           torch.distributions.Categorical(probs=q))
+    assert got["sampling/k3_kl"] == pytest.approx(float(kl), rel=1e-6)  # float32 log-probs in, as TRL's
+    assert got["sampling/logp_gap_mean"] == pytest.approx(float((q[tokens].log() - p[tokens].log()).mean()), rel=1e-6)
+    assert meter.pop_metrics() == {}

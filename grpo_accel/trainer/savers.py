@@ -33,6 +33,7 @@ from grpo_accel.ops.select import triton_usable
 from grpo_accel.parallel.packing import ATTN_NAME, enable_packed_attention, packing_unsupported_reason
 from grpo_accel.planning.memory import shortest_shared_prompt
 from grpo_accel.trainer.logprob_passes import PackedPasses
+from grpo_accel.trainer.mismatch import MismatchMeter
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
 FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
@@ -80,6 +81,7 @@ class SaverInstallers:
         self.share_prompt = self._install_share_prompt()
         self.packed_passes = PackedPasses()  # the packed passes' token counts (share_prompt/token_ratio)
         self.routing_replay, self.routing_records = self._install_routing_replay()
+        self.mismatch = MismatchMeter(self.routing_replay, self.routing_records)
         if self.sequence_parallel is not None and self.settings.padding_free:  # mini-batch caps: refused in config.py
             log("sequence parallelism: each pass runs the group's rows in one forward, unpadded and split along "
                 "their length; padding_free does not apply")

@@ -206,8 +206,12 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         which may be carried from an earlier one)."""
         mode = self._mode()
         if mode is not None and self.model.training:
-            return mode.generate_and_score(self, inputs, super()._generate_and_score_completions)
-        return super()._generate_and_score_completions(inputs)
+            output = mode.generate_and_score(self, inputs, super()._generate_and_score_completions)
+        else:
+            output = super()._generate_and_score_completions(inputs)
+        if self.model.training and getattr(self, "mismatch", None) is not None:
+            self.mismatch.observe(output)
+        return output
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's, or the mode's own (continuous batching without TRL's cast of the weights, a budget's carried
@@ -258,12 +262,14 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """transformers' (TRL's metrics included); a training step's line also gets the phases' memory, the
-        non-finite counters, the generation mode's metrics and share_prompt/token_ratio."""
+        non-finite counters, the generation mode's metrics, the sampler/trainer mismatch (trainer/mismatch.py) and
+        share_prompt/token_ratio."""
         if self.model.training and getattr(self, "telemetry", None) is not None:
             logs.update(self.telemetry.pop_metrics())
             if self.nonfinite_guard is not None:
                 logs.update(self.nonfinite_guard.metrics())
             logs.update(self.generation_mode.metrics())
+            logs.update(self.mismatch.pop_metrics())  # sampler vs trainer: log-prob gap, k3 KL, MoE routing flips
             ratio = self.packed_passes.pop_token_ratio()
             if self.share_prompt != "false" and ratio is not None:
                 logs["share_prompt/token_ratio"] = ratio  # 1.0: nothing shared
