@@ -57,6 +57,8 @@ GREEDY = "tests/test_carried_rollouts.py::test_carried_completions_are_the_greed
 SIGKILL = "tests/test_budget_sigkill.py::test_sigkill_mid_step_then_resume_continues_the_carried_rollouts"
 SERVER = "tests/test_server_generation.py::"
 SERVER_2 = "tests/test_server_distributed.py::test_two_ranks_train_through_one_server[2]"
+RR, LP = "grpo_accel/head/routing_replay.py", "grpo_accel/trainer/logprob_passes.py"
+REPLAY = "tests/test_routing_replay.py::"
 RULE = "return staleness <= max_staleness"  # rollouts.within_staleness: the one staleness rule
 KEEP = "keep = [g for g in self.groups if within_staleness(g.staleness(version), self.max_staleness)]"
 AHEAD = "if req.prompts == prompts and within_staleness(step - req.version, self.max_staleness):"
@@ -131,6 +133,21 @@ MUTATIONS = [
     Mutation("10c", "server mode: every rank handed rank 0's share", SG,
              "mine = slice(self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * "
              "len(prompts))", "mine = slice(0, len(prompts))", (SERVER_2,)),
+    # issue 65: routing replay and the mismatch figures
+    Mutation("65a", "replayed experts weighted by the router's own top-k gates, not recomputed at the recorded ones",
+             RR, "return logits, gates(router, logits, idx), idx", "return logits, scores, idx",
+             (REPLAY + "test_replay_is_transformers_router_with_its_topk_forced",)),
+    Mutation("65b", "packed routing shifted by one token", LP,
+             "packed = routing.indices[idx][attention_mask[idx].bool().to(idx.device)]",
+             "packed = routing.indices[idx][attention_mask[idx].bool().to(idx.device)].roll(1, 0)",
+             (REPLAY + "test_the_log_prob_passes_replay_each_rows_record",)),
+    Mutation("65c", "replay skipped on the no-grad passes (old policy, reference)", LP,
+             "routing = records.for_rows(input_ids, attention_mask) if records is not None else None",
+             "routing = records.for_rows(input_ids, attention_mask) if records is not None and "
+             "torch.is_grad_enabled() else None", (REPLAY + "test_the_log_prob_passes_replay_each_rows_record",)),
+    Mutation("65d", "k3 estimate with the sign of d flipped", "grpo_accel/trainer/mismatch.py",
+             "(torch.expm1(d) - d)", "(torch.expm1(d) + d)",
+             (REPLAY + "test_the_k3_estimate_is_the_kl_of_the_behaviour_from_the_trainer",)),
 ]
 
 
