@@ -195,7 +195,7 @@ def test_the_log_prob_passes_replay_each_rows_record(name, padding_free, tmp_pat
     from support.trainers import make_trainer
 
     trainer = make_trainer(tmp_path, name, peft=False, padding_free=padding_free, logprob_token_budget=4096,
-                           share_prompt="false", offload_activations="false")
+                           share_prompt="false", offload_activations="false", use_transformers_continuous_batching=True)
     assert trainer.routing_replay is not None and trainer.routing_replay.replaying
     lm = trainer.model
     ids, mask = batch(lm.config.vocab_size)

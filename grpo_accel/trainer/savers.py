@@ -117,6 +117,13 @@ class SaverInstallers:
         reason = RoutingReplay.unsupported_reason(causal_lm)
         if reason == "a dense model routes nothing":
             return None, None
+        blocker = getattr(getattr(self, "generation_mode", None), "routing_blocker", None)
+        if reason is None and blocker is not None:  # no record to replay or measure
+            if mode == "true":
+                raise ConfigError(f"--routing_replay true cannot run: {blocker}. Fix: that, or --routing_replay auto")
+            if mode == "auto":
+                log(f"routing_replay=auto: off ({blocker})")
+            return None, None
         if reason is None and mode != "false":
             reason = ("the offloaded re-run" if self.offload_enabled else
                       "sequence parallelism" if self.sequence_parallel is not None else None)
