@@ -149,3 +149,52 @@ def test_a_route_that_records_no_routing_is_one_line_or_one_error(tmp_path, caps
                                           "--use_transformers_continuous_batching true"):
         moe_trainer(tmp_path, "tiny-qwen3-moe", use_transformers_continuous_batching=False)
 
+
+def test_the_planner_counts_the_records_a_generation_batch_keeps(twin):
+    """plan_memory's host term `routing_records` against what a generation batch's records hold: 8 sequences of P + C
+    tokens (every completion C tokens long); the experts' tensors exactly, their keys (tuples of token ids) measured
+    by Python's own sizes. No term with replay off, nor on a dense model."""
+    import sys
+
+    from grpo_accel.planning.architectures import model_shape
+    from grpo_accel.planning.memory import plan_memory
+
+    model, tok, replay = twin
+    P, C, G = 9, 7, 4
+    gen = GenerationConfig(do_sample=True, max_new_tokens=C, min_new_tokens=C, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)
+    prompts = [list(range(100, 100 + P))] * G + [list(range(200, 200 + P))] * G
+    capture = RoutingCapture(replay)
+    completions = generate_paged(model, prompts, gen, ContinuousBatchingConfig(num_blocks=64, page_size=4),
+                                 capture=capture)
+    records = RoutingRecords()
+    records.replace({tuple(p + c): r for p, c, r in zip(prompts, completions, capture.last)})
+    keys = sum(sys.getsizeof(k) + sum(map(sys.getsizeof, k)) for k in records._by_tokens)
+    plan = dict(model_dtype="fp32", lora_r=0, num_generations=G, max_prompt_length=P, max_completion_length=C,
+                per_device_train_batch_size=2 * G, generation="continuous_batching", device="cpu")
+    term = plan_memory(model_shape(model.config), **plan).host["routing_records"]
+    L, k = moe_shape(model)
+    assert records.host_bytes() == 2 * G * (P + C) * L * k * 2
+    assert records.host_bytes() + keys <= term < 1.2 * (records.host_bytes() + keys)
+    assert "routing_records" not in plan_memory(model_shape(model.config), **plan, routing_replay="false").host
+    assert "routing_records" not in plan_memory("tiny-llama", **plan).host
+
+
+def test_a_rollout_keeps_each_positions_first_routing_and_a_checkpoint_keeps_it():
+    """A carried completion's prefix is prefilled again under newer weights: its positions keep the routing they had
+    when the tokens after them were sampled, new positions take the new round's; JSON (the checkpoint) round-trips."""
+    import json
+
+    from grpo_accel.generation.rollouts import Rollout, RolloutBuffer, RolloutGroup
+
+    r = Rollout()
+    first = torch.tensor([[[0, 1]], [[2, 3]], [[-1, -1]]], dtype=torch.int16)  # prompt of 2, one token, unfed
+    r.extend([7], [-0.5], version=0, finished=False, routed_experts=first)
+    later = torch.tensor([[[1, 0]], [[3, 1]], [[2, 0]], [[-1, -1]]], dtype=torch.int16)
+    r.extend([8], [-0.7], version=1, finished=True, routed_experts=later)
+    assert r.routed_experts.tolist() == [[[0, 1]], [[2, 3]], [[2, 0]], [[-1, -1]]]
+    buffer = RolloutBuffer(1)
+    buffer.add(RolloutGroup(0, [5, 6], [r]))
+    back = RolloutBuffer.from_state_dict(json.loads(json.dumps(buffer.state_dict())))
+    got = back.groups[0].rollouts[0].routed_experts
+    assert got.dtype == torch.int16 and torch.equal(got, r.routed_experts)
