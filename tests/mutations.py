@@ -58,6 +58,8 @@ SIGKILL = "tests/test_budget_sigkill.py::test_sigkill_mid_step_then_resume_conti
 SERVER = "tests/test_server_generation.py::"
 SERVER_2 = "tests/test_server_distributed.py::test_two_ranks_train_through_one_server[2]"
 RR, LP = "grpo_accel/head/routing_replay.py", "grpo_accel/trainer/logprob_passes.py"
+RC, CR = "grpo_accel/generation/routing_capture.py", "grpo_accel/trainer/carried_rollouts.py"
+CAPTURE = "tests/test_routing_capture.py::"
 REPLAY = "tests/test_routing_replay.py::"
 RULE = "return staleness <= max_staleness"  # rollouts.within_staleness: the one staleness rule
 KEEP = "keep = [g for g in self.groups if within_staleness(g.staleness(version), self.max_staleness)]"
@@ -148,6 +150,20 @@ MUTATIONS = [
     Mutation("65d", "k3 estimate with the sign of d flipped", "grpo_accel/trainer/mismatch.py",
              "(torch.expm1(d) - d)", "(torch.expm1(d) + d)",
              (REPLAY + "test_the_k3_estimate_is_the_kl_of_the_behaviour_from_the_trainer",)),
+    Mutation("65e", "captured routing shifted by one token (a span's start one past its first position)", RC,
+             "f.state.position_offset - f.query_length, f.query_length)",
+             "f.state.position_offset - f.query_length + 1, f.query_length)",
+             (CAPTURE + "test_a_forked_group_records_the_samplers_routing_at_every_fed_token",)),
+    Mutation("65f", "positions a request did not compute (forked prompt, prefix-cache pages) left unfilled", RC,
+             "src = self.sources.get(hashes[p])", "src = None",
+             (CAPTURE + "test_a_forked_group_records_the_samplers_routing_at_every_fed_token",)),
+    Mutation("65g", "a carried completion's prefix takes the newer round's routing, not its first",
+             "grpo_accel/generation/rollouts.py", "torch.where(kept[:n] >= 0, kept[:n], out[:n])",
+             "torch.where(out[:n] >= 0, out[:n], kept[:n])",
+             (CAPTURE + "test_a_rollout_keeps_each_positions_first_routing_and_a_checkpoint_keeps_it",)),
+    Mutation("65h", "the budget's ready groups' routing not handed to the trainer's records", CR,
+             "keep_routing(trainer, [p + r.completion_ids for p, r in rows], [r.routed_experts for _, r in rows])",
+             "pass", (CAPTURE + "test_the_trainer_replays_the_samplers_routing",)),
 ]
 
 
