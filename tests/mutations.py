@@ -60,6 +60,10 @@ SERVER_2 = "tests/test_server_distributed.py::test_two_ranks_train_through_one_s
 TS, OT, TSM = ("tests/test_truncated_sampling.py::", "grpo_accel/ops/truncation.py",
                "grpo_accel/trainer/truncated_sampling.py")
 TS_TRAINER = TS + "test_top_p_on_policy_ratio_is_one_through_a_budgeted_run[padded]"
+RR, LP = "grpo_accel/head/routing_replay.py", "grpo_accel/trainer/logprob_passes.py"
+RC, CR = "grpo_accel/generation/routing_capture.py", "grpo_accel/trainer/carried_rollouts.py"
+CAPTURE = "tests/test_routing_capture.py::"
+REPLAY = "tests/test_routing_replay.py::"
 RULE = "return staleness <= max_staleness"  # rollouts.within_staleness: the one staleness rule
 KEEP = "keep = [g for g in self.groups if within_staleness(g.staleness(version), self.max_staleness)]"
 AHEAD = "if req.prompts == prompts and within_staleness(step - req.version, self.max_staleness):"
@@ -154,6 +158,35 @@ MUTATIONS = [
              (TS + "test_each_route_reads_its_samplers_truncation",)),
     Mutation("11g", "the loss keeps old - log Z as its old log-probs (not restored)", TSM,
              'output["old_per_token_logps"] = old  #', "pass  #", (TS_TRAINER,)),
+    # issue 65: routing replay and the mismatch figures
+    Mutation("65a", "replayed experts weighted by the router's own top-k gates, not recomputed at the recorded ones",
+             RR, "return logits, gates(router, logits, idx), idx", "return logits, scores, idx",
+             (REPLAY + "test_replay_is_transformers_router_with_its_topk_forced",)),
+    Mutation("65b", "packed routing shifted by one token", LP,
+             "packed = routing.indices[idx][attention_mask[idx].bool().to(idx.device)]",
+             "packed = routing.indices[idx][attention_mask[idx].bool().to(idx.device)].roll(1, 0)",
+             (REPLAY + "test_the_log_prob_passes_replay_each_rows_record",)),
+    Mutation("65c", "replay skipped on the no-grad passes (old policy, reference)", LP,
+             "routing = records.for_rows(input_ids, attention_mask) if records is not None else None",
+             "routing = records.for_rows(input_ids, attention_mask) if records is not None and "
+             "torch.is_grad_enabled() else None", (REPLAY + "test_the_log_prob_passes_replay_each_rows_record",)),
+    Mutation("65d", "k3 estimate with the sign of d flipped", "grpo_accel/trainer/mismatch.py",
+             "(torch.expm1(d) - d)", "(torch.expm1(d) + d)",
+             (REPLAY + "test_the_k3_estimate_is_the_kl_of_the_behaviour_from_the_trainer",)),
+    Mutation("65e", "captured routing shifted by one token (a span's start one past its first position)", RC,
+             "f.state.position_offset - f.query_length, f.query_length)",
+             "f.state.position_offset - f.query_length + 1, f.query_length)",
+             (CAPTURE + "test_a_forked_group_records_the_samplers_routing_at_every_fed_token",)),
+    Mutation("65f", "positions a request did not compute (forked prompt, prefix-cache pages) left unfilled", RC,
+             "src = self.sources.get(hashes[p])", "src = None",
+             (CAPTURE + "test_a_forked_group_records_the_samplers_routing_at_every_fed_token",)),
+    Mutation("65g", "a carried completion's prefix takes the newer round's routing, not its first",
+             "grpo_accel/generation/rollouts.py", "torch.where(kept[:n] >= 0, kept[:n], out[:n])",
+             "torch.where(out[:n] >= 0, out[:n], kept[:n])",
+             (CAPTURE + "test_a_rollout_keeps_each_positions_first_routing_and_a_checkpoint_keeps_it",)),
+    Mutation("65h", "the budget's ready groups' routing not handed to the trainer's records", CR,
+             "keep_routing(trainer, [p + r.completion_ids for p, r in rows], [r.routed_experts for _, r in rows])",
+             "pass", (CAPTURE + "test_the_trainer_replays_the_samplers_routing",)),
 ]
 
 

@@ -151,6 +151,11 @@ SETTINGS: dict[str, Setting] = _settings(
             "quarter or more of its tokens (long prompts); 'true': every group of >= 2 rows; 'false': never. Needs "
             "padding_free with sdpa attention; not under sequence parallelism.", choices=SHARE_PROMPT_MODES,
             auto="per batch, share_prompt_pays; off where share_prompt_blocker names a reason"),
+    Setting("routing_replay", str, "auto", "", "Mixture-of-experts models: the log-prob passes route each token to the "
+            "experts its sampler chose (recorded during generation), gate weights from the current router (R3; "
+            "grpo_accel/head/routing_replay.py). 'auto' and 'true': replay where the route records the routing "
+            "(a route that cannot says so in one line); 'false': route by the trainer's own top-k, the mismatch "
+            "still measured (routing/flip_frac). Dense models: nothing to do.", choices=("auto", "true", "false")),
     Setting("logprob_token_budget", int | None, None, "tokens", "padding_free: most real tokens per log-prob "
             "forward, rows grouped longest first; None = what one padded forward held (logprob_mini_batch or TRL's "
             "rows x sequence length), capped at the offload's re-run group when offload is on.", minimum=1,
@@ -236,6 +241,7 @@ class RunSettings:
     logprob_chunk_size: int | None
     logprob_vocab_tile: int | None
     rollout_budget: int  # 0: off; on route continuous_batching the next batch decodes beside this one
+    routing_replay: str = "auto"  # "auto" / "true" / "false" (MoE models)
 
     @classmethod
     def resolve(cls, source, *, cuda: bool) -> RunSettings:
@@ -252,7 +258,8 @@ class RunSettings:
             padding_free=padding_free, sequence_parallel_size=sp,
             share_prompt="false" if share_prompt_blocker(padding_free, sp) else share,
             logprob_impl=get("logprob_impl"), logprob_chunk_size=get("logprob_chunk_size"),
-            logprob_vocab_tile=get("logprob_vocab_tile"), rollout_budget=int(get("rollout_budget") or 0))
+            logprob_vocab_tile=get("logprob_vocab_tile"), rollout_budget=int(get("rollout_budget") or 0),
+            routing_replay=SETTINGS["routing_replay"].parse(get("routing_replay")))
 
 
 __all__ = ["LOGPROB_IMPLS", "OFFLOAD_MODES", "OFFLOAD_RECOMPUTE_TOKENS", "RunSettings", "SETTINGS",

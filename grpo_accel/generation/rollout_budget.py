@@ -31,8 +31,9 @@ from collections.abc import Callable
 
 from grpo_accel.generation.rollouts import Rollout, RolloutBuffer, RolloutGroup
 
-# (sequences, max_new_tokens per sequence) -> per sequence (new ids, behaviour log-probs, ended by EOS)
-Decode = Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float], bool]]]
+# (sequences, max_new_tokens per sequence) -> per sequence (new ids, behaviour log-probs, ended by EOS[, the
+# sequence's routing: a route that records a MoE's routing, routing_capture.py])
+Decode = Callable[[list[list[int]], list[int]], list[tuple]]
 
 
 class BudgetedRollouts:
@@ -81,11 +82,11 @@ class BudgetedRollouts:
             outputs = decode(sequences, limits)
             if len(outputs) != len(running):
                 raise RuntimeError(f"decode returned {len(outputs)} completions for {len(running)} sequences")
-            for (_, r), limit, (ids, logps, eos) in zip(running, limits, outputs):
+            for (_, r), limit, (ids, logps, eos, *routing) in zip(running, limits, outputs):
                 if len(ids) > limit:
                     raise RuntimeError(f"decode returned {len(ids)} tokens past its limit of {limit}")
                 ended = eos or len(r.completion_ids) + len(ids) >= self.max_completion_length
-                r.extend(list(ids), list(logps), version, finished=ended)
+                r.extend(list(ids), list(logps), version, finished=ended, routed_experts=next(iter(routing), None))
             self.stats["rounds"] += 1
             self.stats["decoded_tokens"] += sum(len(o[0]) for o in outputs)
             self.stats["round_slot_tokens"] += len(running) * max((len(o[0]) for o in outputs), default=0)

@@ -27,20 +27,27 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from grpo_accel.planning.generation import record_bytes
 
 
 @dataclass
 class Rollout:
-    """One completion as sampled: its tokens, each token's behaviour log-prob and the policy version that sampled it."""
+    """One completion as sampled: its tokens, each token's behaviour log-prob and the policy version that sampled it;
+    on a MoE whose route records routing, `routed_experts`: int16 [prompt + completion tokens, MoE layers, top-k], the
+    experts each position was routed to when the sampler computed it (-1: not yet, e.g. the last token)."""
 
     completion_ids: list[int] = field(default_factory=list)
     behaviour_logps: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False  # EOS or the completion limit: nothing more to sample
+    routed_experts: torch.Tensor | None = None
 
-    def extend(self, ids: list[int], logps: list[float], version: int, finished: bool) -> None:
-        """Tokens sampled by policy `version` (a resumed completion continues under newer weights)."""
+    def extend(self, ids: list[int], logps: list[float], version: int, finished: bool,
+               routed_experts: torch.Tensor | None = None) -> None:
+        """Tokens sampled by policy `version` (a resumed completion continues under newer weights); `routed_experts`
+        the route's routing of the whole sequence so far (`merge_routing`)."""
         if len(ids) != len(logps):
             raise ValueError(f"{len(ids)} tokens but {len(logps)} behaviour log-probs")
         if self.finished:
@@ -51,10 +58,24 @@ class Rollout:
         self.behaviour_logps += [float(x) for x in logps]
         self.versions += [int(version)] * len(ids)
         self.finished = finished
+        if routed_experts is not None:
+            self.routed_experts = merge_routing(self.routed_experts, routed_experts)
 
     @property
     def oldest_version(self) -> int | None:
         return min(self.versions) if self.versions else None
+
+
+def merge_routing(kept: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """`new` ([n, L, k], the sequence's routing from this round) with each position `kept` already has kept: a
+    position's first routing is the one that sampled the token after it (a carried completion's prefix is prefilled
+    again under newer weights, but its next tokens were sampled from the older routing)."""
+    if kept is None:
+        return new.clone()
+    out = new.clone()
+    n = min(len(kept), len(out))
+    out[:n] = torch.where(kept[:n] >= 0, kept[:n], out[:n])
+    return out
 
 
 def within_staleness(staleness: int, max_staleness: int) -> bool:
@@ -90,7 +111,8 @@ class RolloutGroup:
     def host_bytes(self) -> int:
         """What the record holds in host memory (`record_bytes`): tests/test_rollouts.py checks it against
         tracemalloc."""
-        return record_bytes(len(self.prompt_ids), sum(len(r.completion_ids) for r in self.rollouts))
+        routing = sum(r.routed_experts.nbytes for r in self.rollouts if r.routed_experts is not None)
+        return record_bytes(len(self.prompt_ids), sum(len(r.completion_ids) for r in self.rollouts)) + routing
 
 
 class RolloutBuffer:
@@ -135,17 +157,22 @@ class RolloutBuffer:
 
     def state_dict(self) -> dict:
         """Plain Python (JSON-able): a checkpoint holds the carried rollouts, so a resume continues them."""
+        groups = [dataclasses.asdict(g) for g in self.groups]
+        for g in groups:
+            for r in g["rollouts"]:
+                r["routed_experts"] = None if r["routed_experts"] is None else r["routed_experts"].tolist()
         return {"num_generations": self.num_generations, "max_staleness": self.max_staleness,
-                "stats": dict(self.stats), "groups": [dataclasses.asdict(g) for g in self.groups]}
+                "stats": dict(self.stats), "groups": groups}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> RolloutBuffer:
         buffer = cls(state["num_generations"], state["max_staleness"])
         buffer.stats.update(state["stats"])
         for g in state["groups"]:
-            rollouts = [Rollout(**r) for r in g["rollouts"]]
+            rollouts = [Rollout(**{**r, "routed_experts": None if r.get("routed_experts") is None else
+                                   torch.tensor(r["routed_experts"], dtype=torch.int16)}) for r in g["rollouts"]]
             buffer.groups.append(RolloutGroup(g["group_id"], list(g["prompt_ids"]), rollouts, dict(g["inputs"])))
         return buffer
 
 
-__all__ = ["Rollout", "RolloutBuffer", "RolloutGroup", "within_staleness"]
+__all__ = ["Rollout", "RolloutBuffer", "RolloutGroup", "merge_routing", "within_staleness"]

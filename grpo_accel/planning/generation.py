@@ -214,7 +214,17 @@ def record_bytes(prompt_tokens: int, completion_tokens: int) -> int:
     return int((36 * prompt_tokens + (36 + 32 + 8) * completion_tokens) * 1.125)
 
 
+def routing_record_bytes(shape, sequences: int, tokens: int) -> int:
+    """Host bytes of --routing_replay's records of `sequences` sequences of `tokens` tokens: per token the experts
+    of each MoE layer (moe_layers x top-k int16: Qwen3-30B-A3B 48 x 8 x 2 = 768 B) and the record's key (the
+    sequence's token ids as a tuple: an 8-byte slot and a 28-byte int, as record_bytes counts a token id), and per
+    sequence 128 bytes of objects (the key tuple's 40-byte header, the tensor's and the dict entry's). While
+    they are captured the experts sit on the device, the same bytes, freed when the batch ends (under 1% of the KV
+    cache they come beside: Qwen3-30B-A3B's is 96 KiB a token)."""
+    return sequences * (tokens * (shape.moe_layers * shape.experts_per_token * 2 + 36) + 128)
+
+
 __all__ = ["GENERATION_TERMS", "PAGED_BATCH_TOKENS", "PAGE_SIZE", "VLLM_RUNTIME_BYTES", "engine_kv_bytes",
            "generation_terms",
            "fork_copy_bytes", "kv_bytes_per_token", "kv_cache_sequences", "paged_num_blocks", "paged_pool_bytes",
-           "pages_per_sequence", "record_bytes", "vllm_memory_fraction"]
+           "pages_per_sequence", "record_bytes", "routing_record_bytes", "vllm_memory_fraction"]

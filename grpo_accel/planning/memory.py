@@ -37,7 +37,13 @@ from grpo_accel.planning.activations import (
     layer_saved_bytes_per_token,
 )
 from grpo_accel.planning.architectures import ModelShape, model_shape
-from grpo_accel.planning.generation import GENERATION_TERMS, generation_terms, record_bytes, vllm_memory_fraction
+from grpo_accel.planning.generation import (
+    GENERATION_TERMS,
+    generation_terms,
+    record_bytes,
+    routing_record_bytes,
+    vllm_memory_fraction,
+)
 from grpo_accel.planning.routes import COLOCATED, PINNED_STACK, ROUTES, choose_route
 
 # bitsandbytes NF4 with double quantization: 4 bits per weight, an 8-bit absmax per 64-weight block, and an fp32
@@ -159,7 +165,7 @@ def shortest_shared_prompt(completion_len: int, num_generations: int) -> int | N
 
 # plan_memory's arguments that are run settings as they run (core.settings.RunSettings fields, the same names)
 PLANNED_SETTINGS = ("offload_activations", "offload_recompute_tokens", "offload_device_budget_bytes", "share_prompt",
-                    "sequence_parallel_size", "logprob_impl", "logprob_chunk_size", "rollout_budget")
+                    "sequence_parallel_size", "logprob_impl", "logprob_chunk_size", "rollout_budget", "routing_replay")
 
 
 def run_inputs(source, *, model_dtype: str, quantization: str, lora_r: int, generation: str, max_prompt_length: int,
@@ -186,7 +192,8 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
                 offload_optimizer=False, offload_params=False, optimizer="adamw", device="cuda",
                 offload_recompute_tokens=OFFLOAD_RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
-                generation_batch=None, reward_models=(), paged_seqs=None, rollout_budget=0) -> MemoryPlan:
+                generation_batch=None, reward_models=(), paged_seqs=None, rollout_budget=0,
+                routing_replay="auto") -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
 
     generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
@@ -198,7 +205,8 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     model (`reward_model_bytes`). rollout_budget: the next generation batch decodes beside this one
     (trainer/carried_rollouts.py), so continuous batching's pool holds twice the sequences (a colocated engine's KV
     cache is its fixed size, vllm_kv_seqs, with the rest queued), and the two batches' records (token ids, behaviour
-    log-probs, versions) are host memory."""
+    log-probs, versions) are host memory. routing_replay (not "false", a MoE on the route that records its routing,
+    continuous_batching): the sequences in flight keep each token's experts on the host (`routing_record_bytes`)."""
     if generation is None:
         generation = choose_route(use_vllm=bool(use_vllm), quantization=quantization, lora_r=lora_r,
                                   vllm_share_weights=vllm_share_weights is not False, stack=PINNED_STACK)[0]
@@ -339,6 +347,8 @@ def _generation_side_terms(shape, s: _Step, i: dict, dev: dict, host: dict) -> N
     if s.carrying:  # one record per group: its prompt once, its G completions' tokens
         host["carried_rollouts"] = s.in_flight // i["num_generations"] * record_bytes(
             i["max_prompt_length"], i["num_generations"] * s.T)
+    if i["routing_replay"] != "false" and generation == "continuous_batching" and shape.moe_layers:
+        host["routing_records"] = routing_record_bytes(shape, s.in_flight, s.T)
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, s.T, a) for rm, rows in i["reward_models"])
 
 

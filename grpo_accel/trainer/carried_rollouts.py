@@ -48,7 +48,13 @@ from grpo_accel.trainer.generation_modes import (
     refuse_multi_turn,
     sync_once_per_step,
 )
-from grpo_accel.trainer.paged_generation import ContinuousBatchingMode, generation_context, planned_paged_seqs
+from grpo_accel.trainer.paged_generation import (
+    ContinuousBatchingMode,
+    generation_context,
+    keep_routing,
+    planned_paged_seqs,
+    routing_capture,
+)
 
 
 class BudgetMode(GenerationMode):
@@ -63,6 +69,7 @@ class BudgetMode(GenerationMode):
                                          args.max_staleness)
         self.read_ahead = ReadAhead()
         self.carried = None
+        self.routing_blocker = base.routing_blocker  # the rounds run on `base`'s producer
         trainer.use_vllm = True  # TRL's correction gates (see the module docstring); generation stays ours
         log(f"rollout_budget: rounds of {args.rollout_budget} tokens per completion; completions still running when "
             f"a step has its groups are carried into the next (max_staleness {args.max_staleness}, TRL's importance-"
@@ -97,7 +104,7 @@ class BudgetMode(GenerationMode):
                               "num_generations.")
         return cls(trainer, base)
 
-    def _decoder(self, trainer, unwrapped, sequences: int, prompt_tokens: int):
+    def _decoder(self, trainer, unwrapped, sequences: int, prompt_tokens: int, capture=None):
         """The step's manager, its pool sized as the unbudgeted route's: on CUDA the most of the `sequences` in
         flight (both batches) that fit beside training (planned_paged_seqs), the rest queued in transformers'; on CPU
         all."""
@@ -108,7 +115,7 @@ class BudgetMode(GenerationMode):
                               completion_tokens=trainer.args.max_completion_length, page_size=ROUND_PAGE_SIZE,
                               paged_seqs=planned_paged_seqs(trainer, prompt_tokens, batch),
                               user=dict(trainer.args.transformers_continuous_batching_config or {}))
-        return paged_decode(unwrapped, trainer.generation_config, cfg)
+        return paged_decode(unwrapped, trainer.generation_config, cfg, capture=capture)
 
     def generate_and_score(self, trainer, inputs: list[dict], score):
         """TRL's `_generate_and_score_completions` (`score`) on the groups this step trains (module docstring)."""
@@ -134,7 +141,7 @@ class BudgetMode(GenerationMode):
                 running = sum(1 for g in rollouts.buffer.groups for r in g.rollouts if not r.finished)
                 longest = max(len(g.prompt_ids) for g in rollouts.buffer.groups)
                 with generation_context(trainer) as unwrapped, \
-                        self._decoder(trainer, unwrapped, running, longest) as decode:
+                        self._decoder(trainer, unwrapped, running, longest, routing_capture(trainer)) as decode:
                     ready, dropped = rollouts.step(len(unique), version, decode)
         if dropped:
             log(f"rollout_budget: step {version} dropped {len(dropped)} group(s) past max_staleness "
@@ -162,6 +169,8 @@ class BudgetMode(GenerationMode):
         engine = self.engine_rounds
         logps = [[lp if engine or v < version else math.nan for lp, v in zip(r.behaviour_logps, r.versions)]
                  for _, r in rows]
+        if getattr(trainer, "routing_records", None) is not None and self.routing_blocker is None:
+            keep_routing(trainer, [p + r.completion_ids for p, r in rows], [r.routed_experts for _, r in rows])
         return [list(r.completion_ids) for _, r in rows], logps
 
     def save(self, trainer, checkpoint_dir: str) -> None:

@@ -41,6 +41,7 @@ class GRPOAccelConfig(GRPOConfig):
     max_nonfinite_steps: int = SETTINGS["max_nonfinite_steps"].field()
     max_staleness: int = SETTINGS["max_staleness"].field()
     rollout_budget: int = SETTINGS["rollout_budget"].field()
+    routing_replay: str = SETTINGS["routing_replay"].field()
     weight_sync_steps: int = SETTINGS["weight_sync_steps"].field()
     adapter_sync_dir: str | None = SETTINGS["adapter_sync_dir"].field()
     dynamic_sampling: bool = SETTINGS["dynamic_sampling"].field()

@@ -100,6 +100,9 @@ class GenerationMode:
     """TRL's own generation: every hook is TRL's (the base of the modes, module docstring)."""
 
     read_ahead: ReadAhead | None = None  # set by a mode that reads the next generation batch early
+    # why this route records no MoE routing for --routing_replay (None: it does, routing_capture.py)
+    routing_blocker: str | None = ("route generate records no routing (transformers' generate() is not hooked); "
+                                   "--use_transformers_continuous_batching true records it")
 
     def generate_and_score(self, trainer, inputs: list[dict], score):
         return score(inputs)
@@ -127,6 +130,9 @@ class GenerationMode:
 class ColocatedVLLMMode(GenerationMode):
     """The in-process engine whose base weights are the trainer's (generation/vllm_colocate.py) as TRL's
     `vllm_generation`: TRL syncs (adapter only: SharedVLLMGeneration.sync_weights) and generates through it."""
+
+    routing_blocker = ("the colocated vLLM engine's routing is not recorded yet (vLLM's enable_return_routed_experts "
+                       "is not wired in); --use_vllm false --use_transformers_continuous_batching true records it")
 
     def __init__(self, trainer, engine):
         from grpo_accel.generation.vllm_colocate import unsupported_options

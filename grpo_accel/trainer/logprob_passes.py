@@ -15,6 +15,7 @@ from grpo_accel.core.model_access import causal_lm_of
 from grpo_accel.core.processes import several_processes
 from grpo_accel.core.settings import setting
 from grpo_accel.head.router_loss import load_balancing_loss, token_weights
+from grpo_accel.head.routing_replay import ROUTING_KWARG, ForwardRouting
 from grpo_accel.parallel.packing import (
     ATTN_NAME,
     SEGMENTS_KWARG,
@@ -88,7 +89,7 @@ def padded_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
         labels[:, :-logits_to_keep] = -100
         with trainer.accelerator.autocast():
             out = model(input_ids=ids, attention_mask=mask, accel_labels=labels, accel_entropy=compute_entropy,
-                        **router, **kept)
+                        **router, **kept, **routing_kwargs(trainer, ids, mask))
         all_logps.append(out.log_probs[:, -logits_to_keep:])
         if compute_entropy:
             all_entropies.append(out.entropy[:, -logits_to_keep:])
@@ -99,6 +100,24 @@ def padded_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
     entropies = torch.cat(all_entropies) if compute_entropy else None
     aux = load_balancing_loss(causal_lm_of(model), routers) if compute_aux_loss else None
     return torch.cat(all_logps), entropies, aux, (torch.cat(all_kept) if kept else None)
+
+
+def routing_kwargs(trainer, input_ids, attention_mask) -> dict:
+    """The model keyword that hands a forward its rows' recorded routing (head/routing_replay.py), {} where there is
+    none: a dense model, replay off and nothing to measure, no row with a record."""
+    records, replay = getattr(trainer, "routing_records", None), getattr(trainer, "routing_replay", None)
+    routing = records.for_rows(input_ids, attention_mask) if records is not None else None
+    return {} if routing is None else {ROUTING_KWARG: ForwardRouting(routing.to(input_ids.device), replay.replaying)}
+
+
+def packed_routing(recorded: dict, attention_mask, rows: list[int], n_tokens: int) -> dict:
+    """The padded rows' routing packed as pack_rows packs their tokens (real tokens, row-major), [1, N, L, k]."""
+    routing = recorded[ROUTING_KWARG]
+    idx = torch.tensor(rows, device=routing.indices.device)
+    packed = routing.indices[idx][attention_mask[idx].bool().to(idx.device)]
+    if packed.size(0) != n_tokens:  # pack_rows pairs a lone token with a copy of itself
+        packed = packed.repeat(n_tokens // packed.size(0), 1, 1)
+    return {ROUTING_KWARG: ForwardRouting(packed[None], replay=routing.replay)}
 
 
 def packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, rows_per_forward,
@@ -114,7 +133,8 @@ def packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
     # `model` may be a DeepSpeed engine / DDP wrapper here (whose .config is not the model's)
     segment_kwarg = causal_lm_of(model).config._attn_implementation == ATTN_NAME
     units = None  # the shared-prompt layout's forwards (shared_prompt.py), when a group of this batch pays
-    if ok and segment_kwarg and getattr(trainer, "share_prompt", "false") != "false":
+    recorded = routing_kwargs(trainer, input_ids, attention_mask)  # the shared prompt's layout does not carry it yet
+    if ok and segment_kwarg and getattr(trainer, "share_prompt", "false") != "false" and not recorded:
         units, prompt_lens = prompt_units(input_ids, attention_mask, logits_to_keep, trainer.share_prompt)
         if not any(u.share for u in units):
             units = None
@@ -142,6 +162,8 @@ def packed_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
         p = (pack_units(input_ids, attention_mask, logits_to_keep, group) if units is not None
              else pack_rows(input_ids, attention_mask, logits_to_keep, group))
         extra = {SEGMENTS_KWARG: p.segments} if segment_kwarg else {}
+        if recorded:
+            extra.update(packed_routing(recorded, attention_mask, group, p.input_ids.size(1)))
         extra.update(dict(labels=p.labels, fused_lm_head=True) if trl_head
                      else dict(accel_labels=p.labels, accel_entropy=compute_entropy, **(kept or {})))
         if compute_aux_loss:

@@ -18,6 +18,7 @@ from trl.models import unwrap_model_for_generation
 from grpo_accel.core.console import log
 from grpo_accel.core.dtypes import short_name
 from grpo_accel.generation.continuous_batching import generate_paged, paged_config
+from grpo_accel.generation.routing_capture import RoutingCapture
 from grpo_accel.trainer.generation_modes import GenerationMode
 
 
@@ -80,9 +81,25 @@ def zero3_forward_start_paused(engine):
             hooks.move_to_end(handle.id, last=False)  # first, as DeepSpeed registered it
 
 
+def routing_capture(trainer) -> RoutingCapture | None:
+    """A recorder of the sampler's MoE routing while training with --routing_replay on a MoE (None otherwise: an
+    evaluation's completions train nothing)."""
+    replay = getattr(trainer, "routing_replay", None)
+    return RoutingCapture(replay) if replay is not None and trainer.model.training else None
+
+
+def keep_routing(trainer, sequences: list[list[int]], routing: list) -> None:
+    """The generation batch's recorded routing, each sequence's (prompt + completion tokens) under its tokens, in
+    place of the last batch's: what the log-prob passes replay (RoutingRecords)."""
+    trainer.routing_records.replace({tuple(seq): r for seq, r in zip(sequences, routing) if r is not None})
+
+
 class ContinuousBatchingMode(GenerationMode):
     """The route continuous_batching: TRL's `use_transformers_continuous_batching` branch without its cast (module
-    docstring); `line`: the pool's sizing, said once per size."""
+    docstring); `line`: the pool's sizing, said once per size. Records the sampler's MoE routing
+    (routing_capture.py) for --routing_replay."""
+
+    routing_blocker = None
 
     def __init__(self):
         self.line = None
@@ -97,8 +114,12 @@ class ContinuousBatchingMode(GenerationMode):
             if self.line != line:  # once per size, not every step
                 self.line = line
                 log(f"continuous batching: {line}")
-            completion_ids = generate_paged(unwrapped, prompt_ids, trainer.generation_config, cfg)
+            capture = routing_capture(trainer)
+            completion_ids = generate_paged(unwrapped, prompt_ids, trainer.generation_config, cfg, capture=capture)
+        if capture is not None:
+            keep_routing(trainer, [p + c for p, c in zip(prompt_ids, completion_ids)], capture.last)
         return completion_ids, None
 
 
-__all__ = ["ContinuousBatchingMode", "generation_context", "planned_paged_seqs", "zero3_forward_start_paused"]
+__all__ = ["ContinuousBatchingMode", "generation_context", "keep_routing", "planned_paged_seqs", "routing_capture",
+           "zero3_forward_start_paused"]

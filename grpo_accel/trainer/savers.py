@@ -4,7 +4,8 @@ Each saver that patches a model or a process-wide registry keeps its undo in `se
 `GRPOAccelTrainer.close()` (run when train() ends, however it ends) leaves the models and transformers' registries
 as they were. What they set on the trainer, read by the log-prob passes (logprob_passes.py): `settings` (the config's
 settings as they run on this device), `offload_config` / `offload_enabled`, `logprob_impl`, `sequence_parallel`,
-`padding_free`, `share_prompt`, `packed_passes` (the packed passes' counts), `savers_installed`.
+`padding_free`, `share_prompt`, `packed_passes` (the packed passes' counts), `routing_replay` / `routing_records` (a
+MoE's routers and the generation batch's recorded routing), `savers_installed`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from grpo_accel.core.settings import (
     shared_group_tokens,
 )
 from grpo_accel.head.logprob_head import head_unsupported_reason, install_logprob_head
+from grpo_accel.head.routing_replay import RoutingRecords, RoutingReplay
 from grpo_accel.offload import OffloadConfig, install_activation_offload, remove_activation_offload
 from grpo_accel.offload.residency import host_budget_per_process
 from grpo_accel.ops.select import triton_usable
 from grpo_accel.parallel.packing import ATTN_NAME, enable_packed_attention, packing_unsupported_reason
 from grpo_accel.planning.memory import shortest_shared_prompt
 from grpo_accel.trainer.logprob_passes import PackedPasses
+from grpo_accel.trainer.mismatch import MismatchMeter
 
 # Tests force the real stash/copy/restore path on CPU (where "host" and "device" are the same memory).
 FORCE_OFFLOAD_COPIES_ENV = "GRPO_ACCEL_OFFLOAD_FORCE_COPIES"
@@ -77,6 +80,8 @@ class SaverInstallers:
         self.padding_free = self._install_padding_free() if self.sequence_parallel is None else False
         self.share_prompt = self._install_share_prompt()
         self.packed_passes = PackedPasses()  # the packed passes' token counts (share_prompt/token_ratio)
+        self.routing_replay, self.routing_records = self._install_routing_replay()
+        self.mismatch = MismatchMeter(self.routing_replay, self.routing_records)
         if self.sequence_parallel is not None and self.settings.padding_free:  # mini-batch caps: refused in config.py
             log("sequence parallelism: each pass runs the group's rows in one forward, unpadded and split along "
                 "their length; padding_free does not apply")
@@ -101,6 +106,35 @@ class SaverInstallers:
         if getattr(self, "sequence_parallel", None) is not None:
             raise ConfigError("--sequence_parallel_size > 1 cannot run with the MoE router loss: each rank holds "
                               f"part of each row's router logits. {fix}.")
+
+    def _install_routing_replay(self):
+        """(RoutingReplay, RoutingRecords) on a MoE model whose routers head/routing_replay.py knows, else (None,
+        None); "false" only measures (the passes route by the trainer's own top-k). Replay is not built yet beside
+        the offloaded re-run (its sequence tiles run the MLP outside the layer's call) nor Ulysses shards (each rank
+        would need its shard of the record): "auto" steps aside there with one line, "true" is refused."""
+        mode = self.settings.routing_replay
+        causal_lm = causal_lm_of(self.model)
+        reason = RoutingReplay.unsupported_reason(causal_lm)
+        if reason == "a dense model routes nothing":
+            return None, None
+        blocker = getattr(getattr(self, "generation_mode", None), "routing_blocker", None)
+        if reason is None and blocker is not None:  # no record to replay or measure
+            if mode == "true":
+                raise ConfigError(f"--routing_replay true cannot run: {blocker}. Fix: that, or --routing_replay auto")
+            if mode == "auto":
+                log(f"routing_replay=auto: off ({blocker})")
+            return None, None
+        if reason is None and mode != "false":
+            reason = ("the offloaded re-run" if self.offload_enabled else
+                      "sequence parallelism" if self.sequence_parallel is not None else None)
+            if reason and mode == "true":
+                raise ConfigError(f"--routing_replay true cannot run with {reason}. Fix: --routing_replay false")
+        if reason:
+            log(f"routing_replay={mode}: off ({reason})")
+            return None, None
+        replay = RoutingReplay(causal_lm, replaying=mode != "false")
+        self.patches.add(replay.install().undo)
+        return replay, RoutingRecords()
 
     def _install_logprob_head(self) -> str:
         impl = self.settings.logprob_impl

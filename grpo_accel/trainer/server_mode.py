@@ -19,6 +19,9 @@ class ServerMode(GenerationMode):
     """Generation on a `vllm serve` machine with adapter-only sync; with max_staleness >= 1 the next batch is
     asked for once this one is in hand, sampled with this step's adapter while this step trains."""
 
+    routing_blocker = ("a vLLM server's routing is not recorded yet (vLLM's enable_return_routed_experts is not "
+                       "wired in); --use_vllm false --use_transformers_continuous_batching true records it")
+
     def __init__(self, trainer):
         self.generation = attach_server(trainer)
         self.read_ahead = ReadAhead() if trainer.args.max_staleness >= 1 else None

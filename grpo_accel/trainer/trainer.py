@@ -212,7 +212,10 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
             return out
 
         generate = functools.partial(mode.generate_and_score, self, score=scored)
-        return self.dynamic_sampling.fill(self, inputs, generate) if self.dynamic_sampling else generate(inputs)
+        output = self.dynamic_sampling.fill(self, inputs, generate) if self.dynamic_sampling else generate(inputs)
+        if getattr(self, "mismatch", None) is not None:
+            self.mismatch.observe(output)
+        return output
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's, or the mode's own (continuous batching without TRL's cast of the weights, a budget's carried
@@ -267,7 +270,8 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """transformers' (TRL's metrics included); a training step's line also gets the phases' memory, the
-        non-finite counters, the generation mode's metrics and share_prompt/token_ratio."""
+        non-finite counters, the generation mode's metrics, the sampler/trainer mismatch (trainer/mismatch.py) and
+        share_prompt/token_ratio."""
         if self.model.training and getattr(self, "telemetry", None) is not None:
             logs.update(self.telemetry.pop_metrics())
             if self.nonfinite_guard is not None:
@@ -275,6 +279,7 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
             logs.update(self.generation_mode.metrics())
             if self.dynamic_sampling is not None:
                 logs.update(self.dynamic_sampling.metrics())
+            logs.update(self.mismatch.pop_metrics())  # sampler vs trainer: log-prob gap, k3 KL, MoE routing flips
             ratio = self.packed_passes.pop_token_ratio()
             if self.share_prompt != "false" and ratio is not None:
                 logs["share_prompt/token_ratio"] = ratio  # 1.0: nothing shared
