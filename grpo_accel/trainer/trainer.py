@@ -9,12 +9,9 @@ TRL's numbers. What it adds:
 - reward functions are wrapped so a failing one is named in a clear error, never a silent 0;
 - per-phase peak memory (generation, old/ref log-probs, policy forward, backward, optimizer step)
   logged with every step (`telemetry.py`);
-- `use_vllm=True, vllm_mode="colocate"`: one in-process engine whose base weights are the training model's
-  (LoRA), sized by the memory planner, the adapter pushed from memory after each optimizer step
-  (`vllm_setup.py`, `vllm_colocate.py`). Without vLLM, one line says generation takes transformers' continuous
-  batching (route continuous_batching) or, where that cannot run, generate();
-- `use_transformers_continuous_batching`: TRL's branch without its in-place bf16 cast of the trained weights, the
-  page pool sized by the planner (`paged_generation.py`); `dynamic_sampling`: DAPO's (`dynamic_sampling.py`).
+- generation through one mode object per route (`generation_modes.py`: colocated vLLM sharing the weights,
+  continuous batching, a `vllm serve` server, --rollout_budget); `dynamic_sampling` (`dynamic_sampling.py`);
+  truncated sampling's behaviour log-probs on the trainer's distribution (`truncated_sampling.py`).
 Every patch a saver makes (the models' forwards, checkpointing function, attention registrations) is undone when
 train() ends, however it ends (`close()`, `patches.py`): a second model in the same process runs stock code.
 """
