@@ -224,3 +224,28 @@ def test_groups_split_across_processes_are_refused():
     trainer = SimpleNamespace(args=args, num_generations=4, train_dataset=list(range(8)))
     with pytest.raises(ConfigError, match="whole groups on each process"):
         DynamicSampling(trainer)
+
+
+def test_the_planner_holds_every_rounds_output(tmp_path, monkeypatch):
+    """planning.generation.sampling_round_bytes against the tensors the rounds of a real generation batch held (each
+    round's TRL output, then the merged batch): an upper bound, at most 2x over (it counts three log-prob tensors;
+    this run holds none but the ids and masks, and pads to the longest prompt)."""
+    from trl import GRPOTrainer
+
+    from grpo_accel.planning.generation import sampling_round_bytes
+
+    held, widths = [], []
+    trls = GRPOTrainer._generate_and_score_completions
+
+    def round_(self, rows):
+        out = trls(self, rows)
+        held.append(sum(v.nbytes for v in out.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
+        widths.append(out["prompt_ids"].size(1))
+        return out
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", round_)
+    trainer = ours(tmp_path, reward=constant_reward, dynamic_sampling=True, max_sampling_rounds=3, max_steps=1)
+    trainer.train()
+    assert len(held) == 3
+    planned = sampling_round_bytes(ROWS, max(widths), C, 3)
+    assert sum(held) <= planned <= 2 * sum(held) + 3 * ROWS * 12 * C

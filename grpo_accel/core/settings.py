@@ -242,6 +242,8 @@ class RunSettings:
     logprob_vocab_tile: int | None
     rollout_budget: int  # 0: off; on route continuous_batching the next batch decodes beside this one
     routing_replay: str = "auto"  # "auto" / "true" / "false" (MoE models)
+    sampling_rounds: int = 1  # generation rounds per generation batch at most: --max_sampling_rounds with
+    # --dynamic_sampling, else 1
 
     @classmethod
     def resolve(cls, source, *, cuda: bool) -> RunSettings:
@@ -259,7 +261,8 @@ class RunSettings:
             share_prompt="false" if share_prompt_blocker(padding_free, sp) else share,
             logprob_impl=get("logprob_impl"), logprob_chunk_size=get("logprob_chunk_size"),
             logprob_vocab_tile=get("logprob_vocab_tile"), rollout_budget=int(get("rollout_budget") or 0),
-            routing_replay=SETTINGS["routing_replay"].parse(get("routing_replay")))
+            routing_replay=SETTINGS["routing_replay"].parse(get("routing_replay")),
+            sampling_rounds=int(get("max_sampling_rounds")) if get("dynamic_sampling") else 1)
 
 
 __all__ = ["LOGPROB_IMPLS", "OFFLOAD_MODES", "OFFLOAD_RECOMPUTE_TOKENS", "RunSettings", "SETTINGS",

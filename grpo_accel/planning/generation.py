@@ -18,7 +18,7 @@ VLLM_RUNTIME_BYTES = 1 * GIB
 # Alive only while generating: a sleeping engine's KV cache and runtime, and everything generate() holds (its cache
 # is freed when the batch is done; the caching allocator then reuses those blocks for the training step).
 GENERATION_TERMS = ("vllm_kv_cache", "vllm_runtime", "generate_kv_cache", "generate_working_set", "paged_kv_cache",
-                    "paged_working_set")
+                    "paged_working_set", "sampling_rounds")
 # Continuous batching (route continuous_batching): transformers' default page size, and the tokens one forward takes
 # (decode rows plus prefill chunks), which we fix: SDPA's mask is [tokens, pool + tokens], so it scales with both.
 PAGE_SIZE = 256
@@ -214,6 +214,17 @@ def record_bytes(prompt_tokens: int, completion_tokens: int) -> int:
     return int((36 * prompt_tokens + (36 + 32 + 8) * completion_tokens) * 1.125)
 
 
+def sampling_round_bytes(rows: int, prompt_tokens: int, completion_tokens: int, rounds: int) -> int:
+    """Device bytes --dynamic_sampling holds beyond plain GRPO at the end of a generation batch: every round's TRL
+    output (at most a generation batch each; trainer/dynamic_sampling.py) until the kept groups are merged into one
+    more. Per row: prompt and completion ids and masks (int64: 16 bytes a token), and up to three per-token fp32
+    log-prob tensors of the completion (old, reference, behaviour). Each round generates at most one generation
+    batch, so generation's own terms do not grow; 0 with one round (dynamic sampling off)."""
+    if rounds <= 1:
+        return 0
+    return rounds * rows * (16 * (prompt_tokens + completion_tokens) + 12 * completion_tokens)
+
+
 def routing_record_bytes(shape, sequences: int, tokens: int) -> int:
     """Host bytes of --routing_replay's records of `sequences` sequences of `tokens` tokens: per token the experts
     of each MoE layer (moe_layers x top-k int16: Qwen3-30B-A3B 48 x 8 x 2 = 768 B) and the record's key (the
@@ -227,4 +238,4 @@ def routing_record_bytes(shape, sequences: int, tokens: int) -> int:
 __all__ = ["GENERATION_TERMS", "PAGED_BATCH_TOKENS", "PAGE_SIZE", "VLLM_RUNTIME_BYTES", "engine_kv_bytes",
            "generation_terms",
            "fork_copy_bytes", "kv_bytes_per_token", "kv_cache_sequences", "paged_num_blocks", "paged_pool_bytes",
-           "pages_per_sequence", "record_bytes", "routing_record_bytes", "vllm_memory_fraction"]
+           "pages_per_sequence", "record_bytes", "routing_record_bytes", "sampling_round_bytes", "vllm_memory_fraction"]

@@ -42,6 +42,7 @@ from grpo_accel.planning.generation import (
     generation_terms,
     record_bytes,
     routing_record_bytes,
+    sampling_round_bytes,
     vllm_memory_fraction,
 )
 from grpo_accel.planning.routes import COLOCATED, PINNED_STACK, ROUTES, choose_route
@@ -60,7 +61,7 @@ PLANNED_LOGPROB_IMPLS = ("naive", *LOGPROB_IMPLS)  # the planner also prices the
 DEVICE_TERMS = ("weights", "lora_weights", "gradients", "optimizer_states", "activations_checkpointed",
                 "recompute_working_set", "sp_all_to_all", "logprob_workspace", "vllm_weights", "vllm_kv_cache",
                 "vllm_runtime", "generate_kv_cache", "generate_working_set", "paged_kv_cache", "paged_working_set",
-                "reward_models",
+                "sampling_rounds", "reward_models",
                 "allocator_margin")
 TRAINING_TRANSIENT_TERMS = ("gradients", "activations_checkpointed", "recompute_working_set", "sp_all_to_all",
                             "logprob_workspace")
@@ -165,7 +166,8 @@ def shortest_shared_prompt(completion_len: int, num_generations: int) -> int | N
 
 # plan_memory's arguments that are run settings as they run (core.settings.RunSettings fields, the same names)
 PLANNED_SETTINGS = ("offload_activations", "offload_recompute_tokens", "offload_device_budget_bytes", "share_prompt",
-                    "sequence_parallel_size", "logprob_impl", "logprob_chunk_size", "rollout_budget", "routing_replay")
+                    "sequence_parallel_size", "logprob_impl", "logprob_chunk_size", "rollout_budget", "routing_replay",
+                    "sampling_rounds")
 
 
 def run_inputs(source, *, model_dtype: str, quantization: str, lora_r: int, generation: str, max_prompt_length: int,
@@ -193,7 +195,7 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
                 offload_recompute_tokens=OFFLOAD_RECOMPUTE_TOKENS, offload_device_budget_bytes=0,
                 sequence_parallel_size=1, share_prompt="false", generation=None,
                 generation_batch=None, reward_models=(), paged_seqs=None, rollout_budget=0,
-                routing_replay="auto") -> MemoryPlan:
+                routing_replay="auto", sampling_rounds=1) -> MemoryPlan:
     """Predicted per-device bytes of one GRPO training step (see the module docstring).
 
     generation: the route that generates (planning.routes.ROUTES; None: the one use_vllm / vllm_share_weights /
@@ -206,7 +208,9 @@ def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, nu
     (trainer/carried_rollouts.py), so continuous batching's pool holds twice the sequences (a colocated engine's KV
     cache is its fixed size, vllm_kv_seqs, with the rest queued), and the two batches' records (token ids, behaviour
     log-probs, versions) are host memory. routing_replay (not "false", a MoE on the route that records its routing,
-    continuous_batching): the sequences in flight keep each token's experts on the host (`routing_record_bytes`)."""
+    continuous_batching): the sequences in flight keep each token's experts on the host (`routing_record_bytes`).
+    sampling_rounds: --dynamic_sampling's bound on generation rounds per generation batch (1: off), whose outputs
+    are held until merged (`sampling_round_bytes`)."""
     if generation is None:
         generation = choose_route(use_vllm=bool(use_vllm), quantization=quantization, lora_r=lora_r,
                                   vllm_share_weights=vllm_share_weights is not False, stack=PINNED_STACK)[0]
@@ -349,6 +353,8 @@ def _generation_side_terms(shape, s: _Step, i: dict, dev: dict, host: dict) -> N
             i["max_prompt_length"], i["num_generations"] * s.T)
     if i["routing_replay"] != "false" and generation == "continuous_batching" and shape.moe_layers:
         host["routing_records"] = routing_record_bytes(shape, s.in_flight, s.T)
+    dev["sampling_rounds"] = sampling_round_bytes(i["generation_batch"], i["max_prompt_length"],
+                                                  i["max_completion_length"], i["sampling_rounds"])
     dev["reward_models"] = sum(reward_model_bytes(model_shape(rm), rows, s.T, a) for rm, rows in i["reward_models"])
 
 
