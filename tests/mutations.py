@@ -60,6 +60,7 @@ SERVER_2 = "tests/test_server_distributed.py::test_two_ranks_train_through_one_s
 TS, OT, TSM = ("tests/test_truncated_sampling.py::", "grpo_accel/ops/truncation.py",
                "grpo_accel/trainer/truncated_sampling.py")
 TS_TRAINER = TS + "test_top_p_on_policy_ratio_is_one_through_a_budgeted_run[padded]"
+DS, DS_T = "grpo_accel/trainer/dynamic_sampling.py", "tests/test_dynamic_sampling.py::"
 RR, LP = "grpo_accel/head/routing_replay.py", "grpo_accel/trainer/logprob_passes.py"
 RC, CR = "grpo_accel/generation/routing_capture.py", "grpo_accel/trainer/carried_rollouts.py"
 CAPTURE = "tests/test_routing_capture.py::"
@@ -158,6 +159,22 @@ MUTATIONS = [
              (TS + "test_each_route_reads_its_samplers_truncation",)),
     Mutation("11g", "the loss keeps old - log Z as its old log-probs (not restored)", TSM,
              'output["old_per_token_logps"] = old  #', "pass  #", (TS_TRAINER,)),
+    # issue 66: dynamic sampling
+    Mutation("66a", "equal rewards by an absolute tolerance (TRL's), not one relative to the rewards' scale", DS,
+             "return ~(spread > RTOL * scale) | ~scored.any(dim=1)", "return ~(spread > 1e-8) | ~scored.any(dim=1)",
+             (DS_T + "test_flat_groups_is_exact_equality_up_to_the_rewards_scale",)),
+    Mutation("66b", "the refill cursor never moves: every round samples the same prompts", DS,
+             "self.cursor += groups * world", "pass",
+             (DS_T + "test_refill_prompts_go_through_the_dataset_once_a_pass_and_ranks_take_apart",)),
+    Mutation("66c", "the refill cursor not restored on resume", DS,
+             'self.source.cursor = int(json.load(f)["prompts_taken"])', "pass",
+             (DS_T + "test_a_resumed_run_samples_the_refills_of_the_uninterrupted_one",)),
+    Mutation("66d", "the merged batch keeps the first round's num_items_in_batch", DS,
+             'merged["num_items_in_batch"] = trainer.accelerator.gather(loss_mask.sum()).sum()', "pass",
+             (DS_T + "test_kept_groups_train_as_trls_trainer_fed_those_groups",)),
+    Mutation("66e", "each process refills only what it lacks (rounds out of lockstep)", DS,
+             'return int(trainer.accelerator.reduce(t, reduction="max").item())', "return need",
+             ("tests/test_dynamic_sampling_distributed.py::test_two_ranks_refill_in_lockstep_under_zero3",)),
     # issue 65: routing replay and the mismatch figures
     Mutation("65a", "replayed experts weighted by the router's own top-k gates, not recomputed at the recorded ones",
              RR, "return logits, gates(router, logits, idx), idx", "return logits, scores, idx",

@@ -249,3 +249,24 @@ def test_the_planner_holds_every_rounds_output(tmp_path, monkeypatch):
     assert len(held) == 3
     planned = sampling_round_bytes(ROWS, max(widths), C, 3)
     assert sum(held) <= planned <= 2 * sum(held) + 3 * ROWS * 12 * C
+
+
+def test_refill_prompts_go_through_the_dataset_once_a_pass_and_ranks_take_apart():
+    """Two processes (a source each, as each process holds its own) taking 3 groups a round: their prompts never
+    overlap, and every prompt comes once before any comes again (a permutation per pass over the dataset), each
+    repeated G times in a row; a later pass is another order."""
+    from grpo_accel.trainer.dynamic_sampling import PromptSource
+
+    data = [{"i": i} for i in range(12)]
+    sources = [PromptSource(data, seed=0, num_generations=G) for _ in (0, 1)]
+    passes = []
+    for _ in range(2):
+        taken = []
+        for _ in range(2):  # two rounds of 2 ranks x 3 groups: one whole pass
+            for rank, source in enumerate(sources):
+                rows = source.take(3, rank, 2)
+                assert all(rows[k]["i"] == rows[k - k % G]["i"] for k in range(len(rows)))
+                taken += [row["i"] for row in rows[::G]]
+        assert sorted(taken) == list(range(12))
+        passes.append(taken)
+    assert passes[0] != passes[1] and all(s.cursor == 24 for s in sources)
