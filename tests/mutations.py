@@ -167,7 +167,7 @@ MUTATIONS = [
              "self.cursor += groups * world", "pass",
              (DS_T + "test_refill_prompts_go_through_the_dataset_once_a_pass_and_ranks_take_apart",)),
     Mutation("66c", "the refill cursor not restored on resume", DS,
-             'self.source.cursor = int(json.load(f)["prompts_taken"])', "pass",
+             'self.source.cursor = int(state["prompts_taken"])', "pass",
              (DS_T + "test_a_resumed_run_samples_the_refills_of_the_uninterrupted_one",)),
     Mutation("66d", "the merged batch keeps the first round's num_items_in_batch", DS,
              'merged["num_items_in_batch"] = trainer.accelerator.gather(loss_mask.sum()).sum()', "pass",

@@ -180,13 +180,17 @@ class DynamicSampling:
         if is_main:
             os.makedirs(checkpoint_dir, exist_ok=True)
             with open(os.path.join(checkpoint_dir, STATE_FILE), "w") as f:
-                json.dump({"prompts_taken": self.source.cursor}, f)
+                json.dump({"prompts_taken": self.source.cursor, "reward_range": self.reward_range,
+                           "bound_streak": self.bound_streak, "said_bound": self.said_bound}, f)
 
     def load(self, checkpoint_dir: str) -> None:
         path = os.path.join(checkpoint_dir, STATE_FILE)
         if os.path.exists(path):
             with open(path) as f:
-                self.source.cursor = int(json.load(f)["prompts_taken"])
+                state = json.load(f)
+            self.source.cursor = int(state["prompts_taken"])
+            self.reward_range = [float(v) for v in state["reward_range"]]
+            self.bound_streak, self.said_bound = int(state["bound_streak"]), bool(state["said_bound"])
 
 
 # TRL 1.16's output keys: padded on the left (prompt side), on the right (completion side), one value per row
