@@ -148,6 +148,24 @@ def generate_paged(model, prompt_ids: list[list[int]], generation_config, cb_con
 ROUND_PAGE_SIZE = 16
 
 
+def _finished(manager, ids: list) -> dict:
+    """{request id: its finished result} for every id. No bound on a round's time (a round of a long budget on a large
+    model may take many minutes): a generation thread that stopped is what ends the wait; a hung one is the run's
+    hang handling's (SIGUSR1 prints stacks)."""
+    done: dict = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            done[result.request_id] = result
+        elif result is None and not manager.is_running():
+            raise RuntimeError(f"transformers' continuous batching returned {len(done)} of {len(ids)} continuations: "
+                               "its generation thread stopped; its log says why")
+    failed = [o.error for o in done.values() if getattr(o, "error", None) is not None]
+    if failed:
+        raise RuntimeError(f"transformers' continuous batching failed {len(failed)} continuation(s): {failed[:3]}")
+    return done
+
+
 @contextlib.contextmanager
 def paged_decode(model, generation_config, cb_config=None, capture=None):
     """`with paged_decode(model, generation_config, cb_config) as decode:` the route `continuous_batching`'s producer:
@@ -182,20 +200,7 @@ def paged_decode(model, generation_config, cb_config=None, capture=None):
 
         def decode(sequences: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float], bool]]:
             ids = [manager.add_request(list(seq), max_new_tokens=limit) for seq, limit in zip(sequences, limits)]
-            done: dict = {}
-            # no bound on a round's time (a round of a long budget on a large model may take many minutes): a thread
-            # that stopped is what ends the wait; a hung one is the run's hang handling's (SIGUSR1 prints stacks)
-            while len(done) < len(ids):
-                result = manager.get_result(timeout=1)
-                if result is not None and result.is_finished():
-                    done[result.request_id] = result
-                elif result is None and not manager.is_running():
-                    raise RuntimeError(f"transformers' continuous batching returned {len(done)} of {len(ids)} "
-                                       "continuations: its generation thread stopped; its log says why")
-            failed = [o.error for o in done.values() if getattr(o, "error", None) is not None]
-            if failed:
-                raise RuntimeError(f"transformers' continuous batching failed {len(failed)} continuation(s): "
-                                   f"{failed[:3]}")
+            done = _finished(manager, ids)
             out = []
             for i in ids:
                 tokens = list(done[i].generated_tokens)

@@ -148,18 +148,7 @@ class SharedVLLMGeneration:
             if unasked:
                 engine.abort_request(unasked)
             reqs = [r or start(seq) for r, seq in zip(reqs, sequences)]
-            by_id = {r.request_id: r for r in reqs}
-            while any(len(r.ids) < limit and not r.finished for r, limit in zip(reqs, limits)):
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError("vLLM has no request running while a round still waits for tokens")
-                for o in engine.step():
-                    r = by_id.get(o.request_id)
-                    if r is None:
-                        continue
-                    c = o.outputs[0]
-                    r.ids += c.token_ids
-                    r.logps += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]
-                    r.finished = r.finished or o.finished
+            _step_until(engine, reqs, limits)
             out = []
             for seq, limit, r in zip(sequences, limits, reqs):
                 ids, logps, r.ids, r.logps = r.ids[:limit], r.logps[:limit], r.ids[limit:], r.logps[limit:]
@@ -186,6 +175,24 @@ class _EngineRequest:
     ids: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     finished: bool = False
+
+
+def _step_until(engine, reqs: list, limits: list[int]) -> None:
+    """Step vLLM's engine (LLMEngine.step, the loop LLM.generate runs) until each of `reqs` has its limit of tokens or
+    has ended, appending each step's new tokens and their log-probs to the request they belong to."""
+    by_id = {r.request_id: r for r in reqs}
+    while any(len(r.ids) < limit and not r.finished for r, limit in zip(reqs, limits)):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("vLLM has no request running while a round still waits for tokens")
+        for o in engine.step():
+            r = by_id.get(o.request_id)
+            if r is None:
+                continue
+            c = o.outputs[0]
+            r.ids += c.token_ids
+            r.logps += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]
+            r.finished = r.finished or o.finished
+
 
 
 def sampling_options(args) -> dict:

@@ -87,6 +87,17 @@ def gemm_operand(x, acc, cdt):
     return x if x.dtype == acc or _mm_out_dtype_ok(x) else x.to(acc)
 
 
+def _gradient_outputs(hidden, weight, need_h: bool, need_w: bool, direct_w: bool, acc):
+    """The backward's outputs: d(hidden) in its dtype, zeroed (rows of masked tokens stay 0); d(weight) either
+    written tile by tile straight into the weight's dtype (`direct_w`) or accumulated in `acc` over token chunks."""
+    grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+    if not need_w:
+        return grad_h, None
+    if direct_w:
+        return grad_h, torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    return grad_h, torch.zeros(weight.shape, dtype=acc, device=weight.device)
+
+
 def _mm(a, b, acc, out=None):
     """out += a @ b in `acc` precision."""
     if _mm_out_dtype_ok(a):  # the call form TRL 1.16 uses on CUDA
@@ -245,16 +256,12 @@ class ChunkedLogprobs(torch.autograd.Function):
         # pre-scale by dz/dy = 1/T: one [N] multiply instead of one block pass per tile
         g_lp = None if grad_logp is None else grad_logp.to(acc) * inv_t
         g_ent = None if grad_ent is None else grad_ent.to(acc) * inv_t
-        grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         # d(weight): an fp32 accumulator across token chunks (the output itself when weight is fp32). With one token
         # chunk each tile is written once, so a bf16/fp16 GEMM (fp32 accumulation inside cuBLAS, one rounding, as
         # the accumulator's final cast) writes it straight into the weight's dtype: no [V, H] fp32 buffer
         # (2 GB for Llama-3's head, which TRL 1.16 allocates at every size).
         direct_w = need_w and half_copy and weight.dtype == cdt and 0 < n_rows <= chunk
-        grad_w = None
-        if need_w:
-            grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if direct_w else \
-                torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        grad_h, grad_w = _gradient_outputs(hidden, weight, need_h, need_w, direct_w, acc)
         n_bufs = folds.live_blocks(softcap, grad_ent is not None)
         bufs = torch.empty(n_bufs * chunk * tile, dtype=acc, device=hidden.device)
         for r0 in range(0, n_rows, chunk):

@@ -51,6 +51,8 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
     gradient-checkpointing function, Ulysses SP around the policy forward, a colocated vLLM engine that shares the
     training model's weights as `vllm_generation`. Everything it adds is undone by `close()` (end of `train()`)."""
 
+    round_rewards = None  # the last generation round's weighted rewards, every process's rows (_calculate_rewards)
+
     def __init__(self, model, reward_funcs=None, args: GRPOAccelConfig | None = None, *trl_args, vllm_engine=None,
                  longest_prompt: int | None = None, **kwargs):
         """As GRPOTrainer: every argument of TRL's, by name or in its order; `vllm_engine` (by name only): an engine
@@ -89,7 +91,6 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
             args.use_vllm = True
         self.generation_mode = self._generation_mode(vllm_engine, adapter_server)
         self.dynamic_sampling = DynamicSampling(self) if self.args.dynamic_sampling else None
-        self.round_rewards = None  # the last generation round's weighted rewards, every process's rows
         self.kept_mass_correction = kept_mass_correction(self)  # None unless a recorded sampler truncates
         self.learning_signal = LearningSignalWatch(self.args.max_completion_length)
         self.add_callback(self.learning_signal)
