@@ -18,7 +18,8 @@ SLOWEST_FIRST = ("test_gpu_campaign.py", "test_moe_distributed.py", "test_sequen
                  "test_distributed.py", "test_continuous_batching.py", "test_server_distributed.py",
                  "test_preemption.py", "test_qlora_multiprocess.py", "test_offload_multiprocess.py", "test_soak.py",
                  "test_vllm_trainer.py", "test_engine_rows.py", "test_vllm_qlora.py", "test_vllm_launch.py",
-                 "test_vllm_server.py", "test_vllm_resume.py", "test_vllm_moe.py", "test_vllm_colocate.py")
+                 "test_vllm_server.py", "test_vllm_truncated.py", "test_vllm_resume.py", "test_vllm_moe.py",
+                 "test_vllm_colocate.py")
 
 
 def pytest_collection_modifyitems(config, items):

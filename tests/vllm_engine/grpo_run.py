@@ -11,6 +11,11 @@ N tokens: sequence tiles when N is shorter than a row; set GRPO_ACCEL_OFFLOAD_FO
 path on CPU), --token-budget N (packed log-prob forwards of <= N tokens: several per backward), --mini-batch N
 (N padded rows per log-prob forward, padding_free off). --rollout-budget N: decode rounds of N tokens, unfinished
 completions carried into the next step (the tokens 1000-10999 stop a completion too, so lengths vary).
+--top-p P / --top-k K: truncated sampling (the engine reports the truncated distribution's log-probs);
+--uncorrected: with the trainer's kept-mass correction taken out (truncated_sampling.kept_mass_correction -> None);
+--is-mode: TRL's vllm_importance_sampling_mode (default sequence_mask); --dynamic-sampling: with
+tests/support/rewards.half_flat_reward (groups of 4 whose rewards are all equal on prompts with an even answer), so
+some batches need refill rounds.
 --dtype fp16: with --cuda only; --quantization 4bit (QLoRA,
 the engine's own NF4 copy through vllm-bnb-plugin): bf16 compute on CPU, --dtype on CUDA.
 Used by the tests through conftest.grpo_run and by benchmarks/bench_vllm_memory.py. Peak memory is the process's VmHWM.
@@ -125,6 +130,11 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=None)
     ap.add_argument("--mini-batch", type=int, default=None)
     ap.add_argument("--rollout-budget", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--uncorrected", action="store_true")
+    ap.add_argument("--is-mode", default="sequence_mask", help="TRL's vllm_importance_sampling_mode")
+    ap.add_argument("--dynamic-sampling", action="store_true")
     ap.add_argument("--model", default=None, help="a saved model directory (default: the embedded SmolLM2)")
     args = ap.parse_args()
     if args.dtype != "bf16" and not args.cuda:
@@ -149,6 +159,16 @@ def main() -> None:
         # bf16 compute on CPU too: vllm-bnb-plugin 0.0.3 cannot load an fp32 engine (vllm_setup refuses it)
         model, _ = load_model(model_dir, dtype=half, quantization="4bit")
     train, _ = train_eval_datasets("arithmetic", 16, 0, level=1, seed=0)
+    reward = reward_digits
+    if args.dynamic_sampling:
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support.rewards
+        from support.rewards import half_flat_reward as reward
+    if args.uncorrected:
+        import grpo_accel.trainer.trainer as trainer_module
+
+        trainer_module.kept_mass_correction = lambda trainer: None
     lora = None if args.mode == "full" else LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -157,18 +177,21 @@ def main() -> None:
         bf16=args.cuda and args.dtype == "bf16", fp16=args.cuda and args.dtype == "fp16",
         use_vllm=args.mode != "hf", vllm_mode="colocate", vllm_share_weights=args.mode != "unshared",
         per_device_train_batch_size=8, num_generations=4, max_completion_length=args.completion,
-        max_steps=args.steps, learning_rate=5e-5 if args.mode == "full" else 2e-3, logging_steps=1,
+        max_steps=args.steps, logging_steps=1, top_p=args.top_p, top_k=args.top_k,
+        dynamic_sampling=args.dynamic_sampling,
+        learning_rate=5e-5 if args.mode == "full" else 2e-3,
         save_strategy="no", gradient_checkpointing=bool(args.offload_tokens), temperature=0.7, seed=0,
         offload_activations="true" if args.offload_tokens else "false",
         offload_recompute_tokens=args.offload_tokens or 16384, logprob_token_budget=args.token_budget,
         logprob_mini_batch=args.mini_batch, padding_free=args.mini_batch is None,
         model_init_kwargs=None if args.quantization == "4bit" else {"dtype": half if args.cuda else "float32"},
         rollout_budget=args.rollout_budget, vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=args.is_mode,
         # a random tiny model almost never samples its EOS: 10,000 stop ids end ~20% of tokens' completions
         generation_kwargs={"stop_token_ids": list(range(1000, 11000))} if args.rollout_budget else None)
     counts = count_saver_work()
     t0 = time.perf_counter()
-    trainer = GRPOAccelTrainer(model=model, reward_funcs=reward_digits, args=config, train_dataset=train,
+    trainer = GRPOAccelTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train,
                                processing_class=tokenizer, peft_config=lora)
     out = {"mode": args.mode, "threads": args.threads, "cuda": args.cuda, "start_s": time.perf_counter() - t0,
            "rss_after_start": status_bytes("VmRSS"),
@@ -193,6 +216,14 @@ def main() -> None:
         engine.generate = generate
     count_forwards(trainer, counts)
     handed, synced = record_handed(trainer) if args.rollout_budget else ([], [])
+    if engine is not None and not args.rollout_budget:
+        sync = trainer.vllm_generation.sync_weights
+
+        def counted_sync():  # the global step of each push to the engine
+            synced.append(trainer.state.global_step)
+            return sync()
+
+        trainer.vllm_generation.sync_weights = counted_sync
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     t0 = time.perf_counter()
     trainer.train()
@@ -211,6 +242,10 @@ def main() -> None:
     out["is_ratio_min"] = [h.get("sampling/importance_sampling_ratio/min") for h in logs]
     out["carried_completions"] = [h.get("rollouts/carried_completions") for h in logs]
     out["rounds"] = [h.get("rollouts/rounds") for h in logs]
+    out["is_ratio_mean"] = [h.get("sampling/importance_sampling_ratio/mean") for h in logs]
+    out["sampling_rounds"] = [h.get("dynamic_sampling/rounds") for h in logs]
+    out["groups_kept"] = [h.get("dynamic_sampling/groups_kept") for h in logs]
+    out["kept_mass_correction"] = trainer.kept_mass_correction is not None
     out["synced_at"], out["handed"] = list(synced), handed  # a copy: the engine check below syncs once more
     if engine is not None:
         ids = tokenizer(FIXED)["input_ids"]
