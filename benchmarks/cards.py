@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import re
 import sys
 from collections import defaultdict
@@ -39,6 +40,8 @@ def fmt(value: str) -> str:
     try:
         x = float(value)
     except ValueError:
+        return value
+    if not math.isfinite(x):  # nan, inf: a figure a run could not have (written as Python spells it)
         return value
     return f"{x:.4g}" if x != int(x) or abs(x) >= 1e6 else str(int(x))
 
