@@ -21,8 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from campaign.results_io import ROOT, run_meta, write_results  # noqa: E402
+from harness import ROOT, run_meta, write_results
 
 RESULTS = ROOT / "benchmarks" / "results" / "routing_replay.csv"
 TWINS = ("tiny-gpt-oss", "tiny-qwen3-moe")

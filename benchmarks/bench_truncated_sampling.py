@@ -20,9 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from campaign.results_io import ROOT, run_meta, write_results  # noqa: E402
+from harness import ROOT, run_meta, write_results
 
 RESULTS = ROOT / "benchmarks" / "results" / "truncated_sampling.csv"
 SETTINGS = {"top_p 0.9": dict(top_p=0.9), "top_k 50": dict(top_k=50), "min_p 0.1": dict(min_p=0.1)}

@@ -76,3 +76,23 @@ def test_results_append_each_variant_resume_it_and_fail_a_killed_run(tmp_path, m
     with pytest.raises(SystemExit, match="killed"):
         killed.finish()
     assert any(r["shape"] == "G=8" and r["metric"] == "killed_by_signal" for r in csv.DictReader(out.open()))
+
+
+def test_every_script_imports_only_benchmark_modules_that_exist():
+    """A script importing a module of benchmarks/ that a refactor removed (campaign/results_io.py became harness.py)
+    fails only when someone runs it; here, without running it: each `from X import` / `import X` of a module that
+    lives under benchmarks/ (or used to) must name a file there."""
+    import ast
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    local = {p.stem for p in bench.glob("*.py")} | {"campaign"}
+    for script in sorted(bench.rglob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for name in names:
+                parts = name.split(".")
+                if parts[0] in local:
+                    path = bench.joinpath(*parts)
+                    assert path.with_suffix(".py").exists() or (path / "__init__.py").exists(), (script, name)
