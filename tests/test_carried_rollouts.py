@@ -11,9 +11,8 @@ import math
 
 import pytest
 import torch
-from peft import LoraConfig
 from support.rewards import length_reward
-from support.trainers import assert_steps_equal
+from support.trainers import STEP_RUN, assert_steps_equal, small_lora, step_run_config
 
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.data.datasets import arithmetic_dataset
@@ -22,7 +21,9 @@ from grpo_accel.trainer.carried_rollouts import BudgetMode
 from grpo_accel.trainer.config import GRPOAccelConfig
 from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
-PROMPTS, ROWS, G, STEPS, C, BUDGET = 16, 8, 4, 4, 16, 2
+PROMPTS, BUDGET = 16, 2
+ROWS, G, STEPS, C = (STEP_RUN[k] for k in ("per_device_train_batch_size", "num_generations", "max_steps",
+                                           "max_completion_length"))
 PLAIN = dict(logprob_impl="trl", padding_free=False, share_prompt="false")
 POOL = dict(num_blocks=32, page_size=32, max_batch_tokens=256)
 # A random tiny model samples SmolLM2's 49K tokens near uniformly and almost never its EOS: 10,000 ids that end a
@@ -31,14 +32,7 @@ POOL = dict(num_blocks=32, page_size=32, max_batch_tokens=256)
 EOS_IDS = list(range(1000, 11000))
 
 
-def config(cls, tmp_path, **extra):
-    return cls(**dict(output_dir=str(tmp_path), per_device_train_batch_size=ROWS, num_generations=G,
-                      max_completion_length=C, report_to="none", seed=0, beta=0.0, logging_steps=1, max_steps=STEPS,
-                      save_steps=100, bf16=False) | extra)
-
-
-def lora():
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+config, lora = step_run_config, small_lora  # support/trainers.py: the run TRL's side builds alike
 
 
 # Weights' init std for the greedy check: at tiny-llama's 0.02 every greedy completion repeats one token whatever its

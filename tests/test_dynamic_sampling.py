@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from peft import LoraConfig
 from support.compare import assert_equal
 from support.rewards import half_flat_reward, length_reward
+from support.trainers import STEP_RUN, small_lora, step_run_config
 
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.data.datasets import arithmetic_dataset
@@ -22,7 +22,9 @@ from grpo_accel.trainer.config import GRPOAccelConfig
 from grpo_accel.trainer.dynamic_sampling import RTOL, flat_groups
 from grpo_accel.trainer.trainer import GRPOAccelTrainer
 
-PROMPTS, ROWS, G, STEPS, C = 16, 8, 4, 4, 16
+PROMPTS = 16
+ROWS, G, STEPS, C = (STEP_RUN[k] for k in ("per_device_train_batch_size", "num_generations", "max_steps",
+                                           "max_completion_length"))
 PLAIN = dict(logprob_impl="trl", padding_free=False, share_prompt="false")
 EOS_IDS = list(range(1000, 11000))  # ~20% of a random tiny model's tokens end a completion: lengths differ
 
@@ -31,14 +33,7 @@ def constant_reward(prompts, completions, **kwargs):
     return [0.2] * len(completions)
 
 
-def config(cls, tmp_path, **extra):
-    return cls(**dict(output_dir=str(tmp_path), per_device_train_batch_size=ROWS, num_generations=G,
-                      max_completion_length=C, report_to="none", seed=0, beta=0.0, logging_steps=1, max_steps=STEPS,
-                      save_steps=100, bf16=False) | extra)
-
-
-def lora():
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+config, lora = step_run_config, small_lora  # support/trainers.py: the run TRL's side builds alike
 
 
 def ours(tmp_path, reward=half_flat_reward, **extra):

@@ -146,3 +146,20 @@ def assert_steps_equal(ours, reference) -> None:
         return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
 
     assert_equal(adapter(ours), adapter(reference))
+
+
+# A short LoRA run that both sides of a comparison with TRL's own trainer build alike (test_carried_rollouts,
+# test_dynamic_sampling): 8 rows in groups of 4, 16 completion tokens, 4 steps, no KL term; savers left to the caller
+STEP_RUN = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16, report_to="none", seed=0,
+                beta=0.0, logging_steps=1, max_steps=4, save_steps=100, bf16=False)
+
+
+def step_run_config(cls, tmp_path, **extra):
+    """`cls` (TRL's GRPOConfig or ours) for STEP_RUN writing to tmp_path; `extra` overrides."""
+    return cls(**dict(output_dir=str(tmp_path), **STEP_RUN) | extra)
+
+
+def small_lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
