@@ -11,7 +11,8 @@ from trl import GRPOConfig
 from grpo_accel.core.errors import ConfigError
 from grpo_accel.core.settings import SETTINGS, RunSettings, offload_activations_on
 from grpo_accel.core.units import GIB
-from grpo_accel.planning.memory import PLANNED_SETTINGS, plan_memory
+from grpo_accel.planning.memory import plan_memory
+from grpo_accel.planning.plan_inputs import PLANNED_SETTINGS
 from grpo_accel.trainer.config import GRPOAccelConfig
 
 

@@ -81,7 +81,7 @@ def test_cuda_fraction_comes_from_the_planner(tmp_path, hf_config, monkeypatch):
     from grpo_accel.planning.generation import kv_bytes_per_token
     from grpo_accel.planning.memory import weights_bytes
 
-    # offload off: on CUDA "auto" offloads (planning.memory.run_inputs resolves it as the trainer does), and training
+    # offload off: on CUDA "auto" offloads (planning.plan_inputs resolves it as the trainer does), and training
     # at these lengths then leaves the engine the 0.95 cap either way
     args = _args(tmp_path, offload_activations="false")
     long_args = _args(tmp_path, max_completion_length=4000, offload_activations="false")

@@ -183,7 +183,8 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
     from grpo_accel.core.units import GIB
     from grpo_accel.planning.architectures import model_shape
     from grpo_accel.planning.generation import kv_bytes_per_token, vllm_memory_fraction
-    from grpo_accel.planning.memory import plan_memory, run_inputs
+    from grpo_accel.planning.memory import plan_memory
+    from grpo_accel.planning.plan_inputs import plan_inputs
 
     shape = model_shape(hf_config)
     # --rollout_budget keeps this step's batch and the next in flight, each completion one request across the step's
@@ -205,7 +206,7 @@ def engine_config(args, hf_config, *, dtype: torch.dtype, lora_r: int, route: st
         cfg.memory_fraction = args.vllm_gpu_memory_utilization
         return cfg, f"gpu_memory_utilization {cfg.memory_fraction} (vllm_gpu_memory_utilization, as given)"
     quantization = "4bit" if route in ("vllm_4bit", "vllm_fp8") else "none"
-    plan = plan_memory(shape, vllm_kv_seqs=1, vllm_sleep=cfg.sleep, **run_inputs(
+    plan = plan_memory(shape, vllm_kv_seqs=1, vllm_sleep=cfg.sleep, **plan_inputs(
         args, model_dtype=dtypes.short_name(dtype), quantization=quantization, lora_r=lora_r, generation=route,
         max_prompt_length=max(model_len - args.max_completion_length, 1), cuda=True))
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

@@ -23,8 +23,6 @@ from grpo_accel.core.settings import (
     LOGPROB_IMPLS,
     OFFLOAD_RECOMPUTE_TOKENS,
     SHARE_PROMPT_MIN_SAVED,
-    RunSettings,
-    field_of,
     share_prompt_blocker,
     share_prompt_pays,
     shared_group_tokens,
@@ -162,29 +160,6 @@ def shortest_shared_prompt(completion_len: int, num_generations: int) -> int | N
     while not share_prompt_pays(P, [C] * G, "auto"):  # one or two steps past the float estimate
         P += 1
     return P
-
-
-# plan_memory's arguments that are run settings as they run (core.settings.RunSettings fields, the same names)
-PLANNED_SETTINGS = ("offload_activations", "offload_recompute_tokens", "offload_device_budget_bytes", "share_prompt",
-                    "sequence_parallel_size", "logprob_impl", "logprob_chunk_size", "rollout_budget", "routing_replay",
-                    "sampling_rounds")
-
-
-def run_inputs(source, *, model_dtype: str, quantization: str, lora_r: int, generation: str, max_prompt_length: int,
-               cuda: bool, generation_batch: int | None = None) -> dict:
-    """plan_memory's arguments that a run decides, from its fields or its config object (core.settings.field_of):
-    the one mapping from a run to its plan. A preset's plan (app/presets Preset.plan_inputs), the colocated engine's
-    size (generation/vllm_setup.engine_config) and continuous batching's page pool
-    (trainer/paged_generation.planned_paged_seqs) call it, each adding what only it knows (the processes, the
-    engine's sleep); our settings as core.settings.RunSettings resolves them on a machine with or without CUDA."""
-    run = RunSettings.resolve(source, cuda=cuda)
-    return dict(model_dtype=model_dtype, quantization=quantization, lora_r=lora_r,
-                num_generations=field_of(source, "num_generations"), max_prompt_length=max_prompt_length,
-                max_completion_length=field_of(source, "max_completion_length"),
-                per_device_train_batch_size=field_of(source, "per_device_train_batch_size"),
-                gradient_checkpointing=bool(field_of(source, "gradient_checkpointing", False)),
-                **{name: getattr(run, name) for name in PLANNED_SETTINGS},
-                generation=generation, generation_batch=generation_batch, device="cuda" if cuda else "cpu")
 
 
 def plan_memory(shape, *, model_dtype="bf16", quantization="none", lora_r=16, num_generations=8, max_prompt_length=512,
@@ -496,5 +471,5 @@ def _verdict(plan: MemoryPlan, gpu: int) -> Verdict:
     return Verdict(False, p, gpu, tuple(fixes), msg)
 
 
-__all__ = ["GIB", "MemoryPlan", "PLANNED_SETTINGS", "Verdict", "auto_logprob_block", "layer_saved_bytes_per_token",
-           "plan_memory", "run_inputs", "weights_bytes"]
+__all__ = ["GIB", "MemoryPlan", "Verdict", "auto_logprob_block", "layer_saved_bytes_per_token",
+           "plan_memory", "weights_bytes"]

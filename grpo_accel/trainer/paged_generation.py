@@ -29,12 +29,13 @@ def planned_paged_seqs(trainer, prompt_tokens: int, generation_batch: int) -> in
         return None
     from grpo_accel.planning.architectures import model_shape
     from grpo_accel.planning.fitting import paged_sequences
-    from grpo_accel.planning.memory import plan_memory, run_inputs
+    from grpo_accel.planning.memory import plan_memory
+    from grpo_accel.planning.plan_inputs import plan_inputs
 
     args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     lora = getattr(model, "peft_config", None)
-    plan = plan_memory(model_shape(model.config), **run_inputs(
+    plan = plan_memory(model_shape(model.config), **plan_inputs(
         args, model_dtype=short_name(str(dtype).replace("torch.", "")),
         quantization="4bit" if getattr(model, "is_loaded_in_4bit", False) else "none",
         lora_r=int(next(iter(lora.values())).r) if lora else 0, generation="continuous_batching",

@@ -19,7 +19,8 @@ from grpo_accel.core.settings import SETTINGS, generations_per_process
 from grpo_accel.core.units import GIB
 from grpo_accel.planning.architectures import model_shape
 from grpo_accel.planning.fitting import paged_sequences
-from grpo_accel.planning.memory import MemoryPlan, plan_memory, run_inputs
+from grpo_accel.planning.memory import MemoryPlan, plan_memory
+from grpo_accel.planning.plan_inputs import plan_inputs
 from grpo_accel.planning.routes import PINNED_STACK, Stack, choose_route
 
 # package data: the YAMLs travel with the package (a wheel, `pip install .`); the checkout's accelerate_configs/ is a
@@ -110,13 +111,13 @@ class Preset:
 
     def plan_inputs(self, f: dict, stack: Stack = PINNED_STACK) -> dict:
         """plan_memory's arguments from run fields (GRPOAccelConfig / ScriptArguments names) on the preset's machine:
-        planning.memory.run_inputs (the mapping the trainer's own plans use) and the preset's processes and engine."""
+        planning.plan_inputs (the mapping the trainer's own plans use) and the preset's processes and engine."""
         cuda = self.is_gpu
         route, _ = self.route(f, stack)
         processes = int(os.environ.get("WORLD_SIZE", self.num_processes))
         generation_batch = self.generation_batch(f, processes)
         return dict(
-            run_inputs(f, model_dtype=f["model_dtype"], quantization=f["quantization"], lora_r=f["lora_r"],
+            plan_inputs(f, model_dtype=f["model_dtype"], quantization=f["quantization"], lora_r=f["lora_r"],
                        generation=route, max_prompt_length=self.max_prompt_length, cuda=cuda,
                        generation_batch=generation_batch),
             # vLLM needs one full-length sequence of KV cache to start; what is left over goes to more of them
