@@ -138,7 +138,10 @@ class DynamicSampling:
         rows = out["completion_ids"].size(0)
         mine = slice(trainer.accelerator.process_index * rows, (trainer.accelerator.process_index + 1) * rows)
         local = rewards[mine]
-        flat = flat_groups(local, self.num_generations).tolist()
+        # the test on every process's rewards, as frac_reward_zero_std is logged: one scale for the whole batch, so a
+        # group dropped here is a group counted flat there
+        groups = slice(mine.start // self.num_generations, mine.stop // self.num_generations)
+        flat = flat_groups(rewards, self.num_generations)[groups].tolist()
         keep = [g for g, f in enumerate(flat) if not f][:need]
         if keep:
             parts.append((out, keep))
