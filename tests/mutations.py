@@ -204,6 +204,9 @@ MUTATIONS = [
     Mutation("65h", "the budget's ready groups' routing not handed to the trainer's records", CR,
              "keep_routing(trainer, [p + r.completion_ids for p, r in rows], [r.routed_experts for _, r in rows])",
              "pass", (CAPTURE + "test_the_trainer_replays_the_samplers_routing",)),
+    Mutation("cb-race", "a round's requests queued while transformers' loop runs: it may take them in several drains",
+             "grpo_accel/generation/continuous_batching.py", "    with manager.pause():\n        yield",
+             "    yield", ("tests/test_continuous_batching.py::test_a_rounds_requests_enter_the_loop_together",)),
 ]
 
 

@@ -348,3 +348,52 @@ def test_a_lost_or_failed_request_stops_the_step(monkeypatch):
             cb.generate_paged(model, [[1, 2], [3, 4]], config, None)
     monkeypatch.setattr(model, "generate_batch", lambda *a, **k: {"a": ok, "b": ok}, raising=False)
     assert cb.generate_paged(model, [[1, 2], [3, 4]], config, None) == [[5, 6], [5, 6]]
+
+
+def _loop_drains_each_request(monkeypatch):
+    """transformers' add_request made to wait (up to 1 s) until the loop thread has drained the request from its queue
+    before the next goes in: what a loaded machine does to a round by chance (the loop wakes on each add_request and
+    drains whatever is queued), here every time."""
+    import time
+
+    from transformers.generation.continuous_batching import continuous_api
+
+    add = continuous_api.ContinuousBatchingManager.add_request
+
+    def add_then_wait(self, *a, **k):
+        request_id = add(self, *a, **k)
+        deadline = time.monotonic() + 1.0
+        while not self.input_queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return request_id
+
+    monkeypatch.setattr(continuous_api.ContinuousBatchingManager, "add_request", add_then_wait)
+
+
+@pytest.mark.parametrize("route", ["generate_paged", "paged_decode"])
+def test_a_rounds_requests_enter_the_loop_together(monkeypatch, route):
+    """The same seed samples the same completions however the loop thread is scheduled. transformers' loop drains its
+    queue whenever it wakes, and each add_request wakes it: a loop that took a round's first request before the
+    others were queued decoded them in other forwards, with other draws of the RNG both threads share, and the same
+    seed sampled other completions (the 2-rank ZeRO-3 carry-and-resume test failed on it under CI's load). The
+    reference is the same call undisturbed; the disturbed one has the loop take the requests one at a time if it can."""
+    from transformers import GenerationConfig
+
+    from grpo_accel.generation.continuous_batching import generate_paged, paged_config, paged_decode
+
+    model, tok = load_model("tiny-llama")
+    gen = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0, top_k=0, eos_token_id=-1,
+                           pad_token_id=tok.pad_token_id)
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9, 10, 11], [8, 9, 10, 11], [12, 13], [12, 13]]
+    cfg, _ = paged_config(model, generation_batch=len(prompts), prompt_tokens=4, completion_tokens=6, page_size=16)
+
+    def sample():
+        torch.manual_seed(0)
+        if route == "generate_paged":
+            return generate_paged(model, prompts, gen, cfg)
+        with paged_decode(model, gen, cfg) as decode:
+            return [tokens for tokens, *_ in decode(prompts, [6, 5, 4, 6, 5, 4])]
+
+    undisturbed = sample()
+    _loop_drains_each_request(monkeypatch)
+    assert sample() == undisturbed
