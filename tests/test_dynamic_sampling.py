@@ -75,11 +75,18 @@ def test_equal_rewards_are_seen_where_trls_tolerance_misses_the_float_residue(tm
     assert any("every group's completions got equal rewards" in w for w in trainer.learning_signal.warnings)
 
 
-def test_with_every_group_spread_it_is_the_run_without_it_bit_for_bit(tmp_path):
-    off = ours(tmp_path / "off", reward=length_reward)
+# --rollout_budget over continuous batching: rounds of 2 tokens against the limit of 16, so groups finish apart and
+# completions are carried (the EOS ids above end ~20% of tokens)
+BUDGET = dict(rollout_budget=2, use_transformers_continuous_batching=True, vllm_importance_sampling_correction=True)
+
+
+@pytest.mark.parametrize("route", ["generate", "budget"])
+def test_with_every_group_spread_it_is_the_run_without_it_bit_for_bit(tmp_path, route):
+    extra = BUDGET if route == "budget" else {}
+    off = ours(tmp_path / "off", reward=length_reward, **extra)
     off.train()
     assert all(h["frac_reward_zero_std"] == 0 for h in steps(off)), "a flat group: this would test a refill"
-    on = ours(tmp_path / "on", reward=length_reward, dynamic_sampling=True)
+    on = ours(tmp_path / "on", reward=length_reward, dynamic_sampling=True, **extra)
     on.train()
     for a, b in zip(steps(on), steps(off), strict=True):
         assert a["dynamic_sampling/rounds"] == 1 and a["dynamic_sampling/groups_kept"] == ROWS // G
@@ -133,17 +140,13 @@ def _completions(out):
     return [ids[mask.bool()].tolist() for ids, mask in zip(out["completion_ids"], out["completion_mask"])]
 
 
-def test_kept_groups_train_as_trls_trainer_fed_those_groups(tmp_path, monkeypatch):
-    from trl import GRPOConfig, GRPOTrainer
-
-    trainer = ours(tmp_path / "ours", dynamic_sampling=True, max_sampling_rounds=4)
-    kept = recording(monkeypatch, trainer)
-    trainer.train()
-    monkeypatch.undo()
-    assert len(kept) == STEPS and any(len(k["rounds"]) > 1 for k in kept), "no refill: the test would test nothing"
+def batches_kept(kept) -> tuple[list, list]:
+    """Per step, the rows and completions the test itself chooses from the rounds TRL scored: the first groups, in
+    round order, whose answer is odd (half_flat_reward's spread), then the flat ones in round order where the rounds
+    found too few; each must be what the step trained."""
     fed_rows, fed_ids = [], []
-    for k in kept:  # the test's own choice: the first groups, in round order, whose answer is odd (a spread), then
-        rows, ids = [], []  # the flat ones in round order where the rounds found too few
+    for k in kept:
+        rows, ids = [], []
         for spread in (True, False):
             for round_rows, round_ids in k["rounds"]:
                 for g in range(0, len(round_rows), G):
@@ -153,6 +156,18 @@ def test_kept_groups_train_as_trls_trainer_fed_those_groups(tmp_path, monkeypatc
         assert ids == k["out"]
         fed_rows.append(rows)
         fed_ids.append(ids)
+    return fed_rows, fed_ids
+
+
+def test_kept_groups_train_as_trls_trainer_fed_those_groups(tmp_path, monkeypatch):
+    from trl import GRPOConfig, GRPOTrainer
+
+    trainer = ours(tmp_path / "ours", dynamic_sampling=True, max_sampling_rounds=4)
+    kept = recording(monkeypatch, trainer)
+    trainer.train()
+    monkeypatch.undo()
+    assert len(kept) == STEPS and any(len(k["rounds"]) > 1 for k in kept), "no refill: the test would test nothing"
+    fed_rows, fed_ids = batches_kept(kept)
     logs = steps(trainer)
     assert sum(h["dynamic_sampling/dropped_all_right"] + h["dynamic_sampling/dropped_all_wrong"] for h in logs) > 0
 
@@ -181,11 +196,43 @@ def test_kept_groups_train_as_trls_trainer_fed_those_groups(tmp_path, monkeypatc
     assert_equal(adapter(trainer), adapter(reference))
 
 
-def test_a_resumed_run_samples_the_refills_of_the_uninterrupted_one(tmp_path):
-    whole = ours(tmp_path / "whole", dynamic_sampling=True, save_steps=2)
+def test_on_a_rollout_budget_refill_rounds_join_the_groups_in_flight(tmp_path, monkeypatch):
+    """--rollout_budget: a refill round's prompts join the groups in flight and the round trains the first complete
+    ones (groups started ahead or carried before the new prompts). Each prompt is admitted once: the batch a step
+    started ahead is not admitted again by the next step after a refill (the in-flight record counts admissions);
+    the batch each step trained is the one the test chooses from the rounds TRL scored."""
+    trainer = ours(tmp_path, dynamic_sampling=True, max_sampling_rounds=4, **BUDGET)
+    kept = recording(monkeypatch, trainer)
+    asked, take = [], trainer.dynamic_sampling.source.take
+
+    def taking(*a):
+        asked.append(take(*a))
+        return asked[-1]
+
+    monkeypatch.setattr(trainer.dynamic_sampling.source, "take", taking)
+    trainer.train()
+    monkeypatch.undo()
+    logs = steps(trainer)
+    assert any(h["dynamic_sampling/rounds"] > 1 for h in logs), "no refill: the test would test nothing"
+    assert any(h["rollouts/carried_completions"] > 0 for h in logs), "nothing carried: no budget at work"
+    batches_kept(kept)
+    refill_rounds = [rows for k in kept for rows, _ in k["rounds"][1:]]
+    assert len(refill_rounds) == len(asked)
+    # a refill round trained groups that were in flight before its prompts joined them
+    assert any([r["question"] for r in got] != [r["question"] for r in new] for got, new in zip(refill_rounds, asked))
+    groups = ROWS // G
+    refills = sum(h["dynamic_sampling/groups_sampled"] - groups for h in logs)
+    ahead = groups if STEPS * groups < PROMPTS else 0  # the batch after the last step, started ahead of it
+    assert trainer.generation_mode.rollouts.next_group_id == STEPS * groups + ahead + refills
+
+
+@pytest.mark.parametrize("route", ["generate", "budget"])
+def test_a_resumed_run_samples_the_refills_of_the_uninterrupted_one(tmp_path, route):
+    extra = BUDGET if route == "budget" else {}
+    whole = ours(tmp_path / "whole", dynamic_sampling=True, save_steps=2, **extra)
     whole.train()
     assert any(h["dynamic_sampling/rounds"] > 1 for h in steps(whole)[2:]), "no refill after the checkpoint"
-    resumed = ours(tmp_path / "whole", dynamic_sampling=True, save_steps=2)
+    resumed = ours(tmp_path / "whole", dynamic_sampling=True, save_steps=2, **extra)
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
     for a, b in zip(steps(resumed)[-2:], steps(whole)[2:], strict=True):
         for key in ("loss", "grad_norm", *(k for k in b if k.startswith("dynamic_sampling/") and not k.endswith("_s"))):
@@ -203,11 +250,6 @@ def test_rounds_are_bounded_and_a_short_batch_trains_on_what_it_has(tmp_path):
         assert h["dynamic_sampling/groups_sampled"] == 2 * ROWS // G
 
 
-def test_what_it_does_not_run_with_is_one_error(tmp_path):
-    with pytest.raises(ConfigError, match="--rollout_budget"):
-        ours(tmp_path, dynamic_sampling=True, rollout_budget=4, use_transformers_continuous_batching=True)
-
-
 def test_groups_split_across_processes_are_refused():
     """2 rows a process with G=4 on 2 processes (TRL allows it: the global batch holds whole groups): a group
     would be kept or dropped on two ranks at once."""
@@ -215,8 +257,8 @@ def test_groups_split_across_processes_are_refused():
 
     from grpo_accel.trainer.dynamic_sampling import DynamicSampling
 
-    args = SimpleNamespace(rollout_budget=0, use_vllm=False, vllm_mode="colocate", sequence_parallel_size=1,
-                           per_device_train_batch_size=2, steps_per_generation=1, max_sampling_rounds=3, seed=0)
+    args = SimpleNamespace(sequence_parallel_size=1, per_device_train_batch_size=2, steps_per_generation=1,
+                           max_sampling_rounds=3, seed=0)
     trainer = SimpleNamespace(args=args, num_generations=4, train_dataset=list(range(8)))
     with pytest.raises(ConfigError, match="whole groups on each process"):
         DynamicSampling(trainer)

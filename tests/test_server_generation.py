@@ -31,10 +31,10 @@ def config(cls, tmp_path, url, **extra):
                       use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30) | extra)
 
 
-def ours(tmp_path, url, dtype=torch.float32, **extra):
+def ours(tmp_path, url, dtype=torch.float32, reward=length_reward, **extra):
     torch.manual_seed(0)
     model, tokenizer = load_model("tiny-llama", dtype=dtype)
-    return GRPOAccelTrainer(model=model, reward_funcs=[length_reward], args=config(GRPOAccelConfig, tmp_path, url,
+    return GRPOAccelTrainer(model=model, reward_funcs=[reward], args=config(GRPOAccelConfig, tmp_path, url,
                             **PLAIN, **extra), processing_class=tokenizer,
                             train_dataset=arithmetic_dataset("train", PROMPTS),
                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -195,3 +195,20 @@ def test_options_the_client_does_not_send_are_refused(server, tmp_path, option):
     url, _ = server
     with pytest.raises(ConfigError, match="not sent to the server|past --max_staleness 1|already samples ahead"):
         ours(tmp_path, url, **option)
+
+
+def test_dynamic_sampling_refills_now_and_keeps_the_batch_asked_ahead(server, tmp_path):
+    """--dynamic_sampling with the next batch asked for ahead (max_staleness 1): a refill round is sampled then,
+    with this step's adapter, and the batch asked for ahead stays queued for the step it is for (taken by a refill,
+    it would be dropped as not its prompts and sampled again). half_flat_reward: a group of an even answer is flat."""
+    from support.rewards import half_flat_reward
+
+    url, handler = server
+    trainer = ours(tmp_path, url, reward=half_flat_reward, max_staleness=1, dynamic_sampling=True,
+                   max_sampling_rounds=3)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert any(h["dynamic_sampling/rounds"] > 1 for h in logs), "no refill: the test would test nothing"
+    assert all(h["server/dropped_batches"] == 0 for h in logs), logs
+    # the steps after the first whose batch was asked for ahead (not an epoch's first) found it there
+    assert sum(h["server/batches_ahead_frac"] > 0 for h in logs) == 2

@@ -206,8 +206,9 @@ SETTINGS: dict[str, Setting] = _settings(
             "shared filesystem across machines). None = <output_dir>/adapter_sync."),
     Setting("dynamic_sampling", bool, False, "", "DAPO's dynamic sampling: a group whose completions all got the same "
             "reward (within 1e-5 of the rewards' scale) does not enter the step's batch; further prompts are sampled "
-            "in rounds to fill it with groups whose rewards differ (grpo_accel/trainer/dynamic_sampling.py). Routes "
-            "generate(), continuous batching and colocated vLLM without --rollout_budget."),
+            "in rounds to fill it with groups whose rewards differ (grpo_accel/trainer/dynamic_sampling.py). Runs on "
+            "every generation route; with --rollout_budget or a server sampling ahead, refill rounds take the groups "
+            "already sampled first."),
     Setting("max_sampling_rounds", int, 3, "rounds", "--dynamic_sampling: generation rounds per generation batch at "
             "most (the first included; DAPO's max_num_gen_batches); a batch still short trains on what it has, flat "
             "groups filling it, and its metrics say so.", minimum=1),

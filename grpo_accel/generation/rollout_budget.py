@@ -46,6 +46,7 @@ class BudgetedRollouts:
         self.budget, self.max_completion_length = budget, max_completion_length
         self.next_group_id = 0
         self.ahead: list[list[int]] | None = None  # the prompts of the batch admitted ahead of its step (the caller's)
+        self._counted_version = None  # the version whose carried completions are counted (a step may call step twice)
         # decode rounds, and the completions a round ran against the slots it had (a round is as long as its
         # longest member: an idle slot is a completion that ended inside the round or was not running)
         self.stats = {"rounds": 0, "decoded_tokens": 0, "round_slot_tokens": 0, "carried_completions": 0,
@@ -70,8 +71,10 @@ class BudgetedRollouts:
         """(ready, dropped): decode rounds under policy `version` until `n_groups` groups are complete, then take
         them oldest first; groups past the staleness bound are dropped first. What still runs is carried."""
         _, dropped = self.buffer.take(0, version)  # too old to correct: dropped before another round is spent on it
-        carried = sum(1 for g in self.buffer.groups for r in g.rollouts if r.completion_ids and not r.finished)
-        self.stats["carried_completions"] += carried
+        if version != self._counted_version:  # a refill round of the same step carries nothing into it again
+            self._counted_version = version
+            self.stats["carried_completions"] += sum(1 for g in self.buffer.groups for r in g.rollouts
+                                                     if r.completion_ids and not r.finished)
         while self._complete_within_bound(version) < n_groups:
             running = [(g, r) for g in self.buffer.groups for r in g.rollouts if not r.finished]
             if not running:

@@ -80,6 +80,7 @@ class ServerGeneration:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-accel-server") \
             if accelerator.is_main_process else None
         self._group_id = 0
+        self._now = False  # sampled_now(): generate leaves the batches asked for ahead queued
         self.stats = {"batches": 0, "ahead": 0, "dropped_batches": 0, "dropped_completion_tokens": 0,
                       "staleness_sum": 0, "wait_s": 0.0, "sync_s": 0.0}
 
@@ -159,6 +160,16 @@ class ServerGeneration:
         # TRL's shape: per token a list of the top-k log-probs, the sampled token's first (it keeps lp[0])
         return prompt_ids[mine], completion_ids[mine], [[[x] for x in seq] for seq in logps[mine]], None
 
+    @contextlib.contextmanager
+    def sampled_now(self):
+        """Inside, `generate` samples its prompts now and leaves the batches asked for ahead queued (dynamic
+        sampling's refill rounds: prompts nobody asked for ahead, inside a step that has its batch)."""
+        self._now = True
+        try:
+            yield
+        finally:
+            self._now = False
+
     def submit(self, prompts, num_generations: int) -> None:
         """Every rank, with its share of the next generation batch (repeated num_generations times, as TRL's
         sampler gives them): rank 0 asks the server for it now, with the adapter it holds; `generate` collects it."""
@@ -178,7 +189,7 @@ class ServerGeneration:
     def _take(self, prompts: list[list[int]], num_generations: int) -> list[RolloutGroup]:
         step, t0 = self.step(), time.perf_counter()
         groups = None
-        while self.requests and groups is None and self.training():
+        while self.requests and groups is None and self.training() and not self._now:
             req = self.requests.popleft()
             result = req.future.result()  # sample_groups' own timeout bounds it
             if req.prompts == prompts and within_staleness(step - req.version, self.max_staleness):

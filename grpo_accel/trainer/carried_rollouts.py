@@ -130,19 +130,33 @@ class BudgetMode(GenerationMode):
             ahead = ahead_rows[::G]
             rollouts.ahead, _, _ = trainer._tokenize_prompts([x["prompt"] for x in ahead])
             rollouts.add_prompts(rollouts.ahead, ahead)
+        return self._step_and_score(trainer, len(unique), score)
+
+    def refill_and_score(self, trainer, inputs: list[dict], score):
+        """Dynamic sampling's refill round (dynamic_sampling.py): its prompts join the groups in flight and the
+        round trains the first complete ones, oldest first, as a step does, so groups already sampled (the batch
+        started ahead, completions carried) come before the new prompts; the batch read ahead stays admitted."""
+        unique = inputs[::trainer.num_generations]
+        prompt_ids, _, _ = trainer._tokenize_prompts([x["prompt"] for x in unique])
+        self.rollouts.add_prompts(prompt_ids, unique)
+        return self._step_and_score(trainer, len(unique), score)
+
+    def _step_and_score(self, trainer, n_groups: int, score):
+        """The rounds until `n_groups` groups are complete, then TRL's method on their rows."""
+        G, rollouts = trainer.num_generations, self.rollouts
         version = trainer.state.global_step
         # the rounds are this step's generation (time/generation_s)
         with trainer._phase("generation"):
             if self.engine_rounds:
                 sync_once_per_step(trainer)
                 with trainer.vllm_generation.rounds() as decode:
-                    ready, dropped = rollouts.step(len(unique), version, decode)
+                    ready, dropped = rollouts.step(n_groups, version, decode)
             else:  # the page pool for the sequences in flight, at the longest prompt
                 running = sum(1 for g in rollouts.buffer.groups for r in g.rollouts if not r.finished)
                 longest = max(len(g.prompt_ids) for g in rollouts.buffer.groups)
                 with generation_context(trainer) as unwrapped, \
                         self._decoder(trainer, unwrapped, running, longest, routing_capture(trainer)) as decode:
-                    ready, dropped = rollouts.step(len(unique), version, decode)
+                    ready, dropped = rollouts.step(n_groups, version, decode)
         if dropped:
             log(f"rollout_budget: step {version} dropped {len(dropped)} group(s) past max_staleness "
                 f"{rollouts.buffer.max_staleness}")

@@ -10,8 +10,12 @@ rounds filling it (as plain GRPO would), and says so in its metrics.
   `isclose(std, 0)` at its absolute 1e-8, which the float residue of a weighted reward sum passes as a spread. The
   same test feeds `frac_reward_zero_std` as the trainer logs it, on or off.
 - Each round is TRL's own `_generate_and_score_completions` (through the route's mode): rewards scored once per
-  completion, advantages per whole group as TRL computes them. The kept groups' rows are taken out of the rounds'
-  outputs and padded as TRL pads one batch of them (`merge`), so the step trains as TRL's trainer fed those groups.
+  completion, advantages per whole group as TRL computes them. Where a route holds groups already sampled, a refill
+  round takes those first: with --rollout_budget its prompts join the groups in flight and it trains the first
+  complete ones, oldest first (the batch started ahead, completions carried); a vLLM server samples a refill round
+  then and there, leaving the batch it was asked for ahead queued for its step. The kept groups' rows are taken out
+  of the rounds' outputs and padded as TRL pads one batch of them (`merge`), so the step trains as TRL's trainer fed
+  those groups.
 - Rounds run in lockstep on every process (each samples the most groups any process lacks): TRL's gathers are
   collective, and every rank trains the same number of groups.
 - Refill prompts come from a seeded order of the training set of their own (`PromptSource`), not from the sampler
@@ -74,10 +78,6 @@ class PromptSource:
 
 def _refusal(trainer) -> str | None:
     args = trainer.args
-    if args.rollout_budget:
-        return "--dynamic_sampling does not run with --rollout_budget yet (the budget's carried groups)"
-    if args.use_vllm and args.vllm_mode == "server":
-        return "--dynamic_sampling does not run with --vllm_mode server yet (its batch is asked for ahead)"
     if getattr(trainer, "sequence_parallel", None) is not None or getattr(args, "sequence_parallel_size", 1) > 1:
         return "--dynamic_sampling does not run under sequence parallelism yet (an SP group shares its prompts)"
     if not hasattr(trainer.train_dataset, "__getitem__") or not hasattr(trainer.train_dataset, "__len__"):
@@ -107,9 +107,10 @@ class DynamicSampling:
         self._metrics: dict[str, float] = {}
         self._dropped: dict[str, float] = {}  # this batch's flat groups, all right / all wrong
 
-    def fill(self, trainer, inputs: list[dict], score) -> dict:
+    def fill(self, trainer, inputs: list[dict], score, refill) -> dict:
         """One generation batch of `self.groups` groups with a spread where `max_rounds` rounds find them.
-        score(rows) -> TRL's output for rows, after which trainer.round_rewards holds their gathered rewards."""
+        score(rows) -> TRL's output for the step's rows, refill(rows) -> for a refill round's (the generation mode's
+        generate_and_score and refill_and_score); after either, trainer.round_rewards holds their gathered rewards."""
         out = score(inputs)
         parts, flat_pool = [], []
         self._dropped = {"dynamic_sampling/dropped_all_right": 0.0, "dynamic_sampling/dropped_all_wrong": 0.0}
@@ -117,7 +118,7 @@ class DynamicSampling:
         sampled, rounds, started = self.groups, 1, time.perf_counter()
         while rounds < self.max_rounds and (ask := self._most_needed(trainer, need)) > 0:
             rows = self.source.take(ask, trainer.accelerator.process_index, trainer.accelerator.num_processes)
-            need = self._sort(trainer, score(rows), parts, flat_pool, need)
+            need = self._sort(trainer, refill(rows), parts, flat_pool, need)
             sampled, rounds = sampled + ask, rounds + 1
         extra_s = time.perf_counter() - started if rounds > 1 else 0.0
         filled = flat_pool[:need]

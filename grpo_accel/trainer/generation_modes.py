@@ -12,9 +12,10 @@ then holds one mode (`GRPOAccelTrainer.generation_mode`) and forwards TRL's gene
                              colocated vLLM, groups carried across steps
 
 The hooks (each a no-op, or TRL's own, in the base class): `generate_and_score` (TRL's
-`_generate_and_score_completions`), `single_turn` (its `_generate_single_turn`; None: TRL's own), `after_single_turn`,
-`read_ahead` (transformers' `get_batch_samples` reading one generation batch early), `save` / `load` (checkpoints),
-`metrics` (each logged step), `close` (train() ends).
+`_generate_and_score_completions`), `refill_and_score` (the same for dynamic sampling's refill rounds), `single_turn`
+(its `_generate_single_turn`; None: TRL's own), `after_single_turn`, `read_ahead` (transformers' `get_batch_samples`
+reading one generation batch early), `save` / `load` (checkpoints), `metrics` (each logged step), `close` (train()
+ends).
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ class GenerationMode:
                                    "--use_transformers_continuous_batching true records it")
 
     def generate_and_score(self, trainer, inputs: list[dict], score):
+        return score(inputs)
+
+    def refill_and_score(self, trainer, inputs: list[dict], score):
+        """A refill round of dynamic sampling (dynamic_sampling.py): further prompts, within the step that has its
+        batch; what the mode holds for the steps ahead stays as it is."""
         return score(inputs)
 
     def single_turn(self, trainer, prompt_ids):

@@ -26,6 +26,12 @@ class ServerMode(GenerationMode):
         self.generation = attach_server(trainer)
         self.read_ahead = ReadAhead() if trainer.args.max_staleness >= 1 else None
 
+    def refill_and_score(self, trainer, inputs: list[dict], score):
+        """Dynamic sampling's refill round: sampled now, with this step's adapter; the batch asked for ahead stays
+        queued for the step it is for."""
+        with self.generation.sampled_now():
+            return score(inputs)
+
     def after_single_turn(self, trainer, num_generations: int) -> None:
         """Every rank, once this step's batch is in hand: its share of the next generation batch goes to the
         server."""

@@ -24,6 +24,7 @@ import os
 import weakref
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from grpo_accel._compat.hook_leak import dedupe_input_require_grads
@@ -191,10 +192,9 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         return getattr(self, "generation_mode", None)  # None: made without our __init__ (TRL's own paths)
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's, through the generation mode while training (--rollout_budget: on the groups complete this step,
-        which may be carried from an earlier one); a truncating sampler's behaviour log-probs put on the trainer's
-        distribution (truncated_sampling.py); --dynamic_sampling fills the batch with groups whose rewards differ
-        (dynamic_sampling.py, whose test of equal rewards gives frac_reward_zero_std)."""
+        """TRL's, through the generation mode while training (--rollout_budget: the groups complete this step, some
+        maybe carried); a truncating sampler's behaviour log-probs on the trainer's distribution (truncated_sampling);
+        --dynamic_sampling fills the batch with groups whose rewards differ (frac_reward_zero_std: its test)."""
         trls = super()._generate_and_score_completions
         correction = getattr(self, "kept_mass_correction", None)
         if correction is not None:
@@ -210,7 +210,9 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
             return out
 
         generate = functools.partial(mode.generate_and_score, self, score=scored)
-        output = self.dynamic_sampling.fill(self, inputs, generate) if self.dynamic_sampling else generate(inputs)
+        refill = functools.partial(mode.refill_and_score, self, score=scored)
+        ds = self.dynamic_sampling
+        output = ds.fill(self, inputs, generate, refill) if ds is not None else generate(inputs)
         if getattr(self, "mismatch", None) is not None:
             self.mismatch.observe(output)
         return output
@@ -240,8 +242,6 @@ class GRPOAccelTrainer(SaverInstallers, GRPOTrainer):
         """transformers'; the mode's and dynamic sampling's state go in first (--rollout_budget: every rank's rollouts
         in flight; trainer_state.json, written last, completes the checkpoint: carried_rollouts.save_rollouts)."""
         if self._mode() is not None:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
             where = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             self._mode().save(self, where)
             if self.dynamic_sampling is not None:
