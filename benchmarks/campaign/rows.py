@@ -289,14 +289,17 @@ def _headline() -> list[Row]:
             ("--impls", "trl_tuned", "ours_mb1", "--reps", "0"), seeds,
             dict(_TINY, prompt_length=8, completion_length=12), _STEP, headline=True,
             estimate=estimate("llama-3.1-8b", "none", {"trl_tuned": padded(seeds), "ours_mb1": real(seeds)}, 1),
-            needs=Row.needs + ("triton",),
+            # the CPU check skips it: step_32k's runs the same script with both impls (and a third), gpt_oss_128k's
+            # --reps 0; only the sizes differ, and ~40 s of CI's time
+            cpu_args="skip", needs=Row.needs + ("triton",),
             note=_MB1_G2 + " The seeds' table is at G=8: the same peak. --reps 0: the first step's peak (a memory "
                  "goal; no time is compared)."),
         Row("long_t_64k", "one long completion, Qwen3-8B QLoRA, T=64K: does a step fit, ours at micro-batch 1",
             "fits (a probe on the way to 256K; the planner's error at long T)", 130, "bench_step_memory.py",
             "step_memory.csv", "grpo_step_fwd_bwd", summary.judge_max_t_ours, ("--impls", "ours_mb1", "--reps", "0"),
             long_t, dict(_TINY, completion_length=16), _STEP, headline=True,
-            estimate=estimate(*_QWEN_4BIT, {"ours_mb1": real(long_t)}, 1), needs=Row.needs + ("bitsandbytes", "triton"),
+            estimate=estimate(*_QWEN_4BIT, {"ours_mb1": real(long_t)}, 1), cpu_args="skip",  # as seeds_20k's
+            needs=Row.needs + ("bitsandbytes", "triton"),
             note=_MB1_G2 + " One probe at 65536 (a step at 262144 is ~7 minutes of attention: a later row)."),
         Row("packing", "padded vs packed rows, uniform completion lengths, Llama-3.1-8B LoRA bf16, G=8, T=8192",
             ">= 1.5x faster, <= 0.7x peak", 130, "bench_packing.py", "packing.csv", "grpo_step_fwd_bwd",
