@@ -2,6 +2,7 @@
 reward only, the same route and steps, several seeds; each run is launch/train.py as a user starts it.
 
     .venv/bin/python benchmarks/bench_dynamic_sampling.py --steps 16 --seeds 0 1      # nothing else running
+    .venv/bin/python benchmarks/bench_dynamic_sampling.py --steps 12 --plain-steps 20 --seeds 0 1 2   # equal time
 
 The embedded SmolLM2-135M-Instruct in fp32, LoRA r 16 (the `cpu` preset: 2 prompts x 8 completions per step, at most
 40 new tokens, temperature 0.7, lr 2e-4), `--rewards correctness` (no format reward: a group is flat whenever its 8
@@ -26,9 +27,13 @@ OP = "grpo_run"
 IMPLS = {"plain": [], "dynamic_sampling": ["--dynamic_sampling", "true", "--max_sampling_rounds", "3"]}
 
 
+def steps_of(impl: str, args) -> int:
+    return args.plain_steps if impl == "plain" and args.plain_steps else args.steps
+
+
 def command(impl: str, seed: int, args, out: Path) -> list[str]:
     return [sys.executable, str(ROOT / "launch" / "train.py"), "--preset", "cpu", "--rewards", "correctness",
-            "--eval_size", str(args.eval_size), "--max_steps", str(args.steps), "--save_steps", "1000",
+            "--eval_size", str(args.eval_size), "--max_steps", str(steps_of(impl, args)), "--save_steps", "1000",
             "--seed", str(seed), "--output_dir", str(out), "--report_to", "none", *IMPLS[impl]]
 
 
@@ -50,7 +55,11 @@ def rows_of(impl: str, seed: int, steps: list[dict], summary: dict, wall: float,
                ("accuracy_gain_per_train_min", (after["accuracy_lenient"] - before["accuracy_lenient"])
                 / (float(summary["train_seconds"]) / 60), "fraction/min")]
     metrics = [m for m in metrics if m[1] == m[1]]  # a figure plain GRPO does not log (NaN) is left out
-    shape = f"smollm2-135m,lora-r16,G=8,C=40,correctness,steps={args.steps},seed={seed}"
+    # one shape for both arms of a comparison: dynamic sampling's steps, and plain GRPO's where it got more of them
+    # (--plain-steps: the same wall-clock budget); each arm's own count is its `steps` figure
+    plain = f",plain_steps={args.plain_steps}" if args.plain_steps else ""
+    shape = f"smollm2-135m,lora-r16,G=8,C=40,correctness,steps={args.steps}{plain},seed={seed}"
+    metrics.append(("steps", float(steps_of(impl, args)), "steps"))
     return harness.long_rows(OP, impl, shape, metrics)
 
 
@@ -66,6 +75,9 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> None:
     p = harness.parser(__doc__, "dynamic_sampling.csv", device=True, resume=True)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--plain-steps", type=int, default=None,
+                   help="plain GRPO's steps (default --steps): more of them give it dynamic sampling's wall-clock "
+                        "budget (a dynamic-sampling step samples more groups; train_s says what each arm took)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--eval-size", type=int, default=100)
     p.add_argument("--runs-dir", default=None, help="keep the runs here (a rerun reads the finished ones)")
