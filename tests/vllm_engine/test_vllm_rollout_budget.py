@@ -181,3 +181,20 @@ def test_carried_completions_train_with_every_tokens_engine_logprob(tmp_path_fac
     report(f"rollout budget on vLLM, 3 steps: carried {r['carried_completions']}, rounds {r['rounds']}, older "
            f"tokens trained {[h['older_tokens'] for h in r['handed']]} of {[h['tokens'] for h in r['handed']]}, "
            f"IS ratio min {r['is_ratio_min']}")
+
+
+def test_dynamic_sampling_on_a_budget_refills_through_the_engines_rounds(tmp_path_factory):
+    """--dynamic_sampling at --rollout_budget 4 on the shared engine (half_flat_reward: the groups of an even answer
+    are flat): a refill round runs the engine's rounds again inside the step (the completions still running are
+    resubmitted, prompt + partial completion), each batch TRL scores is its rollout records with the engine's
+    log-prob on every token, and the adapter goes to the engine once a step whatever the rounds."""
+    trainer_check("the rounds on the engine are checked on both lines by the tests above; this is the trainer "
+                  "around them")
+    r = grpo_run("shared", tmp_path_factory, "--steps", "3", "--rollout-budget", "4", "--dynamic-sampling", tiny=True)
+    assert max(r["sampling_rounds"]) > 1, r["sampling_rounds"]
+    assert len(r["handed"]) == sum(r["sampling_rounds"]), "a round did not go through the budget's rounds"
+    assert all(h["same_tokens"] and h["same_logps"] and h["nan_logps"] == 0 for h in r["handed"]), r["handed"]
+    assert r["synced_at"] == [0, 1, 2], r["synced_at"]
+    assert all(g > 0 for g in r["grad_norms"]) and r["moved"] > 1e-4
+    report(f"dynamic sampling on a rollout budget on vLLM, 3 steps: sampling rounds {r['sampling_rounds']}, groups "
+           f"kept {r['groups_kept']}, budget rounds {r['rounds']}, carried {r['carried_completions']}")
