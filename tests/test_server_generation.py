@@ -203,7 +203,7 @@ def test_dynamic_sampling_refills_now_and_keeps_the_batch_asked_ahead(server, tm
     it would be dropped as not its prompts and sampled again). half_flat_reward: a group of an even answer is flat."""
     from support.rewards import half_flat_reward
 
-    url, handler = server
+    url, _ = server
     trainer = ours(tmp_path, url, reward=half_flat_reward, max_staleness=1, dynamic_sampling=True,
                    max_sampling_rounds=3)
     trainer.train()
